@@ -1,0 +1,99 @@
+"""Default experiment: a tiny Ling-3.0-architecture model learns tic-tac-toe from scratch on a CPU.
+
+Pipeline: random init -> short supervised warm start on random-legal-move transcripts (format only) ->
+GSPO on AReno's one-decision `move` task.
+
+  python -m experiments.train_tictactoe --config=configs/tictactoe_tiny.py --workdir=workdir/tiny
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.num_steps = 300
+
+  # --- policy model -------------------------------------------------------------------------------
+  c.model = ml_collections.ConfigDict()
+  c.model.path = ""  # empty: build the embedded tiny model below; else a local HF directory.
+  c.model.dtype = "float32"
+  c.model.tokenizer_path = ""  # empty: the tokenizer shipped in reno_jax/assets (or model.path's).
+  # Embedded tiny Ling-3.0 (bailing_hybrid) architecture: every layer kind is present
+  # (KDA, gated MLA, dense SwiGLU MLP, MoE with shared expert).
+  c.model.tiny = ml_collections.ConfigDict(dict(
+      hidden_size=128,
+      intermediate_size=256,
+      num_hidden_layers=4,
+      layer_group_size=2,           # layers: KDA, MLA, KDA, MLA
+      num_attention_heads=4,
+      head_dim=32,
+      first_k_dense_replace=1,      # layer 0 dense, layers 1..3 MoE
+      num_experts=4,
+      num_experts_per_tok=2,
+      n_group=1,
+      topk_group=1,
+      moe_intermediate_size=128,
+      moe_shared_expert_intermediate_size=128,
+      num_shared_experts=1,
+      q_lora_rank=64,
+      kv_lora_rank=64,
+      qk_nope_head_dim=32,
+      qk_rope_head_dim=16,
+      v_head_dim=32,
+  ))
+
+  # --- task -------------------------------------------------------------------------------------
+  c.env = ml_collections.ConfigDict()
+  c.env.task = "move"            # "move" (AReno's one-decision task) or "game"
+  c.env.num_boards = 2048        # AReno dataset size
+  c.env.board_seed = 1234
+  c.env.boards_path = ""         # optional AReno-style JSONL of boards
+  c.env.heldout_fraction = 0.0
+  c.env.agent_player = "x"       # game task: "x", "o" or "alternate" (by group)
+  c.env.opponent = "epsilon"     # game task: "random", "minimax" or "epsilon"
+  c.env.opponent_epsilon = 0.5
+
+  # --- supervised warm start (format only: random legal moves) -----------------------------------
+  c.sft = ml_collections.ConfigDict()
+  c.sft.num_steps = 60
+  c.sft.batch_size = 64
+  c.sft.learning_rate = 3e-3
+  c.sft.warmup_steps = 10
+
+  # --- rollout ----------------------------------------------------------------------------------
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.boards_per_step = 32
+  c.rollout.group_size = 8       # samples per board (GSPO group)
+  c.rollout.max_new_tokens = 24  # per turn
+  c.rollout.max_turns = 1
+  c.rollout.max_length = 0       # 0: prompt length + max_turns * (max_new_tokens + tool response)
+  c.rollout.temperature = 1.0
+  c.rollout.top_k = 0
+  c.rollout.top_p = 1.0
+
+  # --- RL ---------------------------------------------------------------------------------------
+  c.rl = ml_collections.ConfigDict()
+  c.rl.loss = "gspo"
+  c.rl.eps_low = 3e-4
+  c.rl.eps_high = 4e-4
+  c.rl.normalize_adv_std = True
+  c.rl.kl_coef = 0.0
+  c.rl.entropy_coef = 0.0
+  c.rl.learning_rate = 1e-3
+  c.rl.end_learning_rate = 1e-4
+  c.rl.warmup_steps = 10
+  c.rl.weight_decay = 0.01
+  c.rl.b1 = 0.9
+  c.rl.b2 = 0.999
+  c.rl.clip_norm = 1.0
+  c.rl.num_minibatches = 1       # optimiser steps per rollout batch
+  c.rl.num_microbatches = 1
+  c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
+
+  # --- bookkeeping ------------------------------------------------------------------------------
+  c.checkpoint_every = 50
+  c.keep_checkpoints = 2
+  c.plot_every = 10
+  c.eval_every = 0
+  return c

@@ -1,0 +1,638 @@
+"""Ling-3.0 (`bailing_hybrid`) checkpoint conversion: HF safetensors <-> Flax params, both ways.
+
+One table (`param_table`) lists every tensor of the published checkpoint layout together with its Flax path,
+both shapes and the transform between them. Loading and saving walk the same table, so the two directions
+cannot drift apart.
+
+Flax layout (nested dicts; every linear kernel is the HF weight transposed to [in, out]):
+
+    {'model': {'word_embeddings': {'embedding': [V, D]},
+               'layers_{i}': {'input_layernorm': {'scale'}, 'post_attention_layernorm': {'scale'},
+                              'attention': {...KDA or MLA...}, 'mlp': {...dense or MoE...}},
+               'norm': {'scale': [D]}},
+     'lm_head': {'kernel': [D, V]}}          # absent when tie_word_embeddings
+
+HF experts are one module per expert (`mlp.experts.{e}.gate_proj.weight` [Im, D]); in Flax they are stacked
+along a leading expert axis (`experts.gate_proj` [E, D, Im], `experts.down_proj` [E, Im, D]).
+Short-conv kernels are HF [P, 1, W] and Flax [W, P].
+
+Files are read with `safetensors.safe_open(..., framework="numpy")` one tensor at a time (each tensor is
+converted, moved to a jax array and its host copy dropped), and written by a small streaming safetensors
+writer, so neither direction ever holds a second full copy of the model (at most one tensor, or one layer's
+expert stack, is on the host at a time). No pickle, no remote code.
+
+Dtypes: bf16 files are read through safetensors' numpy backend (ml_dtypes.bfloat16; a raw-bytes reader covers
+releases without it). `from_pretrained(dtype=None)` keeps every stored dtype (bit-exact round trips);
+a narrower `dtype` such as bf16 leaves the small float32-sensitive leaves (`Entry.float32`) in float32.
+`save_pretrained` writes each tensor in its param dtype unless given `dtype`.
+
+Errors: every bad config, checkpoint or params tree raises one `CheckpointError` (a ValueError) whose message
+names all the offending tensors / keys / files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors
+from absl import logging
+
+MODEL_TYPE = "bailing_hybrid"
+ARCHITECTURES = ("BailingMoeV3ForCausalLM",)
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+# Config keys a checkpoint's config.json must hold: they fix tensor shapes or the layer schedule, and the
+# HF and Ling3Config defaults for them differ, so a missing one is an error rather than a guess.
+REQUIRED_CONFIG_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "first_k_dense_replace",
+    "layer_group_size",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "short_conv_kernel_size",
+)
+
+# safetensors dtype string <-> numpy dtype, floating types only (weights must be floating point).
+_ST_TO_NP = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+
+# Transforms between an HF tensor and its Flax leaf.
+IDENTITY = "identity"  # same array
+TRANSPOSE = "transpose"  # HF [out, in] <-> Flax [in, out]
+CONV = "conv"  # HF [P, 1, W] <-> Flax [W, P]
+EXPERT = "expert"  # HF [out, in] <-> slot `expert` of the stacked Flax leaf [E, in, out]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint, config or params tree that cannot be converted; the message names the problem."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The name / shape table
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One HF tensor and where it lives in the Flax params.
+
+    For `EXPERT` entries several HF tensors (one per expert) share one Flax leaf: `flax_shape` is the full
+    stacked shape [E, in, out] and `expert` is this tensor's index along axis 0. `float32` marks the small
+    precision-sensitive leaves (A_log, dt_bias, short-conv kernels, router kernel and expert_bias) that the
+    model keeps in float32 (as `ling3.init_params` does): loading with a narrower `dtype` leaves them float32.
+    """
+
+    hf_name: str
+    flax_path: tuple[str, ...]
+    hf_shape: tuple[int, ...]
+    flax_shape: tuple[int, ...]
+    transform: str
+    expert: int | None = None
+    float32: bool = False
+
+    def hf_to_flax(self, x: np.ndarray) -> np.ndarray:
+        """HF tensor -> Flax leaf (for EXPERT: the [in, out] slice that goes into slot `expert`)."""
+        if self.transform == IDENTITY:
+            return x
+        if self.transform in (TRANSPOSE, EXPERT):
+            return x.T
+        if self.transform == CONV:
+            return x[:, 0, :].T
+        raise AssertionError(self.transform)
+
+    def flax_to_hf(self, leaf: np.ndarray) -> np.ndarray:
+        """Flax leaf (the full stacked leaf for EXPERT) -> HF tensor, C-contiguous."""
+        if self.transform == IDENTITY:
+            out = leaf
+        elif self.transform == TRANSPOSE:
+            out = leaf.T
+        elif self.transform == EXPERT:
+            out = leaf[self.expert].T
+        elif self.transform == CONV:
+            out = leaf.T[:, None, :]
+        else:
+            raise AssertionError(self.transform)
+        return np.ascontiguousarray(out)
+
+    def describe(self) -> str:
+        flax = "/".join(self.flax_path) + ("" if self.expert is None else f"[{self.expert}]")
+        return f"{self.hf_name} {list(self.hf_shape)} <-{self.transform}-> {flax} {list(self.flax_shape)}"
+
+
+def check_config_dict(raw: Mapping[str, Any]) -> None:
+    """Raises CheckpointError when a config.json dict is not a loadable bailing_hybrid config."""
+    if "model_type" not in raw:
+        raise CheckpointError("config is missing required keys: model_type")
+    if raw["model_type"] != MODEL_TYPE:
+        raise CheckpointError(f"unsupported model_type {raw['model_type']!r}: expected {MODEL_TYPE!r}")
+    missing = [k for k in REQUIRED_CONFIG_KEYS if k not in raw]
+    if missing:
+        raise CheckpointError(f"config is missing required keys: {', '.join(missing)}")
+
+
+def as_config(config: Any) -> Any:
+    """A Ling3Config as is, or a config.json dict turned into one (errors become CheckpointError)."""
+    from reno_jax.models.config import Ling3Config  # local import: keeps this module importable on its own
+
+    if isinstance(config, Ling3Config):
+        return config
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a Ling3Config or a config.json dict, got {type(config).__name__}")
+    raw = dict(config)
+    raw.setdefault("model_type", MODEL_TYPE)
+    check_config_dict(raw)
+    try:
+        return Ling3Config.from_dict(raw)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"invalid bailing_hybrid config: {exc}") from exc
+
+
+def param_table(config: Any) -> list[Entry]:
+    """Every tensor of the checkpoint, in file order: HF name, Flax path, both shapes, transform.
+
+    `config` is a Ling3Config (its `layer_kinds` / `is_moe_layer` decide the schedule) or a config.json dict.
+    Shapes: D = hidden_size, H = num_attention_heads, Dk = head_dim, P = H * Dk, W = short_conv_kernel_size,
+    E = num_experts, Im = moe_intermediate_size, Is = shared expert size.
+    """
+    c = as_config(config)
+    D, H, Dk, W = c.hidden_size, c.num_attention_heads, c.head_dim, c.short_conv_kernel_size
+    P = H * Dk
+    table: list[Entry] = []
+
+    def ident(hf: str, path: tuple[str, ...], shape: tuple[int, ...], float32: bool = False) -> None:
+        table.append(Entry(hf, path, shape, shape, IDENTITY, float32=float32))
+
+    def linear(hf: str, path: tuple[str, ...], out_dim: int, in_dim: int, float32: bool = False) -> None:
+        table.append(
+            Entry(hf + ".weight", path + ("kernel",), (out_dim, in_dim), (in_dim, out_dim), TRANSPOSE, float32=float32)
+        )
+
+    def norm(hf: str, path: tuple[str, ...], dim: int) -> None:
+        ident(hf + ".weight", path + ("scale",), (dim,))
+
+    ident("model.word_embeddings.weight", ("model", "word_embeddings", "embedding"), (c.vocab_size, D))
+    for i, kind in enumerate(c.layer_kinds):
+        hp, fp = f"model.layers.{i}.", ("model", f"layers_{i}")
+        norm(hp + "input_layernorm", fp + ("input_layernorm",), D)
+        norm(hp + "post_attention_layernorm", fp + ("post_attention_layernorm",), D)
+
+        ha, fa = hp + "attention.", fp + ("attention",)
+        if kind == "kda":
+            for name in ("q", "k", "v"):
+                linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D)
+            for name in ("q", "k", "v"):
+                table.append(
+                    Entry(ha + f"{name}_conv1d.weight", fa + (f"{name}_conv1d", "kernel"), (P, 1, W), (W, P), CONV,
+                          float32=True)
+                )
+            ident(ha + "A_log", fa + ("A_log",), (H,), float32=True)
+            ident(ha + "dt_bias", fa + ("dt_bias",), (P,), float32=True)
+            linear(ha + "b_proj", fa + ("b_proj",), H, D)
+            for name in ("f", "g"):
+                if c.no_kda_lora:
+                    linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D)
+                else:
+                    linear(ha + f"{name}_a_proj", fa + (f"{name}_a_proj",), Dk, D)
+                    linear(ha + f"{name}_b_proj", fa + (f"{name}_b_proj",), P, Dk)
+            norm(ha + "o_norm", fa + ("o_norm",), Dk)
+            linear(ha + "o_proj", fa + ("o_proj",), D, P)
+        elif kind == "mla":
+            dn, dr, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+            if c.q_lora_rank is None:
+                linear(ha + "q_proj", fa + ("q_proj",), H * (dn + dr), D)
+            else:
+                linear(ha + "q_a_proj", fa + ("q_a_proj",), c.q_lora_rank, D)
+                norm(ha + "q_a_layernorm", fa + ("q_a_layernorm",), c.q_lora_rank)
+                linear(ha + "q_b_proj", fa + ("q_b_proj",), H * (dn + dr), c.q_lora_rank)
+            linear(ha + "kv_a_proj_with_mqa", fa + ("kv_a_proj_with_mqa",), r + dr, D)
+            norm(ha + "kv_a_layernorm", fa + ("kv_a_layernorm",), r)
+            linear(ha + "kv_b_proj", fa + ("kv_b_proj",), H * (dn + dv), r)
+            element_wise = c.gated_attention_proj_granularity_type == "element_wise"
+            linear(ha + "g_proj", fa + ("g_proj",), H * dv if element_wise else H, D)
+            linear(ha + "dense", fa + ("dense",), D, H * dv)
+        else:
+            raise CheckpointError(f"layer {i} has unknown attention kind {kind!r}")
+
+        hm, fm = hp + "mlp.", fp + ("mlp",)
+        if not c.is_moe_layer(i):
+            I = c.intermediate_size
+            linear(hm + "gate_proj", fm + ("gate_proj",), I, D)
+            linear(hm + "up_proj", fm + ("up_proj",), I, D)
+            linear(hm + "down_proj", fm + ("down_proj",), D, I)
+        else:
+            E, Im = c.num_experts, c.moe_intermediate_size
+            linear(hm + "gate", fm + ("gate",), E, D, float32=True)
+            ident(hm + "gate.expert_bias", fm + ("gate", "expert_bias"), (E,), float32=True)
+            for e in range(E):
+                for name, out_dim, in_dim in (("gate_proj", Im, D), ("up_proj", Im, D), ("down_proj", D, Im)):
+                    table.append(
+                        Entry(hm + f"experts.{e}.{name}.weight", fm + ("experts", name), (out_dim, in_dim),
+                              (E, in_dim, out_dim), EXPERT, expert=e)
+                    )
+            Is = c.shared_intermediate_size
+            if Is:
+                linear(hm + "shared_experts.gate_proj", fm + ("shared_experts", "gate_proj"), Is, D)
+                linear(hm + "shared_experts.up_proj", fm + ("shared_experts", "up_proj"), Is, D)
+                linear(hm + "shared_experts.down_proj", fm + ("shared_experts", "down_proj"), D, Is)
+    norm("model.norm", ("model", "norm"), D)
+    if not c.tie_word_embeddings:
+        linear("lm_head", ("lm_head",), c.vocab_size, D)
+    return table
+
+
+def format_table(table: Sequence[Entry]) -> str:
+    """The table as text, one tensor per line (for logs and debugging)."""
+    return "\n".join(e.describe() for e in table)
+
+
+def abstract_params(config: Any, dtype: Any = jnp.float32) -> dict:
+    """The Flax params tree of `jax.ShapeDtypeStruct`s implied by the table, with `from_pretrained`'s dtypes."""
+    tree: dict = {}
+    for entry in param_table(config):
+        leaf_dtype = jnp.float32 if entry.float32 and jnp.dtype(dtype).itemsize < 4 else dtype
+        _set_leaf(tree, entry.flax_path, jax.ShapeDtypeStruct(entry.flax_shape, jnp.dtype(leaf_dtype)))
+    return tree
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Small tree helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _set_leaf(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _leaf_paths(tree: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _leaf_paths(value, prefix + (str(key),))
+    else:
+        yield prefix, tree
+
+
+def _get_leaf(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _list_names(names: Sequence[str], limit: int = 200) -> str:
+    names = sorted(names)
+    text = ", ".join(names[:limit])
+    return text + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------------------
+
+
+def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
+    """Reads and checks `path/config.json` (raises CheckpointError naming the problem)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    config_file = path / CONFIG_NAME
+    if not config_file.is_file():
+        raise CheckpointError(f"missing {CONFIG_NAME} in {str(path)!r}")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{str(config_file)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{str(config_file)!r} must hold a JSON object, got {type(raw).__name__}")
+    check_config_dict(raw)
+    return raw
+
+
+def config_to_json_dict(config: Any) -> dict[str, Any]:
+    """The config.json content for `config`: its fields plus model_type and architectures."""
+    raw = dict(config) if isinstance(config, Mapping) else as_config(config).to_dict()
+    raw["model_type"] = MODEL_TYPE
+    raw.setdefault("architectures", list(ARCHITECTURES))
+    return raw
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _weight_files(path: Path) -> dict[str, Path] | None:
+    """Index json -> {tensor name: shard file}; None for a single-file checkpoint."""
+    index_file = path / INDEX_NAME
+    if not index_file.is_file():
+        if not (path / WEIGHTS_NAME).is_file():
+            raise CheckpointError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {str(path)!r}")
+        return None
+    try:
+        index = json.loads(index_file.read_text())
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"corrupt index {str(index_file)!r}: {exc!r}") from exc
+    files = {name: path / shard for name, shard in weight_map.items()}
+    missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+    if missing:
+        raise CheckpointError(
+            f"index {INDEX_NAME} in {str(path)!r} points to missing shard files: {', '.join(missing)}"
+        )
+    return files
+
+
+def _open(stack: ExitStack, file: Path) -> Any:
+    try:
+        return stack.enter_context(safetensors.safe_open(str(file), framework="numpy"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"missing safetensors file {str(file)!r}") from exc
+    except Exception as exc:  # SafetensorError (truncated / corrupt header) and OS errors
+        raise CheckpointError(f"cannot read safetensors file {str(file)!r} (corrupt or truncated?): {exc}") from exc
+
+
+def _read_raw(file: Path, name: str) -> np.ndarray:
+    """Reads one tensor straight from the file bytes (used when safetensors' numpy backend lacks the dtype)."""
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(header_len))[name]
+        begin, end = info["data_offsets"]
+        f.seek(8 + header_len + begin)
+        data = f.read(end - begin)
+    dtype = _ST_TO_NP[info["dtype"]]
+    if len(data) != end - begin:
+        raise CheckpointError(f"tensor {name} in {str(file)!r} is truncated")
+    # safetensors data is little-endian, as are the hosts jax runs on.
+    return np.frombuffer(data, dtype=dtype).reshape(info["shape"])
+
+
+def _read_tensor(file: Path, handle: Any, name: str, st_dtype: str) -> np.ndarray:
+    try:
+        return handle.get_tensor(name)
+    except Exception as exc:
+        if st_dtype == "BF16":  # older safetensors releases have no bf16 in their numpy backend
+            return _read_raw(file, name)
+        raise CheckpointError(f"cannot read tensor {name} from {str(file)!r}: {exc}") from exc
+
+
+def _mtp_skip(name: str, num_layers: int, num_mtp: int) -> bool:
+    m = _LAYER_RE.match(name)
+    return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp
+
+
+def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32) -> tuple[Any, dict]:
+    """Loads a Ling-3.0 HF checkpoint directory into (Ling3Config, Flax params).
+
+    Reads `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards. Tensors are read one
+    at a time, converted (transposed / reshaped / stacked), cast to `dtype` (None: keep the stored dtype) and
+    turned into jax arrays. MTP layers (`model.layers.{L..L+n-1}` with n = num_nextn_predict_layers) are skipped.
+    Raises CheckpointError naming the problem on any bad input.
+    """
+    path = Path(path)
+    raw = read_config_dict(path)
+    config = as_config(raw)
+    table = param_table(config)
+    target = None if dtype is None else np.dtype(dtype)
+    if target is not None and target not in _NP_TO_ST:
+        raise CheckpointError(f"unsupported target dtype {target}: use float32, bfloat16, float16 or float64")
+
+    index = _weight_files(path)
+    with ExitStack() as stack:
+        # name -> (file, open handle). Every file is opened once; opening validates its header.
+        sources: dict[str, tuple[Path, Any]] = {}
+        if index is None:
+            file = path / WEIGHTS_NAME
+            handle = _open(stack, file)
+            sources = {name: (file, handle) for name in handle.keys()}
+        else:
+            handles = {file: _open(stack, file) for file in sorted(set(index.values()))}
+            keys = {file: set(handle.keys()) for file, handle in handles.items()}
+            absent = [n for n, f in index.items() if n not in keys[f]]
+            if absent:
+                raise CheckpointError(f"index lists tensors that are not in their shard: {_list_names(absent)}")
+            sources = {name: (file, handles[file]) for name, file in index.items()}
+
+        num_layers, num_mtp = config.num_hidden_layers, config.num_nextn_predict_layers
+        mtp = sorted(n for n in sources if _mtp_skip(n, num_layers, num_mtp))
+        if mtp:
+            logging.info("Skipping %d multi-token-prediction tensors (layers %d..%d), e.g. %s",
+                         len(mtp), num_layers, num_layers + num_mtp - 1, mtp[0])
+        expected = {e.hf_name: e for e in table}
+        present = set(sources) - set(mtp)
+        problems = []
+        missing = sorted(set(expected) - present)
+        unexpected = sorted(present - set(expected))
+        if missing:
+            problems.append(f"missing tensors ({len(missing)}): {_list_names(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors ({len(unexpected)}): {_list_names(unexpected)}")
+        stored_dtype: dict[str, str] = {}
+        for name in sorted(present & set(expected)):
+            meta = sources[name][1].get_slice(name)
+            shape, st_dtype = tuple(meta.get_shape()), meta.get_dtype()
+            stored_dtype[name] = st_dtype
+            if shape != expected[name].hf_shape:
+                problems.append(f"wrong shape for {name}: expected {list(expected[name].hf_shape)}, got {list(shape)}")
+            if st_dtype not in _ST_TO_NP:
+                problems.append(f"wrong dtype for {name}: {st_dtype} (expected a floating dtype: F32, BF16, F16, F64)")
+        if problems:
+            raise CheckpointError(f"checkpoint {str(path)!r} does not match the config: " + "; ".join(problems))
+
+        params: dict = {}
+        stacks: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}  # expert leaf -> (buffer, slots filled)
+        for entry in table:
+            file, handle = sources[entry.hf_name]
+            x = _read_tensor(file, handle, entry.hf_name, stored_dtype[entry.hf_name])
+            if target is None:
+                out_dtype = x.dtype
+            elif entry.float32 and target.itemsize < 4:
+                out_dtype = np.dtype(np.float32)  # see Entry.float32
+            else:
+                out_dtype = target
+            y = entry.hf_to_flax(x)
+            if entry.transform != EXPERT:
+                _set_leaf(params, entry.flax_path, jnp.asarray(np.asarray(y, dtype=out_dtype)))
+            else:
+                buf, filled = stacks.get(entry.flax_path, (None, 0))
+                if buf is None:
+                    buf = np.empty(entry.flax_shape, dtype=out_dtype)
+                buf[entry.expert] = y  # cast on assignment
+                if filled + 1 == entry.flax_shape[0]:
+                    _set_leaf(params, entry.flax_path, jnp.asarray(buf))
+                    stacks.pop(entry.flax_path, None)
+                else:
+                    stacks[entry.flax_path] = (buf, filled + 1)
+            del x, y  # drop the host copy before reading the next tensor
+        assert not stacks, "every expert stack is complete after the table walk"
+    return config, params
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_params(params: Mapping, config: Any) -> None:
+    """Raises CheckpointError when `params` does not have exactly the table's leaves, shapes and float dtypes."""
+    expected: dict[tuple[str, ...], tuple[int, ...]] = {}
+    for entry in param_table(config):
+        expected[entry.flax_path] = entry.flax_shape
+    got = dict(_leaf_paths(params))
+    problems = []
+    missing = ["/".join(p) for p in expected if p not in got]
+    unexpected = ["/".join(p) for p in got if p not in expected]
+    if missing:
+        problems.append(f"missing params ({len(missing)}): {_list_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected params ({len(unexpected)}): {_list_names(unexpected)}")
+    for p, shape in expected.items():
+        if p not in got:
+            continue
+        leaf = got[p]
+        leaf_shape = tuple(getattr(leaf, "shape", ()))
+        if leaf_shape != shape:
+            problems.append(f"wrong shape for {'/'.join(p)}: expected {list(shape)}, got {list(leaf_shape)}")
+        leaf_dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+        if leaf_dtype not in _NP_TO_ST:
+            problems.append(f"wrong dtype for {'/'.join(p)}: {leaf_dtype} (expected a floating dtype)")
+    if problems:
+        raise CheckpointError("params do not match the config: " + "; ".join(problems))
+
+
+def _write_safetensors(file: Path, items: Sequence[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]) -> None:
+    """Streaming safetensors writer: header from metadata first, then each tensor produced and written in turn.
+
+    `items` are (name, safetensors dtype, shape, produce) in file order; `produce()` returns the C-contiguous
+    array (it is called once and dropped after writing).
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, st_dtype, shape, _ in items:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_TO_NP[st_dtype].itemsize
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(header_bytes).to_bytes(8, "little"))
+        f.write(header_bytes)
+        for name, st_dtype, shape, produce in items:
+            arr = produce()
+            if arr.dtype != _ST_TO_NP[st_dtype] or tuple(arr.shape) != tuple(shape):
+                raise AssertionError(f"{name}: produced {arr.dtype}{arr.shape}, header says {st_dtype}{shape}")
+            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+            del arr
+    os.replace(tmp, file)
+
+
+def save_pretrained(
+    params: Mapping,
+    config: Any,
+    path: str | os.PathLike,
+    shard_size_bytes: int | None = None,
+    dtype: Any = None,
+) -> None:
+    """Writes `config.json` and the weights in the published Ling-3.0 names and shapes.
+
+    Each tensor keeps its param dtype unless `dtype` is given. With `shard_size_bytes`, tensors are packed in
+    table order into `model-0000k-of-0000n.safetensors` files of at most that size (a bigger tensor gets a shard
+    of its own) plus `model.safetensors.index.json`; a single shard is written as `model.safetensors`.
+    Previous weight files in `path` are replaced.
+    """
+    check_params(params, config)
+    table = param_table(config)
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{str(path)!r} exists and is not a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    out_dtype = None if dtype is None else np.dtype(dtype)
+    if out_dtype is not None and out_dtype not in _NP_TO_ST:
+        raise CheckpointError(f"unsupported output dtype {out_dtype}")
+
+    # Host copies of stacked expert leaves, kept only while their layer's experts are written.
+    host_cache: dict[tuple[str, ...], np.ndarray] = {}
+
+    def producer(entry: Entry, st_dtype: str) -> Callable[[], np.ndarray]:
+        def produce() -> np.ndarray:
+            leaf_path = entry.flax_path
+            if entry.transform == EXPERT:
+                if leaf_path not in host_cache:
+                    layer = leaf_path[:2]
+                    for p in [p for p in host_cache if p[:2] != layer]:
+                        del host_cache[p]
+                    host_cache[leaf_path] = np.asarray(jax.device_get(_get_leaf(params, leaf_path)))
+                leaf = host_cache[leaf_path]
+            else:
+                leaf = np.asarray(jax.device_get(_get_leaf(params, leaf_path)))
+            return np.ascontiguousarray(entry.flax_to_hf(leaf), dtype=_ST_TO_NP[st_dtype])
+
+        return produce
+
+    items = []
+    for entry in table:
+        leaf = _get_leaf(params, entry.flax_path)
+        st_dtype = _NP_TO_ST[out_dtype if out_dtype is not None else np.dtype(leaf.dtype)]
+        items.append((entry.hf_name, st_dtype, entry.hf_shape, producer(entry, st_dtype)))
+
+    shards: list[list] = [[]]
+    size = 0
+    for item in items:
+        nbytes = int(np.prod(item[2], dtype=np.int64)) * _ST_TO_NP[item[1]].itemsize
+        if shard_size_bytes is not None and shards[-1] and size + nbytes > shard_size_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+
+    for old in path.iterdir():  # stale weights would make the directory ambiguous
+        if old.name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(old.name):
+            old.unlink()
+    (path / CONFIG_NAME).write_text(json.dumps(config_to_json_dict(config), indent=2, sort_keys=True) + "\n")
+    if len(shards) == 1:
+        _write_safetensors(path / WEIGHTS_NAME, shards[0])
+        host_cache.clear()
+        return
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, shard in enumerate(shards):
+        shard_name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(path / shard_name, shard)
+        for name, st_dtype, shape, _ in shard:
+            weight_map[name] = shard_name
+            total += int(np.prod(shape, dtype=np.int64)) * _ST_TO_NP[st_dtype].itemsize
+    host_cache.clear()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

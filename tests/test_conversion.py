@@ -1,0 +1,397 @@
+"""Tests for reno_jax.models.conversion (HF safetensors <-> Flax params) and experiments/convert_checkpoint.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from reno_jax.models import conversion as conv
+from reno_jax.models import ling3
+from reno_jax.models.conversion import CheckpointError
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "data" / "ling3_tiny_a"
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+def read_dir(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of an HF directory (single file or index + shards), read with plain safetensors."""
+    index = path / conv.INDEX_NAME
+    files = (
+        sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        if index.exists()
+        else [path / conv.WEIGHTS_NAME]
+    )
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():
+                assert name not in out, f"{name} stored twice"
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def assert_bit_exact(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].shape == b[name].shape, name
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
+def write_ckpt(path: Path, tensors: dict[str, np.ndarray], config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / conv.WEIGHTS_NAME), metadata={"format": "pt"})
+    (path / conv.CONFIG_NAME).write_text(json.dumps(config))
+    return path
+
+
+def flat(params) -> dict[tuple[str, ...], np.ndarray]:
+    return {tuple(k.key for k in p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+@pytest.fixture(scope="module")
+def golden_tensors() -> dict[str, np.ndarray]:
+    return read_dir(GOLDEN)
+
+
+@pytest.fixture(scope="module")
+def golden_config() -> dict:
+    return json.loads((GOLDEN / conv.CONFIG_NAME).read_text())
+
+
+@pytest.fixture(scope="module")
+def golden_loaded():
+    return conv.from_pretrained(GOLDEN)
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        conv.from_pretrained(path)
+    assert isinstance(info.value, ValueError)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------- table
+
+
+def test_table_names_and_shapes_match_golden_file(golden_tensors, golden_config):
+    table = conv.param_table(golden_config)
+    assert len(table) == 143 == len(golden_tensors)
+    assert {e.hf_name: e.hf_shape for e in table} == {k: v.shape for k, v in golden_tensors.items()}
+    text = conv.format_table(table)
+    lines = text.splitlines()
+    assert ("model.layers.1.mlp.experts.7.down_proj.weight [64, 32] <-expert-> "
+            "model/layers_1/mlp/experts/down_proj[7] [8, 32, 64]") in lines
+    assert ("model.layers.0.attention.q_conv1d.weight [64, 1, 4] <-conv-> "
+            "model/layers_0/attention/q_conv1d/kernel [4, 64]") in lines
+
+
+VARIANT = dict(
+    q_lora_rank=None,
+    gated_attention_proj_granularity_type="element_wise",
+    no_kda_lora=False,
+    num_hidden_layers=5,  # layer_group_size 2: [kda, mla, kda, mla, mla] (incomplete tail group -> MLA)
+)
+VARIANT_TIED = dict(tie_word_embeddings=True, num_shared_experts=0, first_k_dense_replace=0, num_hidden_layers=3)
+
+
+def variant(golden_config, **overrides) -> dict:
+    d = dict(golden_config, **overrides)
+    d.pop("layer_types", None)  # derived from layer_group_size by the config class
+    return d
+
+
+@pytest.mark.parametrize("overrides", [{}, VARIANT, VARIANT_TIED], ids=["golden", "variant", "tied"])
+def test_table_flax_side_matches_model_param_shapes(golden_config, overrides):
+    """The converter's Flax paths/shapes are exactly the model's own parameter tree."""
+    config = conv.as_config(variant(golden_config, **overrides))
+    table = conv.param_table(config)
+    ours = {e.flax_path: e.flax_shape for e in table}
+    model = {path: shape for path, (shape, _) in ling3.param_shapes(config).items()}
+    assert ours == model
+    assert len({e.hf_name for e in table}) == len(table)
+    # Every (leaf, expert slot) is written by exactly one HF tensor.
+    slots = [(e.flax_path, e.expert) for e in table]
+    assert len(set(slots)) == len(slots)
+
+
+# ------------------------------------------------------------------------------------------------- loading
+
+
+def test_load_golden_layout_and_values(golden_loaded, golden_tensors, golden_config):
+    config, params = golden_loaded
+    assert config.layer_kinds == ("kda", "mla", "kda", "mla")
+    leaves = flat(params)
+    assert {p: v.shape for p, v in leaves.items()} == {e.flax_path: e.flax_shape for e in conv.param_table(config)}
+    assert all(v.dtype == np.float32 for v in leaves.values())
+    g = golden_tensors
+    L0, L1 = ("model", "layers_0"), ("model", "layers_1")
+    np.testing.assert_array_equal(leaves[L0 + ("attention", "q_proj", "kernel")],
+                                  g["model.layers.0.attention.q_proj.weight"].T)
+    np.testing.assert_array_equal(leaves[L0 + ("attention", "k_conv1d", "kernel")],
+                                  g["model.layers.0.attention.k_conv1d.weight"][:, 0, :].T)
+    np.testing.assert_array_equal(leaves[L0 + ("attention", "A_log")], g["model.layers.0.attention.A_log"])
+    for e in (0, 5):
+        np.testing.assert_array_equal(leaves[L1 + ("mlp", "experts", "gate_proj")][e],
+                                      g[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"].T)
+        np.testing.assert_array_equal(leaves[L1 + ("mlp", "experts", "down_proj")][e],
+                                      g[f"model.layers.1.mlp.experts.{e}.down_proj.weight"].T)
+    np.testing.assert_array_equal(leaves[L1 + ("mlp", "gate", "kernel")], g["model.layers.1.mlp.gate.weight"].T)
+    np.testing.assert_array_equal(leaves[L1 + ("mlp", "gate", "expert_bias")], g["model.layers.1.mlp.gate.expert_bias"])
+    np.testing.assert_array_equal(leaves[("lm_head", "kernel")], g["lm_head.weight"].T)
+    np.testing.assert_array_equal(leaves[("model", "word_embeddings", "embedding")], g["model.word_embeddings.weight"])
+
+
+def test_round_trip_single_file_bit_exact(golden_loaded, golden_tensors, golden_config, tmp_path):
+    config, params = golden_loaded
+    conv.save_pretrained(params, config, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert_bit_exact(read_dir(tmp_path / "out"), golden_tensors)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved == golden_config  # model_type, architectures and every original field
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="numpy") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_round_trip_sharded_bit_exact(golden_loaded, golden_tensors, tmp_path):
+    config, params = golden_loaded
+    limit = 40_000
+    conv.save_pretrained(params, config, tmp_path / "sharded", shard_size_bytes=limit)
+    index = json.loads((tmp_path / "sharded" / conv.INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert not (tmp_path / "sharded" / conv.WEIGHTS_NAME).exists()
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in golden_tensors.values())
+    for shard in shards:
+        names = [n for n, s in index["weight_map"].items() if s == shard]
+        assert len(names) == 1 or sum(golden_tensors[n].nbytes for n in names) <= limit
+    assert_bit_exact(read_dir(tmp_path / "sharded"), golden_tensors)
+    # Sharded -> Flax -> single file: same tensors again, and the stale shards are replaced.
+    config2, params2 = conv.from_pretrained(tmp_path / "sharded")
+    assert config2 == config
+    conv.save_pretrained(params2, config2, tmp_path / "sharded")
+    assert sorted(os.listdir(tmp_path / "sharded")) == ["config.json", "model.safetensors"]
+    assert_bit_exact(read_dir(tmp_path / "sharded"), golden_tensors)
+
+
+def test_bf16_checkpoint_loads_and_round_trips(golden_tensors, golden_config, tmp_path):
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in golden_tensors.items()}
+    src = write_ckpt(tmp_path / "bf16", bf16, golden_config)
+    # dtype=None keeps the stored dtype, so bf16 -> Flax -> bf16 is bit-exact.
+    config, params = conv.from_pretrained(src, dtype=None)
+    assert all(v.dtype == jnp.bfloat16 for v in jax.tree.leaves(params))
+    conv.save_pretrained(params, config, tmp_path / "bf16_out")
+    assert_bit_exact(read_dir(tmp_path / "bf16_out"), bf16)
+    # The fallback reader (for safetensors releases without numpy bf16) gives the same array.
+    name = "model.layers.2.attention.q_proj.weight"
+    raw = conv._read_raw(src / conv.WEIGHTS_NAME, name)
+    assert raw.dtype == ml_dtypes.bfloat16 and raw.tobytes() == bf16[name].tobytes()
+    # bf16 file loaded as float32: exact upcast.
+    _, params32 = conv.from_pretrained(src, dtype=jnp.float32)
+    np.testing.assert_array_equal(params32["lm_head"]["kernel"], bf16["lm_head.weight"].astype(np.float32).T)
+
+
+def test_float32_checkpoint_loaded_as_bf16(golden_loaded, golden_tensors):
+    config, params = conv.from_pretrained(GOLDEN, dtype=jnp.bfloat16)
+    leaves = flat(params)
+    for entry in conv.param_table(config):
+        leaf = leaves[entry.flax_path]
+        # A_log, dt_bias, conv kernels, router kernel and expert_bias stay float32, everything else is bf16.
+        assert leaf.dtype == (np.float32 if entry.float32 else ml_dtypes.bfloat16), entry.hf_name
+        want = entry.hf_to_flax(golden_tensors[entry.hf_name]).astype(leaf.dtype)
+        got = leaf if entry.expert is None else leaf[entry.expert]
+        assert got.tobytes() == np.ascontiguousarray(want).tobytes(), entry.hf_name
+    kept = {e.hf_name for e in conv.param_table(config) if e.float32}
+    suffixes = ("attention.A_log", "attention.dt_bias", "conv1d.weight", "mlp.gate.weight", "mlp.gate.expert_bias")
+    assert kept == {n for n in golden_tensors if n.endswith(suffixes)} and len(kept) == 2 * 5 + 3 * 2
+
+
+@pytest.mark.parametrize("overrides", [VARIANT, VARIANT_TIED], ids=["variant", "tied"])
+def test_generated_config_round_trip(golden_config, tmp_path, overrides):
+    raw = variant(golden_config, **overrides)
+    config = conv.as_config(raw)
+    if overrides is VARIANT:
+        assert config.layer_kinds == ("kda", "mla", "kda", "mla", "mla")
+    table = conv.param_table(config)
+    names = {e.hf_name: e.hf_shape for e in table}
+    H, dv = config.num_attention_heads, config.v_head_dim
+    if overrides is VARIANT:
+        assert names["model.layers.4.attention.q_proj.weight"] == (H * 24, 64)
+        assert names["model.layers.4.attention.g_proj.weight"] == (H * dv, 64)
+        assert names["model.layers.2.attention.f_a_proj.weight"] == (16, 64)
+        assert names["model.layers.2.attention.g_b_proj.weight"] == (64, 16)
+        assert "model.layers.1.attention.q_a_proj.weight" not in names
+    else:
+        assert "lm_head.weight" not in names
+        assert not any("shared_experts" in n for n in names)
+    # Random params from the table shapes, mixing float32 and bf16 leaves.
+    rng = np.random.default_rng(0)
+    params: dict = {}
+    for i, entry in enumerate({e.flax_path: e for e in table}.values()):
+        dtype = jnp.bfloat16 if i % 3 == 0 else jnp.float32
+        conv._set_leaf(params, entry.flax_path, jnp.asarray(rng.standard_normal(entry.flax_shape), dtype))
+    conv.save_pretrained(params, config, tmp_path / "a")
+    first = read_dir(tmp_path / "a")
+    assert {k: v.shape for k, v in first.items()} == names
+    config2, params2 = conv.from_pretrained(tmp_path / "a", dtype=None)
+    assert config2 == config
+    a, b = flat(params), flat(params2)
+    assert sorted(a) == sorted(b)
+    for path in a:
+        assert a[path].dtype == b[path].dtype and a[path].tobytes() == b[path].tobytes(), path
+    conv.save_pretrained(params2, config2, tmp_path / "b", shard_size_bytes=30_000)
+    assert_bit_exact(read_dir(tmp_path / "b"), first)
+
+
+# ------------------------------------------------------------------------------------------------- MTP
+
+
+def test_mtp_layers_are_skipped_with_a_note(golden_tensors, golden_config, golden_loaded, tmp_path, caplog):
+    tensors = dict(golden_tensors)
+    rng = np.random.default_rng(1)
+    for name, shape in [("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
+                        ("final_layernorm.weight", (64,)), ("attention.q_proj.weight", (64, 64))]:
+        tensors[f"model.layers.4.{name}"] = rng.standard_normal(shape).astype(np.float32)
+    path = write_ckpt(tmp_path / "mtp", tensors, dict(golden_config, num_nextn_predict_layers=1))
+    with caplog.at_level(logging.INFO):
+        config, params = conv.from_pretrained(path)
+    assert "Skipping 5 multi-token-prediction tensors" in caplog.text
+    a, b = flat(params), flat(golden_loaded[1])
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[p], b[p]) for p in a)
+    # Without num_nextn_predict_layers the same extra layer is an error.
+    bad = write_ckpt(tmp_path / "no_mtp", tensors, golden_config)
+    assert "unexpected tensors (5): model.layers.4.attention.q_proj.weight" in load_error(bad)
+
+
+# ------------------------------------------------------------------------------------------------- bad inputs
+
+
+def test_missing_and_unexpected_tensors_are_all_named(golden_tensors, golden_config, tmp_path):
+    tensors = dict(golden_tensors)
+    del tensors["model.layers.3.mlp.experts.6.up_proj.weight"]
+    del tensors["model.norm.weight"]
+    tensors["model.layers.0.attention.q_norm.weight"] = np.ones(16, np.float32)
+    msg = load_error(write_ckpt(tmp_path / "c", tensors, golden_config))
+    assert "missing tensors (2): model.layers.3.mlp.experts.6.up_proj.weight, model.norm.weight" in msg
+    assert "unexpected tensors (1): model.layers.0.attention.q_norm.weight" in msg
+
+
+def test_wrong_shape(golden_tensors, golden_config, tmp_path):
+    tensors = dict(golden_tensors, **{"model.layers.1.attention.kv_b_proj.weight": np.zeros((128, 31), np.float32)})
+    msg = load_error(write_ckpt(tmp_path / "c", tensors, golden_config))
+    assert "wrong shape for model.layers.1.attention.kv_b_proj.weight: expected [128, 32], got [128, 31]" in msg
+
+
+def test_wrong_dtype(golden_tensors, golden_config, tmp_path):
+    tensors = dict(golden_tensors, **{"model.layers.0.attention.A_log": np.zeros(4, np.int32)})
+    msg = load_error(write_ckpt(tmp_path / "c", tensors, golden_config))
+    assert "wrong dtype for model.layers.0.attention.A_log: I32" in msg
+
+
+def test_unsupported_model_type(golden_tensors, golden_config, tmp_path):
+    msg = load_error(write_ckpt(tmp_path / "c", golden_tensors, dict(golden_config, model_type="bailing_moe")))
+    assert "unsupported model_type 'bailing_moe'" in msg
+
+
+def test_missing_config_keys(golden_tensors, golden_config, tmp_path):
+    cfg = {k: v for k, v in golden_config.items() if k not in ("hidden_size", "v_head_dim")}
+    msg = load_error(write_ckpt(tmp_path / "c", golden_tensors, cfg))
+    assert "config is missing required keys: hidden_size, v_head_dim" in msg
+    (tmp_path / "c" / "config.json").unlink()
+    assert "missing config.json" in load_error(tmp_path / "c")
+    (tmp_path / "c" / "config.json").write_text("{not json")
+    assert "is not valid JSON" in load_error(tmp_path / "c")
+    assert "does not exist" in load_error(tmp_path / "nowhere")
+
+
+def test_missing_corrupt_and_truncated_safetensors(golden_config, tmp_path):
+    data = (GOLDEN / conv.WEIGHTS_NAME).read_bytes()
+    path = tmp_path / "c"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(golden_config))
+    assert "no model.safetensors or model.safetensors.index.json" in load_error(path)
+    (path / conv.WEIGHTS_NAME).write_bytes(data[: len(data) // 2])
+    msg = load_error(path)
+    assert "cannot read safetensors file" in msg and "model.safetensors" in msg and "truncated" in msg
+    (path / conv.WEIGHTS_NAME).write_bytes(b"this is not a safetensors file at all")
+    assert "cannot read safetensors file" in load_error(path)
+
+
+def test_sharded_index_errors(golden_loaded, golden_config, tmp_path):
+    config, params = golden_loaded
+    path = tmp_path / "s"
+    conv.save_pretrained(params, config, path, shard_size_bytes=200_000)
+    shards = sorted(p.name for p in path.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    (path / shards[1]).unlink()
+    msg = load_error(path)
+    assert f"points to missing shard files: {shards[1]}" in msg
+    # A shard that exists but lacks a tensor the index assigns to it.
+    conv.save_pretrained(params, config, path, shard_size_bytes=200_000)
+    index = json.loads((path / conv.INDEX_NAME).read_text())
+    index["weight_map"]["model.norm.weight"] = shards[0]
+    (path / conv.INDEX_NAME).write_text(json.dumps(index))
+    assert "index lists tensors that are not in their shard: model.norm.weight" in load_error(path)
+    (path / conv.INDEX_NAME).write_text("[]")
+    assert "corrupt index" in load_error(path)
+
+
+def test_save_rejects_bad_params(golden_loaded, tmp_path):
+    config, params = golden_loaded
+    bad = jax.tree.map(lambda x: x, params)
+    del bad["model"]["layers_2"]["attention"]["dt_bias"]
+    bad["model"]["layers_2"]["attention"]["bogus"] = jnp.zeros(3)
+    bad["model"]["norm"]["scale"] = jnp.zeros(65)
+    bad["lm_head"]["kernel"] = jnp.zeros((64, 128), jnp.int32)
+    with pytest.raises(CheckpointError) as info:
+        conv.save_pretrained(bad, config, tmp_path / "x")
+    msg = str(info.value)
+    assert "missing params (1): model/layers_2/attention/dt_bias" in msg
+    assert "unexpected params (1): model/layers_2/attention/bogus" in msg
+    assert "wrong shape for model/norm/scale: expected [64], got [65]" in msg
+    assert "wrong dtype for lm_head/kernel: int32" in msg
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------------- orbax
+
+
+def test_hf_to_orbax_to_hf_bit_exact(golden_tensors, golden_config, tmp_path):
+    from experiments import convert_checkpoint as cc
+
+    item = cc.hf_to_orbax(GOLDEN, tmp_path / "orbax")
+    assert item.is_dir() and (tmp_path / "orbax" / "config.json").is_file()
+    cc.orbax_to_hf(tmp_path / "orbax", tmp_path / "hf")
+    assert_bit_exact(read_dir(tmp_path / "hf"), golden_tensors)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == golden_config
+
+
+def test_convert_checkpoint_cli(golden_tensors, tmp_path):
+    script = [sys.executable, "-m", "experiments.convert_checkpoint"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for args in (["--direction=hf_to_orbax", f"--hf_dir={GOLDEN}", "--dtype=bfloat16"],
+                 ["--direction=orbax_to_hf", f"--hf_dir={tmp_path / 'hf'}", "--dtype=float32"]):
+        run = subprocess.run(script + args + [f"--orbax_dir={tmp_path / 'orbax'}"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+    out = read_dir(tmp_path / "hf")
+    # float32 -> bf16 (except the float32-kept leaves) -> float32: equals the bf16 rounding of the golden.
+    table = {e.hf_name: e for e in conv.param_table(json.loads((GOLDEN / "config.json").read_text()))}
+    for name, x in golden_tensors.items():
+        want = x if table[name].float32 else x.astype(ml_dtypes.bfloat16).astype(np.float32)
+        assert out[name].dtype == np.float32 and out[name].tobytes() == want.tobytes(), name
