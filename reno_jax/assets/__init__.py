@@ -1,0 +1,1 @@
+"""Shipped tokenizer assets (tokenizer.json, tokenizer_config.json, chat_template.jinja) and their build script."""
