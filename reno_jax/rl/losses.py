@@ -1,0 +1,337 @@
+"""Pure policy-gradient losses for RL post-training: GSPO and its relatives.
+
+Everything here is a pure function of arrays (jit-able, no globals, no host callbacks) and only depends on
+``jax``. All policy losses share one calling convention::
+
+    loss, metrics = loss_fn(logp, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0,
+                            entropy=None, entropy_coef=0.0, **clip_hparams)
+
+with
+
+* ``logp      [B, L] float``  per-token log-probs of the *current* policy (the only differentiated input),
+* ``old_logp  [B, L] float``  per-token log-probs of the behaviour policy that sampled the tokens,
+* ``advantages [B] float``    one advantage per sequence, broadcast over its tokens
+                              (``gspo_token_loss`` also accepts per-token ``[B, L]``),
+* ``mask      [B, L]``        1/True exactly on policy-generated tokens (prompt, tool output and padding are 0).
+* ``ref_logp  [B, L]``        optional reference-policy log-probs for a KL penalty (``kl_coef``), estimated per
+                              token with the non-negative, unbiased "k3" estimator
+                              ``exp(ref - logp) - (ref - logp) - 1`` (Schulman, "Approximating KL divergence").
+* ``entropy   [B, L]``        optional per-token policy entropy; ``entropy_coef`` > 0 *rewards* entropy
+                              (the term ``- entropy_coef * H`` is added to the loss).
+
+Values at positions where ``mask`` is 0 are ignored completely: they never reach an ``exp`` (so garbage there
+cannot produce inf/NaN, in the value or the gradient).
+
+The returned ``loss`` is a float32 scalar to *minimise*. KL and entropy terms are aggregated over tokens exactly
+like the loss's own policy term (sequence-mean then batch-mean for GSPO/GRPO, batch token-mean for DAPO, constant
+normaliser for Dr. GRPO), so that the three terms are on the same scale.
+
+``metrics`` (float32 scalars):
+
+* ``policy_loss``  the policy term alone (the loss without KL / entropy terms),
+* ``clip_frac``    fraction of units where clipping is *active*, i.e. the clipped surrogate was strictly chosen
+                   and its gradient is zero. Units are valid sequences for GSPO, policy tokens for the
+                   token-level losses (including GSPO-token),
+* ``ratio_mean``, ``ratio_min``, ``ratio_max``  importance ratio statistics over the same units
+                   (1.0 when there is no valid unit),
+* ``approx_kl``    KL(old || current) estimate: token mean over all policy tokens of ``0.5 * (logp - old)^2``
+                   (the "k2" estimator; second-order accurate and always >= 0),
+* ``kl``           (only when ``ref_logp`` is given) token mean of the k3 estimate of KL(current || ref),
+* ``entropy``      (only when ``entropy`` is given) token mean of the entropy over policy tokens,
+* ``normalizer``   the gradient-free count the loss sums were divided by (valid sequences, policy tokens or
+                   the constant ``B * max_length``). ``reno_jax.rl.trainer`` uses it to combine micro-batches
+                   into exactly the full-batch gradient.
+
+The statistics (``approx_kl``, ``kl``, ``entropy``) are token means regardless of the loss's aggregation so they
+can be compared between losses.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# Log importance ratios are clamped to +-_MAX_LOG_RATIO before ``exp``. A ratio of e^20 ~ 5e8 is already far
+# outside every clip range (so the value of the loss is unaffected in all practical cases), and the clamp keeps
+# exp finite; otherwise a clipped branch, even when not selected, backpropagates 0 * inf = NaN.
+_MAX_LOG_RATIO = 20.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------------------------
+def group_advantages(rewards: Array, group_size: int, normalize_std: bool = True, eps: float = 1e-8) -> Array:
+    """Group-relative advantages (GRPO / GSPO).
+
+    Args:
+      rewards: ``[B]`` rewards; rows ``[g*G, (g+1)*G)`` form group ``g`` (contiguous groups, same prompt).
+      group_size: G (static), must divide B.
+      normalize_std: divide by the group's population standard deviation (ddof=0). Dr. GRPO uses ``False``.
+      eps: added to the std so an all-equal group gives exactly 0 (never 0/0).
+
+    Returns:
+      ``[B] float32`` advantages ``(r - mean_g) / (std_g + eps)``, or ``r - mean_g`` without std scaling.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.ndim != 1:
+        raise ValueError(f"group_advantages: rewards must be [B], got shape {rewards.shape}")
+    group_size = int(group_size)
+    if group_size < 1 or rewards.shape[0] % group_size != 0:
+        raise ValueError(
+            f"group_advantages: batch size {rewards.shape[0]} is not a positive multiple of group_size {group_size}")
+    r = rewards.reshape(-1, group_size)
+    centred = r - jnp.mean(r, axis=1, keepdims=True)
+    if normalize_std:
+        # Population std from the centred values: exactly 0 for a constant group, so the result is 0, not NaN.
+        std = jnp.sqrt(jnp.mean(centred * centred, axis=1, keepdims=True))
+        centred = centred / (std + eps)
+    return centred.reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------------------------
+def _check_inputs(name, logp, old_logp, advantages, mask, ref_logp, entropy, token_advantages=False):
+    """Validates shapes (static, so errors surface at trace time) and casts to float32 / bool."""
+    logp = jnp.asarray(logp)
+    if logp.ndim != 2:
+        raise ValueError(f"{name}: logp must be [B, L], got shape {logp.shape}")
+    shape = logp.shape
+    for arg_name, x in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("entropy", entropy)):
+        if x is not None and jnp.shape(x) != shape:
+            raise ValueError(f"{name}: {arg_name} must have the shape of logp {shape}, got {jnp.shape(x)}")
+    adv_shape = jnp.shape(advantages)
+    allowed = [(shape[0],)] + ([shape] if token_advantages else [])
+    if adv_shape not in allowed:
+        raise ValueError(f"{name}: advantages must have shape {' or '.join(map(str, allowed))}, got {adv_shape}")
+    f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+    return (f32(logp), f32(old_logp), f32(advantages), jnp.asarray(mask).astype(bool), f32(ref_logp), f32(entropy))
+
+
+def _masked_log_ratio(logp, old_logp, mask):
+    """``logp - old_logp`` with masked positions forced to 0 *before* any exp (no inf/NaN from padding)."""
+    return jnp.where(mask, logp - old_logp, 0.0)
+
+
+def _ppo_surrogate(ratio, adv, eps_low, eps_high):
+    """PPO clipped surrogate as a loss: ``-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)``.
+
+    Returns ``(loss, clipped)``; ``clipped`` marks where the clipped branch is strictly smaller, i.e. where the
+    gradient is cut. Selecting with ``where`` (rather than ``minimum``) sends the full gradient to the unclipped
+    branch on ties (inside the range both branches are equal and the clipped one is the identity anyway).
+    """
+    unclipped = ratio * adv
+    clipped_obj = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    clipped = clipped_obj < unclipped
+    return -jnp.where(clipped, clipped_obj, unclipped), clipped
+
+
+def _k3(logp, ref_logp, mask):
+    """Per-token k3 estimate of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (0 where masked)."""
+    d = jnp.clip(jnp.where(mask, ref_logp - logp, 0.0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return jnp.where(mask, jnp.exp(d) - d - 1.0, 0.0)
+
+
+def _token_mean(x, mask):
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def _masked_stats(values, valid):
+    """mean/min/max of ``values`` over ``valid`` (any shape); 1.0 for all three when nothing is valid."""
+    n = jnp.sum(valid)
+    any_valid = n > 0
+    mean = jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(n, 1)
+    vmin = jnp.min(jnp.where(valid, values, jnp.inf))
+    vmax = jnp.max(jnp.where(valid, values, -jnp.inf))
+    one = jnp.float32(1.0)
+    return (jnp.where(any_valid, mean, one), jnp.where(any_valid, vmin, one), jnp.where(any_valid, vmax, one))
+
+
+# Aggregators: turn a per-token quantity ``x [B, L]`` into a scalar, and report the normaliser.
+def _agg_sequence_mean(x, mask):
+    """Mean over each sequence's policy tokens, then mean over sequences with at least one policy token."""
+    lengths = jnp.sum(mask, axis=1)
+    per_seq = jnp.sum(jnp.where(mask, x, 0.0), axis=1) / jnp.maximum(lengths, 1)
+    n_valid = jnp.sum(lengths > 0)
+    return jnp.sum(per_seq) / jnp.maximum(n_valid, 1), n_valid.astype(jnp.float32)
+
+
+def _agg_token_mean(x, mask):
+    """Mean over all policy tokens of the batch (DAPO's token-level aggregation)."""
+    n_tok = jnp.sum(mask)
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(n_tok, 1), n_tok.astype(jnp.float32)
+
+
+def _make_agg_constant(max_length):
+    def agg(x, mask):
+        """Sum over tokens divided by the constant ``B * max_length`` (Dr. GRPO)."""
+        denom = float(mask.shape[0] * (mask.shape[1] if max_length is None else max_length))
+        return jnp.sum(jnp.where(mask, x, 0.0)) / denom, jnp.float32(denom)
+    return agg
+
+
+def _finish(policy_loss, agg, logp, old_logp, mask, ref_logp, kl_coef, entropy, entropy_coef, normalizer,
+            ratio_stats, clip_frac):
+    """Adds KL / entropy terms (same aggregation as the policy term) and assembles the metrics."""
+    loss = policy_loss
+    d = _masked_log_ratio(logp, old_logp, mask)
+    r_mean, r_min, r_max = ratio_stats
+    metrics = {
+        "policy_loss": policy_loss,
+        "clip_frac": clip_frac,
+        "ratio_mean": r_mean,
+        "ratio_min": r_min,
+        "ratio_max": r_max,
+        "approx_kl": jax.lax.stop_gradient(_token_mean(0.5 * d * d, mask)),
+        "normalizer": jax.lax.stop_gradient(normalizer),
+    }
+    if ref_logp is not None:
+        k3 = _k3(logp, ref_logp, mask)
+        loss = loss + kl_coef * agg(k3, mask)[0]
+        metrics["kl"] = jax.lax.stop_gradient(_token_mean(k3, mask))
+    elif kl_coef:
+        raise ValueError("kl_coef is non-zero but ref_logp was not given")
+    if entropy is not None:
+        loss = loss - entropy_coef * agg(entropy, mask)[0]
+        metrics["entropy"] = jax.lax.stop_gradient(_token_mean(entropy, mask))
+    elif entropy_coef:
+        raise ValueError("entropy_coef is non-zero but entropy was not given")
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    metrics["policy_loss"] = jax.lax.stop_gradient(metrics["policy_loss"])
+    return loss.astype(jnp.float32), metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GSPO (sequence level)
+# ----------------------------------------------------------------------------------------------------------------
+def gspo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
+              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+    """GSPO: Group Sequence Policy Optimization (Zheng et al., 2025), sequence-level clipping.
+
+    ``s_i = (pi(y_i) / pi_old(y_i)) ** (1/|y_i|) = exp(mean_{t in mask_i}(logp - old_logp))``,
+    ``loss = mean_{i: |y_i| > 0} -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)``.
+
+    Written as ``s_i = sg(s_i) * exp(l_i - sg(l_i))`` with ``l_i`` the length-normalised sequence log-ratio:
+    numerically ``s_i``, and its gradient is ``sg(s_i) * grad l_i = s_i * mean_t grad logp_{i,t}``, the paper's
+    gradient (every token of a sequence gets the same weight ``s_i A_i / |y_i|``; clipping, when active,
+    zeroes the whole sequence). ``s_i`` itself is computed from the mean log-ratio, never as a product of
+    per-token ratios, so long sequences cannot overflow. Sequences with an empty mask are excluded from the mean
+    and contribute exactly 0 (value and gradient). Defaults ``eps_low=3e-4, eps_high=4e-4`` are the paper's.
+    """
+    logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
+        "gspo_loss", logp, old_logp, advantages, mask, ref_logp, entropy)
+    lengths = jnp.sum(mask, axis=1)
+    valid = lengths > 0
+    log_s = jnp.sum(_masked_log_ratio(logp, old_logp, mask), axis=1) / jnp.maximum(lengths, 1)
+    log_s = jnp.clip(log_s, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    s_value = jax.lax.stop_gradient(jnp.exp(log_s))
+    s = s_value * jnp.exp(log_s - jax.lax.stop_gradient(log_s))  # stop-gradient form, see docstring
+    per_seq, clipped = _ppo_surrogate(s, advantages, eps_low, eps_high)
+    n_valid = jnp.sum(valid)
+    policy_loss = jnp.sum(jnp.where(valid, per_seq, 0.0)) / jnp.maximum(n_valid, 1)
+    clip_frac = jnp.sum(clipped & valid) / jnp.maximum(n_valid, 1)
+    return _finish(policy_loss, _agg_sequence_mean, logp, old_logp, mask, ref_logp, kl_coef, entropy,
+                   entropy_coef, n_valid.astype(jnp.float32), _masked_stats(s_value, valid), clip_frac)
+
+
+def gspo_token_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
+                    ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+    """GSPO-token: ``s_{i,t} = sg(s_i) * exp(logp_{i,t} - sg(logp_{i,t}))``, token-level advantages allowed.
+
+    ``advantages`` may be ``[B]`` (then this equals ``gspo_loss`` in value and gradient) or ``[B, L]``.
+    Per token: ``-min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})``; aggregated as a mean over each sequence's policy
+    tokens, then a mean over sequences with at least one policy token (the GSPO objective's ``1/G sum_i 1/|y_i|
+    sum_t``). Numerically ``s_{i,t} = s_i``, so clipping is still decided per sequence (for a shared advantage);
+    ratio metrics and ``clip_frac`` are over policy tokens.
+    """
+    logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
+        "gspo_token_loss", logp, old_logp, advantages, mask, ref_logp, entropy, token_advantages=True)
+    adv = advantages if advantages.ndim == 2 else jnp.broadcast_to(advantages[:, None], logp.shape)
+    lengths = jnp.sum(mask, axis=1)
+    log_s = jnp.sum(_masked_log_ratio(logp, old_logp, mask), axis=1) / jnp.maximum(lengths, 1)
+    log_s = jnp.clip(log_s, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    s_seq = jax.lax.stop_gradient(jnp.exp(log_s))
+    safe_logp = jnp.where(mask, logp, 0.0)
+    s_tok = s_seq[:, None] * jnp.exp(safe_logp - jax.lax.stop_gradient(safe_logp))
+    per_tok, clipped = _ppo_surrogate(s_tok, adv, eps_low, eps_high)
+    policy_loss, normalizer = _agg_sequence_mean(per_tok, mask)
+    clip_frac = _token_mean(clipped.astype(jnp.float32), mask)
+    return _finish(policy_loss, _agg_sequence_mean, logp, old_logp, mask, ref_logp, kl_coef, entropy,
+                   entropy_coef, normalizer, _masked_stats(jax.lax.stop_gradient(s_tok), mask), clip_frac)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Token-level PPO-clip family: GRPO, Dr. GRPO, DAPO
+# ----------------------------------------------------------------------------------------------------------------
+def _token_ppo(name, agg, logp, old_logp, advantages, mask, eps_low, eps_high, ref_logp, kl_coef, entropy,
+               entropy_coef):
+    logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
+        name, logp, old_logp, advantages, mask, ref_logp, entropy)
+    log_r = jnp.clip(_masked_log_ratio(logp, old_logp, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = jnp.exp(log_r)
+    per_tok, clipped = _ppo_surrogate(ratio, advantages[:, None], eps_low, eps_high)
+    policy_loss, normalizer = agg(per_tok, mask)
+    clip_frac = _token_mean(clipped.astype(jnp.float32), mask)
+    return _finish(policy_loss, agg, logp, old_logp, mask, ref_logp, kl_coef, entropy, entropy_coef, normalizer,
+                   _masked_stats(jax.lax.stop_gradient(ratio), mask), clip_frac)
+
+
+def grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
+              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+    """GRPO (Shao et al., 2024): token-level PPO clip ``r_t = exp(logp_t - old_t)``, symmetric eps 0.2.
+
+    Aggregation as in GRPO: mean over each sequence's policy tokens, then mean over sequences with at least one
+    policy token. Use with ``group_advantages(..., normalize_std=True)``.
+    """
+    return _token_ppo("grpo_loss", _agg_sequence_mean, logp, old_logp, advantages, mask, eps_low, eps_high,
+                      ref_logp, kl_coef, entropy, entropy_coef)
+
+
+def dr_grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
+                 max_length: int | None = None, ref_logp=None, kl_coef: float = 0.0, entropy=None,
+                 entropy_coef: float = 0.0):
+    """Dr. GRPO ("GRPO done right", Liu et al., 2025): token-level PPO clip without the length and std biases.
+
+    * Advantages must be computed WITHOUT std normalisation: ``group_advantages(r, G, normalize_std=False)``
+      (see ``NORMALIZE_STD["dr_grpo"]``); this function takes the advantages as given.
+    * Aggregation: the sum of per-token losses over all policy tokens divided by the constant
+      ``B * max_length`` (no per-sequence ``1/|y_i|``). ``max_length`` should be the fixed generation budget;
+      ``None`` uses the padded length L (fine when the padding length is fixed across steps).
+    """
+    return _token_ppo("dr_grpo_loss", _make_agg_constant(max_length), logp, old_logp, advantages, mask, eps_low,
+                      eps_high, ref_logp, kl_coef, entropy, entropy_coef)
+
+
+def dapo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
+              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+    """DAPO (Yu et al., 2025): token-level PPO with decoupled clip (eps_low 0.2, "clip-higher" eps_high 0.28)
+    and token-level aggregation: the mean over ALL policy tokens of the batch (long sequences weigh more)."""
+    return _token_ppo("dapo_loss", _agg_token_mean, logp, old_logp, advantages, mask, eps_low, eps_high,
+                      ref_logp, kl_coef, entropy, entropy_coef)
+
+
+LOSSES: Mapping[str, Callable] = {
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "grpo": grpo_loss,
+    "dr_grpo": dr_grpo_loss,
+    "dapo": dapo_loss,
+}
+
+# Whether each loss's paper scales group advantages by the group std (the ``normalize_std`` argument of
+# ``group_advantages``): Dr. GRPO removes it, the others keep it.
+NORMALIZE_STD: Mapping[str, bool] = {
+    "gspo": True, "gspo_token": True, "grpo": True, "dr_grpo": False, "dapo": True,
+}
+
+
+def get_loss(name: str) -> Callable:
+    """Looks a loss up in ``LOSSES`` with a clear error for unknown names."""
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown loss {name!r}; available: {sorted(LOSSES)}") from None

@@ -1,0 +1,418 @@
+"""Generic jitted RL train step, optimizer and train state.
+
+* ``make_optimizer``: global-norm clipping + AdamW, linear warmup then cosine decay, optional low-memory Adam
+  moments (``state_dtype="bfloat16"`` or ``"int8"``: 8-bit block-wise quantised moments).
+* ``TrainState``: params, opt_state, step, skipped_updates, rng (a pytree; checkpointed as a whole).
+* ``make_train_step``: PPO-style minibatches (sequential optimizer updates) with micro-batch gradient
+  accumulation; non-finite loss or gradient skips the update and counts it.
+
+The policy is abstracted by ``logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)`` so the same step
+trains the Ling-3.0 model and the toy policies of the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+Array = jax.Array
+PyTree = Any
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# ----------------------------------------------------------------------------------------------------------------
+def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmup_steps: int = 0,
+                     total_steps: int | None = None) -> Callable[[Array], Array]:
+    """Linear warmup then cosine decay, as a function of the optimizer update count (0-based).
+
+    * warmup: update ``n < warmup_steps`` uses ``learning_rate * (n + 1) / warmup_steps`` (the first update is
+      not wasted on a zero learning rate);
+    * then cosine from ``learning_rate`` to ``end_learning_rate`` over updates ``[warmup_steps, total_steps)``,
+      constant ``end_learning_rate`` afterwards;
+    * ``total_steps=None``: constant ``learning_rate`` after warmup (``end_learning_rate`` unused).
+
+    Counts are optimizer updates: a train step with ``num_minibatches = M`` makes M updates.
+    """
+    if learning_rate < 0 or end_learning_rate < 0:
+        raise ValueError("learning rates must be >= 0")
+    warmup_steps = int(warmup_steps)
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if total_steps is not None and total_steps < warmup_steps:
+        raise ValueError(f"total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+
+    def schedule(count):
+        n = jnp.asarray(count, jnp.float32)
+        warm = learning_rate * jnp.minimum((n + 1.0) / max(warmup_steps, 1), 1.0)
+        if total_steps is None:
+            after = jnp.float32(learning_rate)
+        else:
+            decay_len = max(total_steps - warmup_steps, 1)
+            frac = jnp.clip((n - warmup_steps) / decay_len, 0.0, 1.0)
+            after = end_learning_rate + 0.5 * (learning_rate - end_learning_rate) * (1.0 + jnp.cos(math.pi * frac))
+        return jnp.where(n < warmup_steps, warm, after).astype(jnp.float32)
+
+    return schedule
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Low-memory Adam moments
+# ----------------------------------------------------------------------------------------------------------------
+class QuantizedMoment(NamedTuple):
+    """A block-wise 8-bit quantised tensor: ``codes [n_blocks, block]`` (int8 or uint8), ``scale [n_blocks]`` f32.
+
+    The original shape is not stored: it is always the shape of the matching gradient / parameter.
+    """
+    codes: Array
+    scale: Array
+
+
+class ScaleByAdamCompressedState(NamedTuple):
+    count: Array  # int32 [] number of updates so far
+    mu: PyTree    # per leaf: array in state dtype, or QuantizedMoment
+    nu: PyTree
+
+
+class _LeafOut(NamedTuple):
+    """Per-leaf result of the compressed Adam update (a distinct type so tree_map can find it)."""
+    update: Array
+    mu: Any
+    nu: Any
+
+
+def _blocks(x, block_size):
+    flat = x.reshape(-1).astype(jnp.float32)
+    pad = (-flat.size) % block_size
+    return jnp.pad(flat, (0, pad)).reshape(-1, block_size)
+
+
+def _unblocks(b, shape):
+    size = math.prod(shape)
+    return b.reshape(-1)[:size].reshape(shape)
+
+
+def _quantize_signed(x, block_size):
+    """Companded signed 8-bit for the first moment: ``x = sign * absmax * (|code| / 127) ** 3``.
+
+    Cube-root companding gives ~2% relative resolution for the large entries of a block and still represents
+    entries down to absmax * 5e-7, where linear codes would round everything below absmax / 254 to 0. Adam
+    normalises every element by its own second moment, so the relative error of *small* first moments matters
+    as much as that of large ones: on a toy bigram-policy GRPO problem (12 Adam steps on a fixed batch),
+    linear codes drifted ~13% (relative L2 of the parameter change) from the fp32 trajectory, cube-root ~3%.
+    """
+    b = _blocks(x, block_size)
+    scale = jnp.max(jnp.abs(b), axis=1)
+    u = jnp.cbrt(jnp.abs(b) / jnp.where(scale > 0, scale, 1.0)[:, None])
+    q = jnp.sign(b) * jnp.round(127.0 * u)
+    return QuantizedMoment(jnp.clip(q, -127, 127).astype(jnp.int8), scale)
+
+
+def _dequantize_signed(q, shape):
+    u = q.codes.astype(jnp.float32) / 127.0
+    return _unblocks(u * u * u * q.scale[:, None], shape)
+
+
+def _quantize_nonneg(x, block_size):
+    """Companded unsigned 8-bit for the second moment: ``v = absmax * (code / 255) ** 4``.
+
+    The fourth-root companding spreads the 256 levels over ~10 decades (smallest non-zero level is
+    absmax * 2.4e-10), since second moments inside one block span many orders of magnitude. A non-zero value is
+    never rounded to 0 (at least code 1): a zero second moment under a non-zero first moment would divide by
+    ``eps`` alone and blow the update up, whereas over-estimating a tiny ``nu`` only shrinks that update.
+    """
+    b = jnp.maximum(_blocks(x, block_size), 0.0)
+    scale = jnp.max(b, axis=1)
+    u = jnp.sqrt(jnp.sqrt(b / jnp.where(scale > 0, scale, 1.0)[:, None]))
+    q = jnp.round(255.0 * u)
+    q = jnp.where(b > 0, jnp.maximum(q, 1.0), 0.0)
+    return QuantizedMoment(jnp.clip(q, 0, 255).astype(jnp.uint8), scale)
+
+
+def _dequantize_nonneg(q, shape):
+    u = q.codes.astype(jnp.float32) / 255.0
+    return _unblocks((u * u) * (u * u) * q.scale[:, None], shape)
+
+
+def scale_by_adam_compressed(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_dtype: str = "bfloat16",
+                             block_size: int = 256, min_quantized_size: int = 4096) -> optax.GradientTransformation:
+    """Adam's ``m / (sqrt(v) + eps)`` scaling with moments stored compactly; all arithmetic in float32.
+
+    Args:
+      state_dtype: ``"bfloat16"`` (2 bytes per moment; round-to-nearest storage), or ``"int8"`` (about 1 byte
+        per moment + 4 bytes per block): block-wise 8-bit quantisation (in the spirit of Dettmers et al.,
+        "8-bit Optimizers via Block-wise Quantization", whose dynamic code is replaced by a power law):
+        codes are scaled by the block's absmax and companded (non-linear) so that small entries keep their
+        relative precision: cube-root signed codes for the first moment (``_quantize_signed``), fourth-root
+        unsigned codes for the second (``_quantize_nonneg``).
+        Quantisation uses round-to-nearest; the update of a step is computed from the fp32 moments *before*
+        they are re-quantised.
+      block_size: elements per quantisation block (int8 only).
+      min_quantized_size: leaves with fewer elements (norm scales, biases) keep float32 moments (int8 only);
+        their memory is negligible and they are the most sensitive.
+    """
+    if state_dtype not in ("bfloat16", "int8"):
+        raise ValueError(f"state_dtype must be 'bfloat16' or 'int8', got {state_dtype!r}")
+
+    def is_quant(x):
+        return state_dtype == "int8" and x.size >= min_quantized_size
+
+    def store(x, kind):
+        if state_dtype == "bfloat16":
+            return x.astype(jnp.bfloat16)
+        if not is_quant(x):
+            return x.astype(jnp.float32)
+        return _quantize_signed(x, block_size) if kind == "mu" else _quantize_nonneg(x, block_size)
+
+    def load(stored, like, kind):
+        if isinstance(stored, QuantizedMoment):
+            return (_dequantize_signed if kind == "mu" else _dequantize_nonneg)(stored, like.shape)
+        return stored.astype(jnp.float32)
+
+    def init_fn(params):
+        zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
+        return ScaleByAdamCompressedState(
+            count=jnp.zeros([], jnp.int32),
+            mu=jax.tree.map(lambda p: store(zeros(p), "mu"), params),
+            nu=jax.tree.map(lambda p: store(zeros(p), "nu"), params))
+
+    def update_fn(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        c1 = 1.0 - b1 ** count.astype(jnp.float32)
+        c2 = 1.0 - b2 ** count.astype(jnp.float32)
+
+        def leaf(g, mu_s, nu_s):
+            g32 = g.astype(jnp.float32)
+            mu = b1 * load(mu_s, g, "mu") + (1.0 - b1) * g32
+            nu = b2 * load(nu_s, g, "nu") + (1.0 - b2) * g32 * g32
+            u = (mu / c1) / (jnp.sqrt(nu / c2) + eps)
+            return _LeafOut(u.astype(g.dtype), store(mu, "mu"), store(nu, "nu"))
+
+        # mu / nu have the structure of ``updates`` with QuantizedMoment subtrees at the leaves: map over
+        # ``updates`` so those subtrees arrive whole.
+        out = jax.tree.map(leaf, updates, state.mu, state.nu)
+        pick = lambda i: jax.tree.map(lambda t: t[i], out, is_leaf=lambda x: isinstance(x, _LeafOut))
+        return pick(0), ScaleByAdamCompressedState(count=count, mu=pick(1), nu=pick(2))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _matrices_only(params):
+    """Default weight-decay mask: decay matrices / embeddings (ndim >= 2), not norm scales or biases."""
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_optimizer(learning_rate: float, end_learning_rate: float = 0.0, warmup_steps: int = 0,
+                   total_steps: int | None = None, b1: float = 0.9, b2: float = 0.999, weight_decay: float = 0.01,
+                   clip_norm: float | None = 1.0, state_dtype: str | None = None, *, eps: float = 1e-8,
+                   weight_decay_mask: Any = "matrices", quant_block_size: int = 256,
+                   quant_min_size: int = 4096) -> optax.GradientTransformation:
+    """Global-norm clipping + AdamW with linear warmup and cosine decay (``make_lr_schedule``).
+
+    Args:
+      learning_rate / end_learning_rate / warmup_steps / total_steps: the schedule (``total_steps=None``:
+        constant after warmup). Steps count optimizer updates.
+      b1, b2, eps: Adam.
+      weight_decay: decoupled (AdamW) decay, applied to ``weight_decay_mask``: ``"matrices"`` (default: leaves
+        with ndim >= 2), ``None`` (all leaves) or an optax mask (tree of bools / callable).
+      clip_norm: clip the global gradient norm to this value before Adam; ``None`` or 0 disables.
+      state_dtype: ``None`` (moments in the parameters' dtype, plain ``optax.scale_by_adam``), ``"bfloat16"``,
+        or ``"int8"`` (block-wise 8-bit, see ``scale_by_adam_compressed``).
+    """
+    schedule = make_lr_schedule(learning_rate, end_learning_rate, warmup_steps, total_steps)
+    parts = []
+    if clip_norm:
+        parts.append(optax.clip_by_global_norm(clip_norm))
+    if state_dtype is None:
+        parts.append(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    else:
+        state_dtype = {"bf16": "bfloat16", "8bit": "int8"}.get(state_dtype, state_dtype)
+        parts.append(scale_by_adam_compressed(b1, b2, eps, state_dtype, quant_block_size, quant_min_size))
+    if weight_decay:
+        mask = _matrices_only if weight_decay_mask == "matrices" else weight_decay_mask
+        parts.append(optax.add_decayed_weights(weight_decay, mask=mask))
+    parts.append(optax.scale_by_learning_rate(schedule))
+    return optax.chain(*parts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Train state and step
+# ----------------------------------------------------------------------------------------------------------------
+@flax.struct.dataclass
+class TrainState:
+    """Everything a training run needs to resume bit-exactly (a pytree of arrays).
+
+    params: model parameters.  opt_state: optimizer state.  step: int32 [] train steps done (``train_step``
+    calls).  skipped_updates: int32 [] optimizer updates skipped because of a non-finite loss / gradient.
+    rng: uint32 [2] PRNG key owned by the training loop (rollout sampling etc.; ``split_rng``).
+    """
+    params: PyTree
+    opt_state: PyTree
+    step: Array
+    skipped_updates: Array
+    rng: Array
+
+
+def create_train_state(params: PyTree, optimizer: optax.GradientTransformation, rng: Array | int) -> TrainState:
+    """Fresh state: ``optimizer.init(params)``, counters at 0. ``rng``: a uint32 [2] key or an int seed."""
+    if isinstance(rng, int):
+        rng = jax.random.PRNGKey(rng)
+    # One compiled program instead of op-by-op dispatch (much faster for big or quantised states).
+    opt_state = jax.jit(optimizer.init)(params)
+    return TrainState(params=params, opt_state=opt_state, step=jnp.zeros([], jnp.int32),
+                      skipped_updates=jnp.zeros([], jnp.int32), rng=jnp.asarray(rng))
+
+
+def split_rng(state: TrainState) -> tuple[TrainState, Array]:
+    """Returns ``(state with advanced rng, fresh key)``: the functional way to draw randomness from the state."""
+    new, key = jax.random.split(state.rng)
+    return state.replace(rng=new), key
+
+
+REQUIRED_BATCH_KEYS = ("tokens", "loss_mask", "old_logp", "advantages")
+
+
+def _reduce_kind(name):
+    if name.endswith("_min"):
+        return "min"
+    if name.endswith("_max"):
+        return "max"
+    if name == "normalizer":
+        return "sum"
+    return "mean"
+
+
+def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.GradientTransformation,
+                    num_minibatches: int = 1, num_microbatches: int = 1, *, shuffle: bool = False,
+                    donate: bool = True) -> Callable[[TrainState, Mapping[str, Array]], tuple[TrainState, dict]]:
+    """Builds ``train_step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
+
+    Args:
+      logp_fn: ``logp_fn(params, batch) -> (logp [b, L] float32, entropy [b, L] or None)`` on a (micro-)batch
+        dict; it receives every key of ``batch``.
+      loss_fn: ``loss_fn(logp, old_logp, advantages, mask, **kw) -> (loss, metrics)`` with hparams bound (e.g.
+        ``functools.partial(losses.gspo_loss, eps_high=4e-4)``). Called with ``entropy=`` when ``logp_fn``
+        returns one and ``ref_logp=`` when the batch has ``"ref_logp"``. If its metrics contain
+        ``"normalizer"`` (all losses of ``reno_jax.rl.losses`` do), micro-batch gradients are combined with
+        those weights, which reproduces the full-minibatch gradient exactly for every aggregation (sequence
+        mean, token mean, constant); otherwise micro-batches are weighted equally.
+      optimizer: an optax transformation (``make_optimizer``).
+      num_minibatches: M; the batch is split into M contiguous minibatches (after an optional shuffle), each
+        making one optimizer update in sequence (PPO-style; later ones see updated params, and the loss's
+        importance ratio against ``old_logp`` accounts for it).
+      num_microbatches: K; each minibatch is split into K micro-batches whose gradients are accumulated
+        (``lax.scan``) before the update: peak activation memory of a K-times-smaller batch.
+      shuffle: permute the batch rows before splitting, with a key split from ``state.rng`` (which advances).
+      donate: donate ``state`` to the jitted function (its buffers are reused; do not touch the old state).
+
+    ``batch``: dict of arrays with leading dimension B (divisible by M*K), at least ``tokens [B, L]``,
+    ``loss_mask [B, L]``, ``old_logp [B, L]``, ``advantages [B]`` (optional ``ref_logp [B, L]`` and anything
+    ``logp_fn`` needs).
+
+    A minibatch whose loss or gradient (global norm) is not finite leaves params and optimizer state untouched
+    and increments ``state.skipped_updates``. ``state.step`` increments by one per call.
+
+    Metrics (float32 scalars): the loss's metrics (weighted mean over micro-batches and mean over minibatches;
+    ``*_min`` / ``*_max`` reduce with min / max; ``normalizer`` is the minibatch total, averaged over
+    minibatches), ``loss``, ``grad_norm`` (global norm before clipping, mean over minibatches),
+    ``grad_norm_max``, ``skipped`` (updates skipped in this call) and ``skipped_updates`` (running total).
+    """
+    num_minibatches, num_microbatches = int(num_minibatches), int(num_microbatches)
+    if num_minibatches < 1 or num_microbatches < 1:
+        raise ValueError("num_minibatches and num_microbatches must be >= 1")
+
+    def loss_and_metrics(params, mb):
+        logp, entropy = logp_fn(params, mb)
+        kw = {}
+        if entropy is not None:
+            kw["entropy"] = entropy
+        if "ref_logp" in mb:
+            kw["ref_logp"] = mb["ref_logp"]
+        loss, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], **kw)
+        return loss, dict(metrics)
+
+    grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
+
+    def minibatch_grads(params, micro):
+        """Weighted accumulation over the leading (micro-batch) axis of ``micro``."""
+        def body(acc, mb):
+            (loss, metrics), grads = grad_fn(params, mb)
+            w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
+            g_acc, l_acc, w_acc = acc
+            g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
+            return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w)
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (g_sum, l_sum, w_sum), (mets, ws) = jax.lax.scan(body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
+        denom = jnp.maximum(w_sum, 1e-30)  # w_sum == 0 only when every loss sum is 0 too
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+        has_w = ws > 0
+        out = {}
+        for k, v in mets.items():
+            kind = _reduce_kind(k)
+            if kind == "sum":
+                out[k] = jnp.sum(v)
+            elif kind == "min":
+                out[k] = jnp.where(jnp.any(has_w), jnp.min(jnp.where(has_w, v, jnp.inf)), jnp.min(v))
+            elif kind == "max":
+                out[k] = jnp.where(jnp.any(has_w), jnp.max(jnp.where(has_w, v, -jnp.inf)), jnp.max(v))
+            else:
+                out[k] = jnp.where(w_sum > 0, jnp.sum(v * ws) / denom, jnp.mean(v))
+        return l_sum / denom, grads, out
+
+    def train_step(state: TrainState, batch: Mapping[str, Array]):
+        missing = [k for k in REQUIRED_BATCH_KEYS if k not in batch]
+        if missing:
+            raise ValueError(f"train_step: batch is missing keys {missing}; has {sorted(batch)}")
+        batch = dict(batch)
+        sizes = {k: jnp.shape(v)[0] if jnp.ndim(v) else None for k, v in batch.items()}
+        B = sizes["tokens"]
+        bad = {k: s for k, s in sizes.items() if s != B}
+        if bad:
+            raise ValueError(f"train_step: every batch entry needs leading dimension B={B}; got {bad}")
+        if B % (num_minibatches * num_microbatches):
+            raise ValueError(f"train_step: batch size {B} is not divisible by num_minibatches*num_microbatches = "
+                             f"{num_minibatches}*{num_microbatches}")
+        rng = state.rng
+        if shuffle:
+            rng, key = jax.random.split(rng)
+            perm = jax.random.permutation(key, B)
+            batch = jax.tree.map(lambda x: x[perm], batch)
+        mbs = jax.tree.map(
+            lambda x: x.reshape((num_minibatches, num_microbatches, B // (num_minibatches * num_microbatches))
+                                + x.shape[1:]), batch)
+
+        def update(carry, micro):
+            params, opt_state, skipped = carry
+            loss, grads, metrics = minibatch_grads(params, micro)
+            grad_norm = optax.tree.norm(grads)
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            # Select, not branch: a skipped update returns the old buffers bit-for-bit.
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+            carry = (keep(new_params, params), keep(new_opt_state, opt_state), skipped + (~ok).astype(jnp.int32))
+            metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
+            return carry, metrics
+
+        (params, opt_state, skipped), mets = jax.lax.scan(
+            update, (state.params, state.opt_state, jnp.zeros([], jnp.int32)), mbs)
+        metrics = {}
+        for k, v in mets.items():
+            kind = _reduce_kind(k)
+            metrics[k] = jnp.min(v) if kind == "min" else jnp.max(v) if kind == "max" else jnp.mean(v)
+        metrics["grad_norm_max"] = jnp.max(mets["grad_norm"])
+        new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
+                                  skipped_updates=state.skipped_updates + skipped, rng=rng)
+        metrics["skipped"] = skipped
+        metrics["skipped_updates"] = new_state.skipped_updates
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        return new_state, metrics
+
+    return jax.jit(train_step, donate_argnums=(0,) if donate else ())

@@ -1,0 +1,316 @@
+"""Tests for reno_jax.rl.losses: NumPy re-derivations, GSPO gradient, edge cases, jit/shape checks."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from reno_jax.rl import losses as L
+
+B, T = 6, 7
+
+
+def _inputs(seed=0, spread=0.3, seq_shift=0.0):
+    """Random loss inputs; ``seq_shift`` adds a per-sequence log-ratio offset (to straddle GSPO's tiny clip)."""
+    rng = np.random.default_rng(seed)
+    logp = -rng.uniform(0.1, 3.0, (B, T)).astype(np.float32)
+    shift = rng.uniform(-seq_shift, seq_shift, (B, 1))
+    old = (logp + shift + rng.normal(0, spread, (B, T))).astype(np.float32)
+    adv = rng.normal(0, 1, (B,)).astype(np.float32)
+    mask = rng.uniform(size=(B, T)) < 0.7
+    mask[0, :] = False  # a prompt-only (empty) row
+    mask[1, :] = False
+    mask[1, 3] = True  # a length-1 sequence
+        # Garbage at masked positions must not matter.
+    logp = np.where(mask, logp, -1e4).astype(np.float32)
+    ref = (logp + rng.normal(0, 0.2, (B, T))).astype(np.float32)
+    ent = rng.uniform(0, 2, (B, T)).astype(np.float32)
+    return logp, old, adv, mask, ref, ent
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NumPy references (written from the papers' formulas, loop style, independent of the implementation)
+# ---------------------------------------------------------------------------------------------------------------
+def _np_ppo(ratio, a, lo, hi):
+    return -min(ratio * a, np.clip(ratio, 1 - lo, 1 + hi) * a)
+
+
+def _np_k3(lp, rf):
+    return np.exp(rf - lp) - (rf - lp) - 1
+
+
+def np_gspo(logp, old, adv, mask, lo=3e-4, hi=4e-4, ref=None, kl=0.0, ent=None, ec=0.0):
+    terms = []
+    for i in range(B):
+        idx = np.nonzero(mask[i])[0]
+        if len(idx) == 0:
+            continue
+        s = np.exp(np.mean(logp[i, idx].astype(np.float64) - old[i, idx]))
+        t = _np_ppo(s, adv[i], lo, hi)
+        if ref is not None:
+            t += kl * np.mean(_np_k3(logp[i, idx].astype(np.float64), ref[i, idx]))
+        if ent is not None:
+            t -= ec * np.mean(ent[i, idx])
+        terms.append(t)
+    return np.mean(terms) if terms else 0.0
+
+
+def np_token_ppo(logp, old, adv, mask, lo, hi, agg, max_length=None, ref=None, kl=0.0, ent=None, ec=0.0):
+    per_seq_sums, per_seq_means, n_tok = [], [], 0
+    for i in range(B):
+        idx = np.nonzero(mask[i])[0]
+        vals = []
+        for t in idx:
+            r = np.exp(np.float64(logp[i, t]) - old[i, t])
+            v = _np_ppo(r, adv[i], lo, hi)
+            if ref is not None:
+                v += kl * _np_k3(np.float64(logp[i, t]), ref[i, t])
+            if ent is not None:
+                v -= ec * ent[i, t]
+            vals.append(v)
+        n_tok += len(vals)
+        per_seq_sums.append(sum(vals))
+        if vals:
+            per_seq_means.append(np.mean(vals))
+    if agg == "seq":
+        return np.mean(per_seq_means) if per_seq_means else 0.0
+    if agg == "tok":
+        return sum(per_seq_sums) / max(n_tok, 1)
+    if agg == "const":
+        return sum(per_seq_sums) / (B * (T if max_length is None else max_length))
+    raise ValueError(agg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_group_advantages_matches_numpy():
+    r = np.array([1.0, 0.0, 0.5, 0.5, -1.0, 2.0, 3.0, 3.0], np.float32)
+    got = np.asarray(L.group_advantages(r, 4))
+    g = r.reshape(2, 4).astype(np.float64)
+    want = ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-8)).reshape(-1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    got_nostd = np.asarray(L.group_advantages(r, 2, normalize_std=False))
+    g2 = r.reshape(4, 2)
+    np.testing.assert_allclose(got_nostd, (g2 - g2.mean(1, keepdims=True)).reshape(-1), atol=1e-6)
+
+
+def test_group_advantages_equal_rewards_zero_no_nan():
+    adv = np.asarray(L.group_advantages(jnp.full((8,), 0.8), 4))
+    assert np.all(np.isfinite(adv)) and np.all(adv == 0.0)
+
+
+def test_group_advantages_bad_group_size():
+    with pytest.raises(ValueError, match="group_size"):
+        L.group_advantages(jnp.zeros((6,)), 4)
+
+
+@pytest.mark.parametrize("with_extras", [False, True])
+def test_gspo_matches_numpy(with_extras):
+    logp, old, adv, mask, ref, ent = _inputs(1, spread=1e-4, seq_shift=1.5e-3)  # small spread: a mix of clipped / unclipped
+    kw = dict(ref_logp=ref, kl_coef=0.1, entropy=ent, entropy_coef=0.01) if with_extras else {}
+    loss, m = L.gspo_loss(logp, old, adv, mask, **kw)
+    want = np_gspo(logp, old, adv, mask, ref=kw.get("ref_logp"), kl=kw.get("kl_coef", 0.0),
+                   ent=kw.get("entropy"), ec=kw.get("entropy_coef", 0.0))
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(float(m["policy_loss"]), np_gspo(logp, old, adv, mask), rtol=1e-4, atol=1e-6)
+    # Ratio statistics over the valid sequences.
+    s = np.array([np.exp(np.mean(logp[i, mask[i]] - old[i, mask[i]])) for i in range(B) if mask[i].any()])
+    np.testing.assert_allclose(float(m["ratio_mean"]), s.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["ratio_min"]), s.min(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["ratio_max"]), s.max(), rtol=1e-5)
+    a = adv[mask.any(1)]
+    clipped = ((a > 0) & (s > 1 + 4e-4)) | ((a < 0) & (s < 1 - 3e-4))
+    np.testing.assert_allclose(float(m["clip_frac"]), clipped.mean(), atol=1e-6)
+    assert 0 < clipped.mean() < 1, "inputs should exercise both branches"
+    assert float(m["normalizer"]) == mask.any(1).sum()
+    d = np.where(mask, logp - old, 0)
+    np.testing.assert_allclose(float(m["approx_kl"]), (0.5 * d ** 2).sum() / mask.sum(), rtol=1e-4)
+    if with_extras:
+        np.testing.assert_allclose(float(m["entropy"]), ent[mask].mean(), rtol=1e-5)
+        np.testing.assert_allclose(float(m["kl"]), _np_k3(logp[mask], ref[mask]).mean(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("name,lo,hi,agg", [("grpo", 0.2, 0.2, "seq"), ("dapo", 0.2, 0.28, "tok"),
+                                            ("dr_grpo", 0.2, 0.2, "const")])
+@pytest.mark.parametrize("with_extras", [False, True])
+def test_token_losses_match_numpy(name, lo, hi, agg, with_extras):
+    logp, old, adv, mask, ref, ent = _inputs(2, spread=0.4)
+    kw = dict(ref_logp=ref, kl_coef=0.05, entropy=ent, entropy_coef=0.02) if with_extras else {}
+    loss, m = L.LOSSES[name](logp, old, adv, mask, **kw)
+    want = np_token_ppo(logp, old, adv, mask, lo, hi, agg, ref=kw.get("ref_logp"), kl=kw.get("kl_coef", 0.0),
+                        ent=kw.get("entropy"), ec=kw.get("entropy_coef", 0.0))
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-6)
+    r = np.exp(logp[mask] - old[mask])
+    a = np.broadcast_to(adv[:, None], mask.shape)[mask]
+    clipped = ((a > 0) & (r > 1 + hi)) | ((a < 0) & (r < 1 - lo))
+    np.testing.assert_allclose(float(m["clip_frac"]), clipped.mean(), atol=1e-6)
+    assert 0 < clipped.mean() < 1
+    np.testing.assert_allclose(float(m["ratio_min"]), r.min(), rtol=1e-5)
+    np.testing.assert_allclose(float(m["ratio_max"]), r.max(), rtol=1e-5)
+
+
+def test_dr_grpo_max_length_constant():
+    logp, old, adv, mask, _, _ = _inputs(3, spread=0.4)
+    loss, m = L.dr_grpo_loss(logp, old, adv, mask, max_length=32)
+    np.testing.assert_allclose(float(loss), np_token_ppo(logp, old, adv, mask, 0.2, 0.2, "const", max_length=32),
+                               rtol=1e-4, atol=1e-7)
+    assert float(m["normalizer"]) == B * 32
+
+
+def test_gspo_token_matches_gspo_for_sequence_advantages():
+    logp, old, adv, mask, _, _ = _inputs(4, spread=1e-4, seq_shift=1.5e-3)
+    f1 = lambda lp: L.gspo_loss(lp, old, adv, mask)[0]
+    f2 = lambda lp: L.gspo_token_loss(lp, old, adv, mask)[0]
+    np.testing.assert_allclose(float(f1(logp)), float(f2(logp)), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(jax.grad(f1)(logp)), np.asarray(jax.grad(f2)(logp)), rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_gspo_token_with_token_advantages_numpy():
+    logp, old, _, mask, _, _ = _inputs(5, spread=1e-4, seq_shift=1.5e-3)
+    adv_tok = np.random.default_rng(0).normal(size=(B, T)).astype(np.float32)
+    loss, _ = L.gspo_token_loss(logp, old, adv_tok, mask)
+    terms = []
+    for i in range(B):
+        idx = np.nonzero(mask[i])[0]
+        if len(idx):
+            s = np.exp(np.mean(np.float64(logp[i, idx]) - old[i, idx]))
+            terms.append(np.mean([_np_ppo(s, adv_tok[i, t], 3e-4, 4e-4) for t in idx]))
+    np.testing.assert_allclose(float(loss), np.mean(terms), rtol=1e-4, atol=1e-7)
+    # Token-level gradient: d/dlogp_t = -sg(s_i) * A_t / |y_i| / n_valid on unclipped tokens.
+    g = np.asarray(jax.grad(lambda lp: L.gspo_token_loss(lp, old, adv_tok, mask)[0])(logp))
+    n_valid = mask.any(1).sum()
+    for i in range(B):
+        idx = np.nonzero(mask[i])[0]
+        if len(idx) == 0:
+            assert np.all(g[i] == 0)
+            continue
+        s = np.exp(np.mean(np.float64(logp[i, idx]) - old[i, idx]))
+        for t in idx:
+            a = adv_tok[i, t]
+            clipped = (a > 0 and s > 1 + 4e-4) or (a < 0 and s < 1 - 3e-4)
+            want = 0.0 if clipped else -s * a / len(idx) / n_valid
+            np.testing.assert_allclose(g[i, t], want, rtol=1e-4, atol=1e-7)
+
+
+def test_gspo_gradient_matches_textbook():
+    """jax.grad of gspo_loss == jax.grad of the paper's sequence formula written directly == analytic."""
+    logp, old, adv, mask, _, _ = _inputs(6, spread=1e-4, seq_shift=1.5e-3)
+    lo, hi = 3e-4, 4e-4
+    maskf = mask.astype(np.float32)
+
+    def textbook(lp):
+        # J = 1/G sum_i min(s_i A_i, clip(s_i) A_i), s_i = (prod_t pi/pi_old)^(1/|y_i|); loss = -J.
+        lengths = maskf.sum(1)
+        valid = lengths > 0
+        seq_logratio = jnp.sum(jnp.where(mask, lp - old, 0.0), axis=1)
+        s = jnp.power(jnp.exp(seq_logratio), 1.0 / np.maximum(lengths, 1))
+        obj = jnp.minimum(s * adv, jnp.clip(s, 1 - lo, 1 + hi) * adv)
+        return -jnp.sum(jnp.where(valid, obj, 0.0)) / valid.sum()
+
+    g_impl = np.asarray(jax.grad(lambda lp: L.gspo_loss(lp, old, adv, mask)[0])(logp))
+    g_text = np.asarray(jax.grad(textbook)(jnp.asarray(logp)))
+    np.testing.assert_allclose(g_impl, g_text, rtol=1e-4, atol=1e-7)
+    # Paper's gradient: token weight s_i * A_i / |y_i| (unclipped), 0 when clipped, same for all tokens of i.
+    lengths = mask.sum(1)
+    n_valid = (lengths > 0).sum()
+    n_unclipped = 0
+    for i in range(B):
+        if lengths[i] == 0:
+            assert np.all(g_impl[i] == 0)
+            continue
+        s = np.exp(np.mean(np.float64(logp[i, mask[i]]) - old[i, mask[i]]))
+        clipped = (adv[i] > 0 and s > 1 + hi) or (adv[i] < 0 and s < 1 - lo)
+        n_unclipped += not clipped
+        want = np.where(mask[i], 0.0 if clipped else -s * adv[i] / lengths[i] / n_valid, 0.0)
+        np.testing.assert_allclose(g_impl[i], want, rtol=1e-4, atol=1e-7)
+    assert 0 < n_unclipped < n_valid, "inputs should exercise clipped and unclipped sequences"
+
+
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_empty_masks_no_nan(name):
+    logp, old, adv, mask, ref, ent = _inputs(7)
+    empty = np.zeros_like(mask)
+    f = lambda lp: L.LOSSES[name](lp, old, adv, empty, ref_logp=ref, kl_coef=0.1, entropy=ent,
+                                  entropy_coef=0.1)
+    (loss, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
+    assert float(loss) == 0.0
+    assert all(np.isfinite(float(v)) for v in m.values()), m
+    assert np.all(np.asarray(g) == 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_empty_rows_contribute_nothing(name):
+    """Rows 0 (empty mask) get zero gradient and changing them changes nothing (masked garbage included)."""
+    logp, old, adv, mask, _, _ = _inputs(8)
+    f = lambda lp, a, o: L.LOSSES[name](lp, o, a, mask)[0]
+    g = np.asarray(jax.grad(f)(logp, adv, old))
+    assert np.all(np.isfinite(g)) and np.all(g[0] == 0) and np.all(g[~mask] == 0)
+    adv2, old2 = adv.copy(), old.copy()
+    adv2[0] = 100.0
+    old2[0] = 50.0
+    old2[~mask] = 1e6  # huge garbage where the mask is 0 must not overflow anything
+    np.testing.assert_allclose(float(f(logp, adv2, old2)), float(f(logp, adv, old)), rtol=1e-6)
+    assert np.all(np.isfinite(np.asarray(jax.grad(f)(logp, adv2, old2))))
+
+
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_zero_advantage_group(name):
+    """All-equal rewards -> zero advantages -> zero policy loss and zero gradient, no NaN."""
+    logp, old, _, mask, _, _ = _inputs(9, spread=0.5)
+    adv = L.group_advantages(jnp.ones((B,)), 3)
+    (loss, m), g = jax.value_and_grad(lambda lp: L.LOSSES[name](lp, old, adv, mask), has_aux=True)(logp)
+    assert float(loss) == 0.0 and float(m["clip_frac"]) == 0.0
+    assert np.all(np.asarray(g) == 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_length_one_sequences(name):
+    logp = jnp.array([[-1.0], [-2.0], [-0.5]])
+    old = jnp.array([[-1.0], [-2.1], [-0.5]])
+    adv = jnp.array([1.0, -1.0, 0.5])
+    mask = jnp.array([[True], [True], [False]])
+    (loss, m), g = jax.value_and_grad(lambda lp: L.LOSSES[name](lp, old, adv, mask), has_aux=True)(logp)
+    assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in m.values())
+    assert float(g[2, 0]) == 0.0 and float(g[0, 0]) != 0.0
+
+
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_on_policy_ratio_is_one(name):
+    logp, _, adv, mask, _, _ = _inputs(10)
+    loss, m = jax.jit(L.LOSSES[name])(logp, logp, adv, mask)
+    assert float(m["ratio_min"]) == pytest.approx(1.0) and float(m["ratio_max"]) == pytest.approx(1.0)
+    assert float(m["clip_frac"]) == 0.0 and float(m["approx_kl"]) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(L.LOSSES))
+def test_jit_and_shapes(name):
+    logp, old, adv, mask, ref, ent = _inputs(11)
+    fn = jax.jit(lambda *a: L.LOSSES[name](*a[:4], ref_logp=a[4], kl_coef=0.1, entropy=a[5],
+                                           entropy_coef=0.01))
+    loss, m = fn(logp, old, adv, mask, ref, ent)
+    chex.assert_shape(loss, ())
+    chex.assert_type(loss, jnp.float32)
+    expected = {"policy_loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl", "kl", "entropy",
+                "normalizer"}
+    assert set(m) == expected
+    for v in m.values():
+        chex.assert_shape(v, ())
+        chex.assert_type(v, jnp.float32)
+    eager, _ = L.LOSSES[name](logp, old, adv, mask, ref_logp=ref, kl_coef=0.1, entropy=ent, entropy_coef=0.01)
+    np.testing.assert_allclose(float(loss), float(eager), rtol=1e-6)
+
+
+def test_bad_shapes_and_args_raise():
+    logp, old, adv, mask, _, _ = _inputs(12)
+    with pytest.raises(ValueError, match="old_logp"):
+        L.gspo_loss(logp, old[:, :3], adv, mask)
+    with pytest.raises(ValueError, match="advantages"):
+        L.grpo_loss(logp, old, adv[:3], mask)
+    with pytest.raises(ValueError, match="advantages"):
+        L.gspo_loss(logp, old, np.zeros((B, T)), mask)  # token advantages only for gspo_token
+    with pytest.raises(ValueError, match="ref_logp"):
+        L.dapo_loss(logp, old, adv, mask, kl_coef=0.1)
+    with pytest.raises(ValueError, match="unknown loss"):
+        L.get_loss("ppo2")
+    assert L.NORMALIZE_STD["dr_grpo"] is False and set(L.NORMALIZE_STD) == set(L.LOSSES)

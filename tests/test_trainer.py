@@ -1,0 +1,330 @@
+"""Tests for reno_jax.rl.trainer with a toy bigram softmax policy."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from reno_jax.rl import losses, trainer
+
+V, L, B = 64, 6, 8  # V*V = 4096 elements: large enough to be 8-bit quantised by default
+
+
+def toy_params(seed=0):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return {"w": 0.3 * jax.random.normal(k1, (V, V)), "b": 0.1 * jax.random.normal(k2, (V,))}
+
+
+def toy_logp_fn(params, batch):
+    """Bigram policy: p(tok_t | tok_{t-1}) = softmax(w[tok_{t-1}] + b). Returns (logp [b, L], entropy [b, L])."""
+    tokens = batch["tokens"]
+    logits = params["w"][tokens[:, :-1]] + params["b"]  # [b, L-1, V]
+    logits = logits + batch.get("poison", jnp.zeros(tokens.shape[:1]))[:, None, None]
+    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jnp.take_along_axis(lsm, tokens[:, 1:, None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(lsm) * lsm, axis=-1)
+    pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+    return jnp.concatenate([pad, logp], 1), jnp.concatenate([pad, ent], 1)
+
+
+def make_batch(params, seed=0, ragged=True):
+    """Random tokens; reward = number of generated tokens < 8 (so it is learnable); uneven masks."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, V, (B, L)).astype(np.int32)
+    mask = np.zeros((B, L), bool)
+    starts = rng.integers(1, 3, B) if ragged else np.full(B, 2)
+    ends = rng.integers(3, L + 1, B) if ragged else np.full(B, L)
+    for i in range(B):
+        mask[i, starts[i]:ends[i]] = True
+    if ragged:
+        mask[B - 1] = False  # an all-prompt row
+    reward = ((tokens < 8) & mask).sum(1).astype(np.float32)
+    adv = losses.group_advantages(reward, 4)
+    batch = {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask), "advantages": adv}
+    logp, _ = toy_logp_fn(params, batch)
+    batch["old_logp"] = jnp.where(batch["loss_mask"], logp, 0.0)
+    return batch
+
+
+def weighted_logp(params, batch):
+    """Sum_i A_i * mean_{t in mask_i} logp_{i,t}: what policy-gradient steps should increase."""
+    logp, _ = toy_logp_fn(params, batch)
+    m = batch["loss_mask"]
+    per_seq = jnp.sum(jnp.where(m, logp, 0), 1) / jnp.maximum(m.sum(1), 1)
+    return float(jnp.sum(batch["advantages"] * per_seq))
+
+
+def fresh_state(opt, seed=0):
+    return trainer.create_train_state(toy_params(seed), opt, 0)
+
+
+_OPTS = {
+    "sgd": lambda: optax.sgd(0.5),
+    "adamw": lambda: trainer.make_optimizer(3e-2, weight_decay=0.0),
+    "adamw_bf16": lambda: trainer.make_optimizer(3e-2, weight_decay=0.0, state_dtype="bfloat16"),
+    "adamw_int8": lambda: trainer.make_optimizer(3e-2, weight_decay=0.0, state_dtype="int8"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def get_step(loss_name, opt_name, M=1, K=1, shuffle=False):
+    """(optimizer, jitted step), cached so tests share compilations (CPU compiles dominate the runtime)."""
+    opt = _OPTS[opt_name]()
+    return opt, trainer.make_train_step(toy_logp_fn, losses.LOSSES[loss_name], opt, num_minibatches=M,
+                                        num_microbatches=K, shuffle=shuffle)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_schedule_warmup_then_cosine():
+    s = trainer.make_lr_schedule(1e-3, 1e-4, warmup_steps=4, total_steps=14)
+    np.testing.assert_allclose([float(s(n)) for n in range(4)], [2.5e-4, 5e-4, 7.5e-4, 1e-3], rtol=1e-6)
+    np.testing.assert_allclose(float(s(4)), 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(float(s(9)), 1e-4 + 0.5 * 9e-4, rtol=1e-5)  # half-way through the cosine
+    np.testing.assert_allclose(float(s(14)), 1e-4, rtol=1e-5)
+    np.testing.assert_allclose(float(s(100)), 1e-4, rtol=1e-5)
+    const = trainer.make_lr_schedule(2e-3, warmup_steps=0)
+    assert float(const(0)) == pytest.approx(2e-3) and float(const(10 ** 6)) == pytest.approx(2e-3)
+    with pytest.raises(ValueError):
+        trainer.make_lr_schedule(1e-3, warmup_steps=10, total_steps=5)
+
+
+def test_optimizer_matches_optax_adamw():
+    """state_dtype=None with full decay mask is exactly clip + optax.adamw under the same schedule."""
+    params = toy_params()
+    sched = trainer.make_lr_schedule(1e-2, 1e-3, 2, 10)
+    ours = trainer.make_optimizer(1e-2, 1e-3, 2, 10, weight_decay=0.1, clip_norm=0.5, weight_decay_mask=None)
+    ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(sched, weight_decay=0.1))
+
+    @jax.jit
+    def run(p1, p2):
+        s1, s2 = ours.init(p1), ref.init(p2)
+        for i in range(4):
+            g = jax.tree.map(lambda x: jnp.sin(x * (i + 1)), p1)
+            u1, s1 = ours.update(g, s1, p1)
+            u2, s2 = ref.update(g, s2, p2)
+            p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+        return p1, p2
+
+    p1, p2 = run(params, params)
+    chex.assert_trees_all_close(p1, p2, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(p1["w"], params["w"])
+
+
+def test_weight_decay_mask_matrices_only():
+    params = toy_params()
+    opt = trainer.make_optimizer(1.0, weight_decay=0.5, clip_norm=None)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    u, _ = opt.update(zero, opt.init(params), params)
+    np.testing.assert_allclose(np.asarray(u["w"]), -0.5 * np.asarray(params["w"]), rtol=1e-6)
+    assert np.all(np.asarray(u["b"]) == 0)
+
+
+def test_quantized_moment_roundtrip():
+    x = jax.random.normal(jax.random.PRNGKey(1), (1000, 7)) * jnp.logspace(-4, 0, 7)
+    q = jax.jit(trainer._quantize_signed, static_argnums=1)(x, 256)
+    assert q.codes.dtype == jnp.int8 and q.codes.shape == (28, 256) and q.scale.shape == (28,)
+    back = np.asarray(jax.jit(trainer._dequantize_signed, static_argnums=1)(q, x.shape))
+    xn = np.asarray(x)
+    bmax = np.repeat(np.asarray(q.scale), 256)[: x.size].reshape(x.shape)
+    assert np.all(np.abs(back - xn) <= bmax * (1 - (126.5 / 127) ** 3) + 1e-12)  # half a code at the top
+    assert np.all(np.sign(back[back != 0]) == np.sign(xn[back != 0]))
+    mid = np.abs(xn) > 1e-3 * bmax  # small entries keep their relative precision (linear codes would zero them)
+    rel = np.abs(back[mid] - xn[mid]) / np.abs(xn[mid])
+    assert rel.max() < 0.15 and np.median(rel) < 0.02
+    v = x * x
+    qv = jax.jit(trainer._quantize_nonneg, static_argnums=1)(v, 256)
+    assert qv.codes.dtype == jnp.uint8
+    back = np.asarray(jax.jit(trainer._dequantize_nonneg, static_argnums=1)(qv, v.shape))
+    assert np.all((back > 0) == (np.asarray(v) > 0)), "non-zero second moments must stay non-zero"
+    big = np.asarray(v) > 1e-6 * bmax ** 2  # well inside the companded range
+    rel = np.abs(back[big] - np.asarray(v)[big]) / np.asarray(v)[big]
+    assert rel.max() < 0.25 and np.median(rel) < 0.05
+
+
+def test_compressed_adam_tracks_fp32():
+    """Low-memory moments follow the fp32 Adam trajectory on the toy policy-gradient problem."""
+    batch = make_batch(toy_params(), seed=3)
+    finals = {}
+    for opt_name in ("adamw", "adamw_bf16", "adamw_int8"):
+        opt, step = get_step("gspo", opt_name, 2, 2)
+        state = fresh_state(opt)
+        if opt_name == "adamw_int8":
+            assert state.opt_state[1].mu["w"].codes.dtype == jnp.int8
+            assert state.opt_state[1].nu["w"].codes.dtype == jnp.uint8
+            assert state.opt_state[1].mu["b"].dtype == jnp.float32  # small leaf kept in fp32
+        if opt_name == "adamw_bf16":
+            assert state.opt_state[1].mu["w"].dtype == jnp.bfloat16
+        for _ in range(6):  # 12 updates: on-policy GSPO iterations
+            logp, _ = toy_logp_fn(state.params, batch)
+            batch = dict(batch, old_logp=jnp.where(batch["loss_mask"], logp, 0.0))
+            state, m = step(state, batch)
+            assert float(m["skipped"]) == 0
+        finals[opt_name] = jax.device_get(state.params)
+    p0 = toy_params()
+    d_ref = finals["adamw"]["w"] - p0["w"]
+    for opt_name, tol in (("adamw_bf16", 0.01), ("adamw_int8", 0.04)):
+        rel = np.linalg.norm(finals[opt_name]["w"] - p0["w"] - d_ref) / np.linalg.norm(d_ref)
+        assert rel < tol, (opt_name, rel)
+
+
+def test_policy_improves_gspo_on_policy():
+    """GSPO on-policy iterations increase the advantage-weighted log-likelihood every step."""
+    opt, step = get_step("gspo", "adamw", 2, 1)
+    state = fresh_state(opt)
+    batch = make_batch(state.params, seed=1)
+    values = [weighted_logp(state.params, batch)]
+    for _ in range(5):
+        logp, _ = toy_logp_fn(state.params, batch)
+        batch = dict(batch, old_logp=jnp.where(batch["loss_mask"], logp, 0.0))
+        state, m = step(state, batch)
+        values.append(weighted_logp(state.params, batch))
+    assert all(b > a for a, b in zip(values, values[1:])), values
+    assert int(state.step) == 5 and int(state.skipped_updates) == 0
+
+
+def test_loss_decreases_grpo_fixed_old_logp():
+    opt, step = get_step("grpo", "adamw")
+    state = fresh_state(opt)
+    batch = make_batch(state.params, seed=2)
+    losses_seen = []
+    for _ in range(4):
+        state, m = step(state, batch)
+        losses_seen.append(float(m["loss"]))
+    assert all(b < a for a, b in zip(losses_seen, losses_seen[1:])), losses_seen
+    assert float(m["ratio_max"]) > 1.0 and float(m["approx_kl"]) > 0.0
+    assert np.isfinite(float(m["grad_norm"])) and float(m["grad_norm"]) > 0
+    assert float(m["entropy"]) > 0  # the entropy returned by logp_fn reaches the loss metrics
+
+
+def _offpolicy_batch(seed):
+    batch = make_batch(toy_params(), seed=seed)
+    # Off-policy old_logp so clipping and ratios are exercised.
+    noise = jnp.asarray(np.random.default_rng(seed).normal(size=(B, L)), jnp.float32)
+    batch["old_logp"] = batch["old_logp"] + 0.3 * noise * batch["loss_mask"]
+    return batch
+
+
+def _assert_same_update(a, b):
+    (pa, ma), (pb, mb) = a, b
+    chex.assert_trees_all_close(pa, pb, rtol=1e-5, atol=1e-6)
+    for k in ("loss", "grad_norm", "ratio_max", "ratio_min", "normalizer"):
+        np.testing.assert_allclose(float(ma[k]), float(mb[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+# Sequence-count and token-count normalisers; Dr. GRPO's constant B*L normaliser is the trivial equal-weight case.
+@pytest.mark.parametrize("loss_name", ["gspo", "dapo"])
+def test_microbatching_equals_full_batch(loss_name):
+    """Gradient accumulation over K micro-batches reproduces the full-batch update (ragged masks, empty row)."""
+    batch = _offpolicy_batch(4)
+    out = {}
+    for K in (1, 4):
+        opt, step = get_step(loss_name, "sgd", 1, K)
+        state, m = step(fresh_state(opt), batch)
+        out[K] = (jax.device_get(state.params), m)
+    _assert_same_update(out[1], out[4])
+
+
+def test_microbatching_equals_full_minibatch_adamw_two_minibatches():
+    batch = _offpolicy_batch(5)
+    out = {}
+    for K in (1, 2):
+        opt, step = get_step("gspo", "adamw", 2, K)
+        state, m = step(fresh_state(opt), batch)
+        out[K] = (jax.device_get(state.params), m)
+    _assert_same_update(out[1], out[2])
+    # Two sequential minibatch updates really differ from a single full-batch update (the split is not a no-op).
+    opt, step = get_step("gspo", "adamw")
+    state, _ = step(fresh_state(opt), batch)
+    assert not np.allclose(jax.device_get(state.params)["w"], out[1][0]["w"], atol=1e-6)
+
+
+def test_full_batch_gradient_matches_direct_grad():
+    """One SGD step == params - lr * jax.grad(loss) computed directly on the whole batch."""
+    batch = make_batch(toy_params(), seed=5)
+    opt, step = get_step("dapo", "sgd", 1, 4)
+    lr = 0.5
+    state, m = step(fresh_state(opt), batch)
+
+    def direct(p):
+        logp, ent = toy_logp_fn(p, batch)
+        return losses.dapo_loss(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], entropy=ent)[0]
+
+    p0 = toy_params()
+    g = jax.jit(jax.grad(direct))(p0)
+    want = jax.tree.map(lambda p, gg: p - lr * gg, p0, g)
+    chex.assert_trees_all_close(jax.device_get(state.params), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(g)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_name,num_minibatches", [("grpo", 1), ("gspo", 2)])
+def test_nan_skips_update_and_counts(loss_name, num_minibatches):
+    opt, step = get_step(loss_name, "adamw", num_minibatches)
+    state = fresh_state(opt)
+    batch = make_batch(state.params, seed=6)
+    batch["poison"] = jnp.zeros((B,))
+    state, _ = step(state, batch)  # one clean step so the optimizer state is non-trivial
+    before = jax.device_get((state.params, state.opt_state))
+    poisoned = dict(batch, poison=batch["poison"].at[B - 2].set(jnp.nan))  # a row of the last minibatch
+    state, m = step(state, poisoned)
+    after = jax.device_get((state.params, state.opt_state))
+    assert int(state.step) == 2 and int(state.skipped_updates) == 1
+    assert float(m["skipped"]) == 1 and float(m["skipped_updates"]) == 1
+    if num_minibatches == 1:
+        # Bit-identical params and optimizer state.
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before, after)
+    else:
+        # The first (clean) minibatch update went through, the poisoned one was skipped.
+        assert not np.array_equal(before[0]["w"], after[0]["w"])
+        assert np.all(np.isfinite(after[0]["w"]))
+    # Infinite gradients are caught too, and a clean step afterwards updates again.
+    inf_batch = dict(batch, advantages=batch["advantages"].at[0].set(jnp.inf))
+    state, m = step(state, inf_batch)
+    assert int(state.skipped_updates) == 2
+    state, m = step(state, batch)
+    assert int(state.skipped_updates) == 2 and float(m["skipped"]) == 0
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(state.params)))
+
+
+def test_donation_and_metric_shapes():
+    opt, step = get_step("gspo", "adamw_int8", 2, 2)
+    state = fresh_state(opt)
+    batch = make_batch(state.params, seed=7)
+    old_w = state.params["w"]
+    new_state, m = step(state, batch)
+    assert old_w.is_deleted(), "state buffers should have been donated"
+    jax.tree.map(lambda x: x.block_until_ready(), new_state)
+    for k, v in m.items():
+        chex.assert_shape(v, ())
+        chex.assert_type(v, jnp.float32)
+    assert {"loss", "grad_norm", "grad_norm_max", "skipped", "skipped_updates", "clip_frac", "ratio_mean",
+            "approx_kl", "entropy", "policy_loss", "normalizer"} <= set(m)
+    new_state, _ = step(new_state, batch)  # donated buffers reused without error
+    assert int(new_state.step) == 2
+
+
+def test_shuffle_uses_and_advances_rng():
+    batch = make_batch(toy_params(), seed=8)
+    opt, step = get_step("grpo", "sgd", 2, 1, shuffle=True)
+    s1, _ = step(fresh_state(opt), batch)
+    s2, _ = step(fresh_state(opt), batch)
+    chex.assert_trees_all_equal(jax.device_get(s1.params), jax.device_get(s2.params))  # deterministic
+    assert not np.array_equal(np.asarray(s1.rng), np.asarray(jax.random.PRNGKey(0)))
+    s3, key = trainer.split_rng(s1)
+    assert key.shape == (2,) and not np.array_equal(np.asarray(s3.rng), np.asarray(s1.rng))
+
+
+def test_bad_batches_raise():
+    opt = optax.sgd(0.1)
+    step = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, num_minibatches=3)
+    batch = make_batch(toy_params(), seed=9)
+    with pytest.raises(ValueError, match="divisible"):
+        step(fresh_state(opt), batch)  # raised while tracing: nothing is compiled
+    opt, step = get_step("gspo", "sgd")
+    with pytest.raises(ValueError, match="missing"):
+        step(fresh_state(opt), {k: v for k, v in batch.items() if k != "old_logp"})
+    with pytest.raises(ValueError, match="leading dimension"):
+        step(fresh_state(opt), dict(batch, advantages=batch["advantages"][:4]))
