@@ -22,25 +22,25 @@ def get_config() -> ml_collections.ConfigDict:
   # Embedded tiny Ling-3.0 (bailing_hybrid) architecture: every layer kind is present
   # (KDA, gated MLA, dense SwiGLU MLP, MoE with shared expert).
   c.model.tiny = ml_collections.ConfigDict(dict(
-      hidden_size=128,
-      intermediate_size=256,
-      num_hidden_layers=4,
-      layer_group_size=2,           # layers: KDA, MLA, KDA, MLA
+      hidden_size=64,
+      intermediate_size=128,
+      num_hidden_layers=3,
+      layer_group_size=2,           # layers: KDA, MLA, MLA (the tail layer that does not fill a group is MLA)
       num_attention_heads=4,
-      head_dim=32,
-      first_k_dense_replace=1,      # layer 0 dense, layers 1..3 MoE
+      head_dim=16,
+      first_k_dense_replace=1,      # layer 0 dense SwiGLU, layers 1..2 MoE
       num_experts=4,
       num_experts_per_tok=2,
       n_group=1,
       topk_group=1,
-      moe_intermediate_size=128,
-      moe_shared_expert_intermediate_size=128,
+      moe_intermediate_size=64,
+      moe_shared_expert_intermediate_size=64,
       num_shared_experts=1,
-      q_lora_rank=64,
-      kv_lora_rank=64,
-      qk_nope_head_dim=32,
-      qk_rope_head_dim=16,
-      v_head_dim=32,
+      q_lora_rank=32,
+      kv_lora_rank=32,
+      qk_nope_head_dim=16,
+      qk_rope_head_dim=8,
+      v_head_dim=16,
   ))
 
   # --- task -------------------------------------------------------------------------------------
@@ -63,9 +63,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- rollout ----------------------------------------------------------------------------------
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.boards_per_step = 32
+  c.rollout.boards_per_step = 64
   c.rollout.group_size = 8       # samples per board (GSPO group)
-  c.rollout.max_new_tokens = 24  # per turn
+  c.rollout.max_new_tokens = 16  # per turn
   c.rollout.max_turns = 1
   c.rollout.max_length = 0       # 0: prompt length + max_turns * (max_new_tokens + tool response)
   c.rollout.temperature = 1.0
@@ -89,6 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.clip_norm = 1.0
   c.rl.num_minibatches = 1       # optimiser steps per rollout batch
   c.rl.num_microbatches = 1
+  c.rl.train_groups = 16         # train on the 16 groups with the largest reward spread (0: all groups)
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
 
   # --- bookkeeping ------------------------------------------------------------------------------

@@ -1,0 +1,37 @@
+"""The published AReno setting, for a GPU: Ling-3.0-tiny (bailing_hybrid) on the one-decision move task.
+
+  python -m experiments.train_tictactoe --config=configs/areno_ling3_tiny.py \
+      --config.model.path=/path/to/Ling-3.0-tiny --workdir=workdir/areno
+
+Ling-3.0-tiny from a local HF directory in bf16, its own tokenizer and chat template, 4 boards x 4 samples per
+step, up to 1471 new tokens, learning rate 1e-8 decaying to 1e-9, 400 GSPO steps, a checkpoint every 100 steps.
+The published run kept 8-bit Adam states: `rl.optimizer_state_dtype = "int8"` keeps the optimiser state of the
+7.9B-parameter model small enough for one 128 GB device (bf16 params 15.8 GB + int8 moments ~15.8 GB).
+"""
+
+from configs import tictactoe_tiny
+
+
+def get_config():
+  c = tictactoe_tiny.get_config()
+  c.num_steps = 400
+  c.model.path = ""  # required: --config.model.path=/path/to/Ling-3.0-tiny
+  c.model.dtype = "bfloat16"
+  c.sft.num_steps = 0  # a real checkpoint already knows the call format
+  c.rollout.boards_per_step = 4
+  c.rollout.group_size = 4
+  c.rollout.max_new_tokens = 1471
+  c.rollout.max_turns = 1
+  c.rollout.temperature = 1.0
+  c.rl.loss = "gspo"
+  c.rl.eps_low = 3e-4
+  c.rl.eps_high = 4e-4
+  c.rl.learning_rate = 1e-8
+  c.rl.end_learning_rate = 1e-9
+  c.rl.warmup_steps = 0
+  c.rl.num_minibatches = 1
+  c.rl.num_microbatches = 4
+  c.rl.optimizer_state_dtype = "int8"
+  c.checkpoint_every = 100
+  c.keep_checkpoints = 4
+  return c

@@ -1,0 +1,175 @@
+r"""Evaluates the latest checkpoint of a training workdir with that run's own config.
+
+  python -m experiments.evaluate --workdir=workdir/tiny                       # move task, exhaustive boards
+  python -m experiments.evaluate --workdir=workdir/tiny --task=game --opponent=minimax --side=both \
+      --num_episodes=200 --sampled
+
+Move task: every board of the chosen set (default: all 2423 non-terminal X-to-move positions) is answered once;
+prints mean reward, invalid-call rate, illegal-move rate, optimal-move rate and immediate-win-taken rate.
+Game task: N games against the chosen opponent as X, as O or both; prints win/draw/loss/invalid rates and mean
+turns. Both report mean generated tokens, can write a few rendered transcripts (--transcripts), and end with
+one JSON line of figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from absl import app, flags, logging
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+
+from reno_jax import pipeline
+from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.envs import tokenizer as tokenizer_lib
+from reno_jax.rl import trainer
+from reno_jax.rollout import rollout as rollout_lib
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.json and checkpoints).",
+                               required=True)
+_TASK = flags.DEFINE_enum("task", None, ["move", "game"], "Task; default: the run's task.")
+_BOARDS = flags.DEFINE_string("boards", "exhaustive", "Move task board set: exhaustive, train, heldout or a "
+                              "JSONL path.")
+_OPPONENT = flags.DEFINE_enum("opponent", None, ["random", "minimax", "epsilon"], "Game task opponent; default: "
+                              "the run's.")
+_EPSILON = flags.DEFINE_float("epsilon", None, "Epsilon of the epsilon opponent; default: the run's.")
+_SIDE = flags.DEFINE_enum("side", "both", ["x", "o", "both"], "Game task: the agent's side.")
+_NUM_EPISODES = flags.DEFINE_integer("num_episodes", 0, "Episodes (0: every board for the move task, 256 games).")
+_SAMPLED = flags.DEFINE_bool("sampled", False, "Sample with the run's temperature instead of greedy decoding.")
+_BATCH = flags.DEFINE_integer("batch_size", 256, "Episodes per jitted rollout call.")
+_SEED = flags.DEFINE_integer("seed", 0, "RNG seed (sampling, opponent).")
+_TRANSCRIPTS = flags.DEFINE_integer("transcripts", 3, "Rendered transcripts to write to workdir/eval_transcripts.txt.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+
+
+def load_run(workdir: str, step: int | None = None):
+    """(config, tokenizer, model_config, params, step) of the checkpoint in `workdir`."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    tokenizer = pipeline.build_tokenizer(config)
+    model_config, params = pipeline.build_model(config, jax.random.PRNGKey(0), tokenizer)
+    optimizer = pipeline.make_optimizer(config)
+    abstract = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, 0), params)
+    with ckpt_lib.Checkpointer(workdir, async_save=False) as ckpt:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {workdir}/{ckpt_lib.CHECKPOINT_SUBDIR}")
+        state = ckpt.restore(abstract, step=step)
+    return config, tokenizer, model_config, state.params, step
+
+
+def _batches(total: int, size: int):
+    for start in range(0, total, size):
+        yield start, min(size, total - start)
+
+
+def run_episodes(params, model_config, env, rc, starts_fn, total: int, batch: int, key):
+    """Runs `total` episodes in fixed-size jitted batches (the last one padded); returns host trajectories."""
+    fn = rollout_lib.make_rollout_fn(model_config, rc)
+    outs = []
+    for start, n in tqdm.tqdm(list(_batches(total, batch)), desc="evaluate", dynamic_ncols=True):
+        starts = starts_fn(start, batch)
+        traj = fn(params, jax.random.fold_in(key, start), starts, env=env)
+        outs.append(jax.tree.map(lambda x: np.asarray(x)[:n], traj))
+    return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
+
+
+def evaluate_move(params, model_config, env, config, boards: np.ndarray, greedy: bool, batch: int, key):
+    rc = pipeline.rollout_config(config, greedy=greedy, task="move", group_size=1)
+
+    def starts_fn(start, size):
+        idx = np.arange(start, start + size) % len(boards)
+        return rollout_lib.move_starts(boards[idx])
+
+    traj = run_episodes(params, model_config, env, rc, starts_fn, len(boards), batch, key)
+    info = traj.info
+    summary = {
+        "task": "move",
+        "mean_reward": float(np.mean(traj.reward)),
+        "invalid_rate": float(np.mean(~info["valid_call"])),
+        "illegal_rate": float(np.mean(info["illegal"])),
+        "optimal_move_rate": float(np.mean(info["is_optimal"])),
+        "win_taken_rate": float(np.sum(info["win_taken"]) / max(np.sum(_win_available(boards)), 1)),
+        "mean_generated_tokens": float(np.mean(info["generated_tokens"])),
+        "num_episodes": int(len(boards)),
+        "greedy": bool(greedy),
+    }
+    return summary, traj
+
+
+def _win_available(boards: np.ndarray) -> np.ndarray:
+    """Boards on which the side to move has an immediate win."""
+    from reno_jax.envs import minimax
+    tables = minimax.tables_numpy()
+    codes = (boards.astype(np.int64) * (3 ** np.arange(9))).sum(axis=1)
+    return tables["winning_mask"][codes].any(axis=1)
+
+
+def evaluate_game(params, model_config, env, config, opponent: str, epsilon: float, side: str, total: int,
+                  greedy: bool, batch: int, key):
+    rc = pipeline.rollout_config(config, greedy=greedy, task="game", group_size=1)
+    k_open, k_policy = jax.random.split(key)
+
+    def starts_fn(start, size):
+        ids = np.arange(start, start + size)
+        agent = {"x": np.ones_like(ids), "o": np.full_like(ids, 2), "both": 1 + ids % 2}[side].astype(np.int8)
+        return rollout_lib.game_starts(jax.random.fold_in(k_open, start), size, agent_player=agent,
+                                       opponent=opponent, epsilon=epsilon)
+
+    traj = run_episodes(params, model_config, env, rc, starts_fn, total, batch, k_policy)
+    info = traj.info
+    summary = {"task": "game", "opponent": opponent, "epsilon": epsilon, "side": side}
+    for k in ("win", "draw", "loss", "invalid", "illegal", "truncated"):
+        summary[f"{k}_rate"] = float(np.mean(info[k]))
+    summary["invalid_rate"] = float(np.mean(info["invalid"] | info["illegal"] | info["truncated"]))
+    summary["mean_turns"] = float(np.mean(info["num_turns"]))
+    summary["mean_generated_tokens"] = float(np.mean(info["generated_tokens"]))
+    summary["num_episodes"] = int(total)
+    summary["greedy"] = bool(greedy)
+    return summary, traj
+
+
+def write_transcripts(path: str, tokenizer, traj, count: int) -> None:
+    with open(path, "w") as f:
+        for i in range(min(count, len(traj.reward))):
+            ids = np.asarray(traj.tokens[i])[np.asarray(traj.valid[i])]
+            f.write(f"===== episode {i}  reward {float(traj.reward[i]):+.2f}\n")
+            f.write(tokenizer_lib.decode(tokenizer, ids.tolist()))
+            f.write("\n\n")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    workdir = _WORKDIR.value
+    config, tokenizer, model_config, params, step = load_run(workdir, _STEP.value)
+    logging.info("Evaluating %s at step %s", workdir, step)
+    env = rollout_lib.make_env(tokenizer, vocab_size=model_config.vocab_size)
+    task = _TASK.value or config.env.task
+    key = jax.random.PRNGKey(_SEED.value)
+    greedy = not _SAMPLED.value
+    if task == "move":
+        boards = pipeline.eval_boards(_BOARDS.value, config)
+        if _NUM_EPISODES.value:
+            boards = boards[:_NUM_EPISODES.value]
+        summary, traj = evaluate_move(params, model_config, env, config, boards, greedy, _BATCH.value, key)
+        summary["boards"] = _BOARDS.value
+    else:
+        opponent = _OPPONENT.value or config.env.opponent
+        epsilon = config.env.opponent_epsilon if _EPSILON.value is None else _EPSILON.value
+        summary, traj = evaluate_game(params, model_config, env, config, opponent, epsilon, _SIDE.value,
+                                      _NUM_EPISODES.value or 256, greedy, _BATCH.value, key)
+    summary["checkpoint_step"] = step
+    if _TRANSCRIPTS.value:
+        write_transcripts(os.path.join(workdir, "eval_transcripts.txt"), tokenizer, traj, _TRANSCRIPTS.value)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,226 @@
+r"""GSPO training of a Ling-3.0-architecture policy on tool-calling tic-tac-toe.
+
+  python -m experiments.train_tictactoe --config=configs/tictactoe_tiny.py --workdir=workdir/tiny
+  python -m experiments.train_tictactoe --config=configs/tictactoe_tiny.py --workdir=/tmp/t \
+      --config.num_steps=5 --config.rl.learning_rate=3e-4
+
+Writes into --workdir: `config.json`, `metrics.jsonl` (one JSON object per step, kept exact across restarts),
+TensorBoard event files, `learning_curves.png` (refreshed during the run), Orbax checkpoints under
+`checkpoints/`, and the cached supervised warm start under `warmstart/`. Running again with the same workdir
+resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import tqdm
+
+from reno_jax import pipeline
+from reno_jax.checkpoint import metrics as metrics_lib
+from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.rl import losses, sft, trainer
+from reno_jax.rollout import rollout as rollout_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tictactoe_tiny.py", "Experiment config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and plots go.", required=True)
+
+CURVE_KEYS = ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "rollout/optimal_move_rate",
+              "rollout/win_rate", "rollout/loss_rate", "rollout/response_len_mean", "train/policy_loss",
+              "train/entropy", "train/grad_norm", "perf/step_seconds")
+
+
+# ---------------------------------------------------------------------------------------------- warm start
+
+def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) -> tuple[dict, dict]:
+    """Supervised format warm start on random-legal-move transcripts; cached in `workdir/warmstart`.
+
+    Returns `(params, summary)`; a cached warm start is restored instead of retrained.
+    """
+    path = os.path.abspath(os.path.join(workdir, "warmstart"))
+    checkpointer = ocp.StandardCheckpointer()
+    if os.path.isdir(path):
+        restored = checkpointer.restore(path, {"params": params})
+        checkpointer.close()
+        tqdm.tqdm.write(f"Reusing the cached warm start in {path}")
+        return restored["params"], {"cached": True}
+    s = config.sft
+    train_boards, _ = pipeline.load_boards(config)
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, s.num_steps), s.num_steps,
+                                       weight_decay=0.0, clip_norm=1.0)
+    state = trainer.create_train_state(params, optimizer, key)
+    step_fn = trainer.make_train_step(pipeline.make_logp_fn(model_config, with_entropy=False), sft.sft_loss,
+                                      optimizer)
+    length = int(env.spec.prompt_len) + config.rollout.max_new_tokens
+    turn_end = int(np.asarray(env.spec.stop_ids)[0])
+    pad = int(env.spec.pad_id)
+    t0 = time.time()
+    nll = float("nan")
+    bar = tqdm.trange(s.num_steps, desc="warm start", dynamic_ncols=True)
+    for _ in bar:
+        idx = rng.choice(len(train_boards), size=s.batch_size, replace=True)
+        batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad)
+        batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "squares"}
+        batch["old_logp"] = jnp.zeros(batch["tokens"].shape, jnp.float32)
+        batch["advantages"] = jnp.zeros(batch["tokens"].shape[:1], jnp.float32)
+        state, m = step_fn(state, batch)
+        nll = float(m["nll"])
+        bar.set_postfix(nll=f"{nll:.3f}")
+    params = state.params
+    checkpointer.save(path, {"params": params})
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    summary = {"cached": False, "final_nll": nll, "seconds": time.time() - t0}
+    tqdm.tqdm.write(f"Warm start done: {summary}")
+    return params, summary
+
+
+# ---------------------------------------------------------------------------------------------- episodes
+
+def sample_starts(config, key, train_boards: np.ndarray, num_groups: int) -> rollout_lib.EpisodeStarts:
+    """This step's episode starts (one per group) for the configured task."""
+    if config.env.task == "move":
+        idx = jax.random.choice(key, len(train_boards), (num_groups,), replace=len(train_boards) < num_groups)
+        return rollout_lib.move_starts(train_boards[np.asarray(idx)])
+    side = config.env.agent_player
+    if side == "alternate":
+        agent = np.where(np.arange(num_groups) % 2 == 0, 1, 2).astype(np.int8)
+    else:
+        agent = {"x": 1, "o": 2}[side]
+    return rollout_lib.game_starts(key, num_groups, agent_player=agent, opponent=config.env.opponent,
+                                   epsilon=config.env.opponent_epsilon)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "num_groups"))
+def _top_variance_rows(reward, group_size: int, num_groups: int):
+    std = reward.reshape(-1, group_size).std(axis=1)
+    order = jnp.argsort(-std, stable=True)[:num_groups]
+    rows = (order[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
+    return rows, jnp.mean(std > 0)
+
+
+def select_groups(batch: dict, reward, group_size: int, num_groups: int):
+    """Keeps the `num_groups` groups whose rewards vary most (all groups when 0).
+
+    A group whose G rewards are all equal has zero advantage everywhere and contributes nothing to the policy
+    gradient (DAPO's "dynamic sampling" drops such groups); rolling out more groups than we train on and keeping
+    the most informative ones spends the expensive backward pass where the gradient is. Returns the (possibly
+    smaller) batch and the share of groups with non-zero reward spread.
+    """
+    n = reward.shape[0] // group_size
+    rows, informative = _top_variance_rows(reward, group_size, min(num_groups or n, n))
+    if num_groups and num_groups < n:
+        batch = jax.tree.map(lambda x: x[rows], batch)
+    return batch, float(informative)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+def train(config, workdir: str) -> list[dict]:
+    """Runs (or resumes) the experiment; returns the metric rows written in this call."""
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+
+    key = jax.random.PRNGKey(config.seed)
+    key_model, key_sft, key_rl = jax.random.split(key, 3)
+    tokenizer = pipeline.build_tokenizer(config)
+    model_config, params = pipeline.build_model(config, key_model, tokenizer)
+    env = rollout_lib.make_env(tokenizer, vocab_size=model_config.vocab_size)
+    train_boards, _ = pipeline.load_boards(config)
+    rc = pipeline.rollout_config(config)
+    num_groups = int(config.rollout.boards_per_step)
+
+    r = config.rl
+    optimizer = pipeline.make_optimizer(config)
+
+    ckpt = ckpt_lib.Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
+                                 max_to_keep=config.keep_checkpoints)
+    abstract = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, key_rl), params)
+    state = ckpt.restore(abstract)
+    if state is None:
+        if not config.model.get("path", "") and config.sft.num_steps > 0:
+            params, _ = warm_start(config, workdir, model_config, params, tokenizer, env, key_sft)
+        state = trainer.create_train_state(params, optimizer, key_rl)
+        start = 0
+    else:
+        start = int(state.step)
+        tqdm.tqdm.write(f"Resumed from step {start} (checkpoint in {ckpt.directory})")
+    del abstract
+
+    writer = metrics_lib.MetricsWriter(workdir, start_step=start)
+    rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
+    train_step = trainer.make_train_step(pipeline.make_logp_fn(model_config), pipeline.make_loss_fn(config), optimizer,
+                                         num_minibatches=r.num_minibatches, num_microbatches=r.num_microbatches)
+    rows = []
+    bar = tqdm.trange(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO",
+                      dynamic_ncols=True)
+    for _ in bar:
+        t0 = time.time()
+        state, step_key = trainer.split_rng(state)
+        k_starts, k_rollout = jax.random.split(step_key)
+        starts = sample_starts(config, k_starts, train_boards, num_groups)
+        traj = rollout_fn(state.params, k_rollout, starts, env=env)
+        jax.block_until_ready(traj.reward)
+        t_rollout = time.time() - t0
+        advantages = losses.group_advantages(traj.reward, rc.group_size, normalize_std=r.normalize_adv_std)
+        batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
+                 "old_logp": traj.behaviour_logp, "advantages": advantages}
+        batch, informative = select_groups(batch, traj.reward, rc.group_size, r.get("train_groups", 0))
+        state, train_metrics = train_step(state, batch)
+        step = int(state.step)
+        row = {}
+        row.update(pipeline.rollout_summary(traj, config.env.task))
+        train_metrics = jax.device_get(train_metrics)
+        for k, v in train_metrics.items():
+            row[f"train/{'policy_loss' if k == 'loss' else k}"] = float(v)
+        if "train/ratio_mean" not in row and "train/seq_ratio_mean" in row:
+            row["train/ratio_mean"] = row["train/seq_ratio_mean"]
+        dt = time.time() - t0
+        row["rollout/informative_group_rate"] = informative
+        row["perf/step_seconds"] = dt
+        row["perf/rollout_seconds"] = t_rollout
+        row["perf/rollout_tokens_per_s"] = float(np.asarray(traj.loss_mask).sum()) / max(t_rollout, 1e-9)
+        rows.append(writer.write(step, row))
+        bar.set_postfix(reward=f"{row['rollout/rewards_mean']:+.3f}",
+                        valid=f"{row.get('rollout/tool_call_valid_rate', float('nan')):.2f}")
+        ckpt.save(state, config, force=step == config.num_steps)
+        if config.plot_every and (step % config.plot_every == 0 or step == config.num_steps):
+            metrics_lib.plot_learning_curves(writer.path, os.path.join(workdir, "learning_curves.png"),
+                                             keys=CURVE_KEYS)
+    ckpt.close()
+    writer.close()
+    return rows
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    # Orbax logs every checkpoint step at INFO; keep the console to the progress bars and our own lines.
+    logging.set_verbosity(logging.WARNING)
+    config = _CONFIG.value
+    rows = train(config, _WORKDIR.value)
+    last = rows[-20:] if rows else []
+    summary = {"steps": len(rows)}
+    if last:
+        for k in ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "rollout/optimal_move_rate",
+                  "rollout/win_rate", "rollout/loss_rate"):
+            if k in last[-1]:
+                summary[f"last20/{k}"] = float(np.mean([row[k] for row in last]))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    app.run(main)

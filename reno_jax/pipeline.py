@@ -1,0 +1,183 @@
+"""Builds the pieces of an experiment from an `ml_collections` config: tokenizer, model, boards, environment,
+rollout settings, the policy log-prob function and the per-step rollout metrics.
+
+Shared by `experiments/train_tictactoe.py` and `experiments/evaluate.py`, so a checkpoint is always evaluated
+with exactly the model, tokenizer and environment it was trained with.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from reno_jax.envs import boards as boards_lib
+from reno_jax.envs import tasks
+from reno_jax.envs import tokenizer as tokenizer_lib
+from reno_jax.models import ling3
+from reno_jax.models.config import Ling3Config
+from reno_jax.rl import losses, trainer
+from reno_jax.rollout import rollout as rollout_lib
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+def dtype_of(name: str):
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer, model
+
+def build_tokenizer(config):
+    """The tokenizer of `config.model.tokenizer_path`, else of `config.model.path`, else the shipped one."""
+    path = config.model.get("tokenizer_path", "") or config.model.get("path", "") or None
+    return tokenizer_lib.load_tokenizer(path)
+
+
+def tiny_model_config(config, vocab_size: int) -> Ling3Config:
+    """The embedded tiny Ling-3.0 architecture described by `config.model.tiny`."""
+    fields = dict(config.model.tiny)
+    fields.setdefault("vocab_size", vocab_size)
+    fields["vocab_size"] = max(int(fields["vocab_size"]), vocab_size)
+    return Ling3Config(**fields)
+
+
+def build_model(config, key: jax.Array, tokenizer) -> tuple[Ling3Config, Any]:
+    """(model_config, params): from the HF directory `config.model.path`, else a fresh tiny model."""
+    dtype = dtype_of(config.model.dtype)
+    if config.model.get("path", ""):
+        return ling3.from_pretrained(config.model.path, dtype=dtype)
+    model_config = tiny_model_config(config, len(tokenizer))
+    return model_config, ling3.init_params(model_config, key, dtype)
+
+
+def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True):
+    """`logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)` for `trainer.make_train_step`.
+
+    `logp[:, t]` is `log p(tokens[t] | tokens[:t])` in float32; the entropy is that of the full next-token
+    distribution at the same positions (a metric, and the entropy bonus when configured).
+    """
+
+    def logp_fn(params, batch):
+        tokens = batch["tokens"]
+        valid = batch.get("valid")
+        logits, _ = ling3.forward(params, model_config, tokens, valid=valid)
+        logits = logits[:, :-1].astype(jnp.float32)
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+        logp = jnp.pad(picked - logz, ((0, 0), (1, 0)))
+        entropy = None
+        if with_entropy:
+            probs = jax.nn.softmax(logits, axis=-1)
+            ent = logz - jnp.sum(probs * logits, axis=-1)
+            entropy = jnp.pad(ent, ((0, 0), (1, 0)))
+        return logp, entropy
+
+    return logp_fn
+
+
+# ---------------------------------------------------------------------------------------------- boards
+
+def load_boards(config) -> tuple[np.ndarray, np.ndarray]:
+    """(train_boards, heldout_boards) as `int8 [N, 9]` from `config.env` (AReno-style generator or a JSONL)."""
+    env = config.env
+    if env.get("boards_path", ""):
+        boards, _ = boards_lib.load_jsonl(env.boards_path)
+    else:
+        boards = boards_lib.generate_boards(env.num_boards, seed=env.board_seed)
+    boards = np.asarray(boards, np.int8)
+    if env.get("heldout_fraction", 0.0):
+        return boards_lib.train_heldout_split(boards, env.heldout_fraction, env.board_seed)
+    return boards, boards[:0]
+
+
+def eval_boards(name: str, config) -> np.ndarray:
+    """Board set by name: `exhaustive` (every non-terminal X-to-move position), `train`, `heldout`, or a path."""
+    if name == "exhaustive":
+        return np.asarray(boards_lib.exhaustive_x_to_move(), np.int8)
+    if name in ("train", "heldout"):
+        train, heldout = load_boards(config)
+        return train if name == "train" else heldout
+    if os.path.exists(name):
+        return np.asarray(boards_lib.load_jsonl(name)[0], np.int8)
+    raise ValueError(f"unknown board set {name!r}: use exhaustive, train, heldout or a JSONL path")
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+
+def rollout_config(config, *, greedy: bool = False, task: str | None = None,
+                   group_size: int | None = None) -> rollout_lib.RolloutConfig:
+    r = config.rollout
+    return rollout_lib.RolloutConfig(
+        task=task or config.env.task,
+        max_new_tokens=int(r.max_new_tokens),
+        max_turns=int(r.max_turns),
+        max_length=int(r.get("max_length", 0)),
+        temperature=float(r.temperature),
+        top_k=int(r.top_k),
+        top_p=float(r.top_p),
+        greedy=bool(greedy),
+        group_size=int(group_size or r.group_size),
+    )
+
+
+def rollout_summary(traj, task: str) -> dict[str, float]:
+    """Per-step rollout metrics (host floats), named like the published AReno run where one exists."""
+    info = jax.tree.map(np.asarray, traj.info)
+    reward = np.asarray(traj.reward, np.float64)
+    gen = np.asarray(traj.loss_mask).sum(axis=1)
+    out = {
+        "rollout/rewards_mean": float(reward.mean()),
+        "rollout/rewards_std": float(reward.std()),
+        "rollout/rewards_min": float(reward.min()),
+        "rollout/rewards_max": float(reward.max()),
+        "rollout/accuracy": float((reward > 0).mean()),
+        "rollout/response_len_mean": float(gen.mean()),
+        "rollout/prompt_len_mean": float(np.asarray(traj.prompt_length).mean()),
+    }
+    if "valid_call" in info:
+        out["rollout/tool_call_valid_rate"] = float(np.mean(info["valid_call"]))
+    if task == "move":
+        for key, name in (("is_optimal", "optimal_move_rate"), ("illegal", "illegal_rate"),
+                          ("win_taken", "win_taken_rate")):
+            if key in info:
+                out[f"rollout/{name}"] = float(np.mean(info[key]))
+    else:
+        for key in ("win", "draw", "loss", "invalid", "illegal", "truncated"):
+            if key in info:
+                out[f"rollout/{key}_rate"] = float(np.mean(info[key]))
+        if "num_turns" in info:
+            out["rollout/turns_mean"] = float(np.mean(info["num_turns"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- optimisation
+
+def make_optimizer(config):
+    """The RL optimiser of a config (AdamW, warmup + cosine, global-norm clipping)."""
+    r = config.rl
+    total = config.num_steps * r.num_minibatches
+    return trainer.make_optimizer(
+        r.learning_rate, r.end_learning_rate, min(r.warmup_steps, total), total,
+        b1=r.b1, b2=r.b2, weight_decay=r.weight_decay, clip_norm=r.clip_norm,
+        state_dtype=None if r.optimizer_state_dtype == "float32" else r.optimizer_state_dtype)
+
+
+def make_loss_fn(config):
+    r = config.rl
+    kwargs = {}
+    if r.loss in ("gspo", "gspo_token", "grpo", "dr_grpo", "dapo"):
+        kwargs.update(eps_low=r.eps_low, eps_high=r.eps_high)
+    if r.kl_coef:
+        kwargs["kl_coef"] = r.kl_coef
+    if r.entropy_coef:
+        kwargs["entropy_coef"] = r.entropy_coef
+    return functools.partial(losses.get_loss(r.loss), **kwargs)
