@@ -1,0 +1,249 @@
+"""Jit-friendly building blocks of batched generation with the Ling-3.0 hybrid cache.
+
+Everything here is a pure function of arrays; loops are `lax.while_loop`s so one compiled program serves any
+prompt length up to the buffer size. Conventions (see docs/design.md for the model's cache semantics):
+
+* a row's conversation so far lives in the cache; `cache['length'][b]` is its number of tokens, which is also the
+  position of the next token and the write offset into the `[B, L]` trajectory buffers;
+* `last_logits [B, V] float32` are the logits produced by each row's last cached token, i.e. the distribution of
+  its next token; prefill and decode both keep them up to date for the rows they advance;
+* rows that must not advance are fed with `valid=False`, which by the model contract leaves their KDA state, conv
+  history and MLA cache untouched.
+
+Public pieces:
+* `prefill_chunked`: feed a right-padded block of text `[B, P]` (row b has `n[b]` tokens) in chunks of C tokens;
+* `decode_step`: one token for every row (sample from `last_logits`, feed it back);
+* `generate`: prompt prefill + a fixed number of sampled tokens (used by benchmarks and as a plain sampler);
+* `StopTables` / `stop_update`: per-token stop detection (stop tokens and a byte-level `</tool_call>` matcher that
+  works whatever the tokenisation of the closing tag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from reno_jax.models import ling3
+from reno_jax.rollout import sampling
+
+
+# ---------------------------------------------------------------------------------------------- stop detection
+
+
+@chex.dataclass(frozen=True)
+class StopTables:
+    """Arrays that decide when a generated token ends the assistant's turn.
+
+    Attributes:
+      is_stop: `bool [V]` tokens that end a turn by themselves (turn-end / eos).
+      match_next: `int32 [S, V]` state of the byte matcher for the closing pattern after feeding token v in state s
+        (KMP automaton over the pattern's bytes, applied to all bytes of the token).
+      match_hit: `bool [S, V]` the pattern was completed somewhere inside token v's bytes when starting in state s.
+    """
+
+    is_stop: chex.Array
+    match_next: chex.Array
+    match_hit: chex.Array
+
+
+def _kmp_automaton(pattern: bytes) -> np.ndarray:
+    """`[len(pattern), 256] int32` next-state table of the KMP automaton (state = matched prefix length);
+    reaching `len(pattern)` means a hit (the caller restarts from the failure state)."""
+    m = len(pattern)
+    table = np.zeros((m + 1, 256), np.int32)
+    table[0, pattern[0]] = 1
+    fail = 0
+    for s in range(1, m + 1):
+        table[s] = table[fail]
+        if s < m:
+            table[s, pattern[s]] = s + 1
+            fail = table[fail, pattern[s]]
+    return table
+
+
+def build_stop_tables(token_bytes: Sequence[bytes], stop_ids: Sequence[int], pattern: bytes | None) -> StopTables:
+    """Host-side construction of `StopTables`.
+
+    Args:
+      token_bytes: the bytes each token id decodes to (length V; special tokens: their literal text, or b"" for
+        tokens that can never be part of the pattern).
+      stop_ids: ids that end a turn on their own (e.g. the turn-end token and eos).
+      pattern: bytes whose completion ends a turn (e.g. b"</tool_call>"), or None.
+    """
+    vocab = len(token_bytes)
+    is_stop = np.zeros((vocab,), bool)
+    for i in stop_ids:
+        if not 0 <= int(i) < vocab:
+            raise ValueError(f"stop id {i} outside the vocabulary of size {vocab}")
+        is_stop[int(i)] = True
+    if not pattern:
+        return StopTables(is_stop=jnp.asarray(is_stop), match_next=jnp.zeros((1, vocab), jnp.int32),
+                          match_hit=jnp.zeros((1, vocab), bool))
+    auto = _kmp_automaton(pattern)
+    m = len(pattern)
+    restart = _restart_state(auto, pattern)
+    nxt = np.zeros((m, vocab), np.int32)
+    hit = np.zeros((m, vocab), bool)
+    for v, bs in enumerate(token_bytes):
+        for s0 in range(m):
+            s, h = s0, False
+            for byte in bs:
+                s = auto[s, byte]
+                if s == m:
+                    h = True
+                    s = restart
+            nxt[s0, v], hit[s0, v] = s, h
+    return StopTables(is_stop=jnp.asarray(is_stop), match_next=jnp.asarray(nxt), match_hit=jnp.asarray(hit))
+
+
+def _restart_state(auto: np.ndarray, pattern: bytes) -> int:
+    """State after a full match: the longest proper border of the pattern (KMP failure of state m)."""
+    m = len(pattern)
+    s = 0
+    for byte in pattern[1:]:
+        s = auto[s, byte]
+    return int(s) if s < m else 0
+
+
+def stop_update(tables: StopTables, match_state: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Advances the matcher by one token per row.
+
+    Args:
+      match_state: `int32 [B]`; token: `int32 [B]`.
+    Returns:
+      `(new_state [B] int32, stop [B] bool)`: stop is True when the token is a stop token or completes the pattern.
+    """
+    new_state = tables.match_next[match_state, token]
+    stop = tables.is_stop[token] | tables.match_hit[match_state, token]
+    return new_state, stop
+
+
+# ---------------------------------------------------------------------------------------------- prefill / decode
+
+
+def row_keys(key: jax.Array, batch: int) -> jax.Array:
+    """One PRNG key per row: a single key is split into `batch` keys, a `[batch]` batch of keys is kept."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if key.ndim == 0:
+        return jax.random.split(key, batch)
+    if key.shape != (batch,):
+        raise ValueError(f"key must be one PRNG key or {batch} keys, got shape {key.shape}")
+    return key
+
+
+def step_keys(keys: jax.Array, position: jax.Array) -> jax.Array:
+    """Per-row key for the token at `position [B]`: depends only on the row's key and its own position."""
+    return jax.vmap(jax.random.fold_in)(keys, position)
+
+
+def prefill_chunked(params, model_config: ling3.Ling3Config, cache: dict, ids: jax.Array, n: jax.Array,
+                    last_logits: jax.Array, chunk: int):
+    """Feeds each row's `n[b]` tokens of `ids` into the cache, `chunk` tokens per model call.
+
+    Args:
+      params: model parameters.
+      cache: the model cache (`cache['length'] [B]`).
+      ids: `int32 [B, P]` right-padded text; P must be a multiple of `chunk`.
+      n: `int32 [B]` tokens to feed per row (0 leaves the row's state and `last_logits` untouched).
+      last_logits: `float32 [B, V]`; for rows with n > 0 replaced by the logits of their last fed token.
+      chunk: static chunk size C.
+    Returns:
+      `(cache, last_logits)`.
+    """
+    b, p = ids.shape
+    if p % chunk:
+        raise ValueError(f"prefill block length {p} is not a multiple of the chunk size {chunk}")
+    num_chunks = (jnp.max(n) + chunk - 1) // chunk  # only as many model calls as the longest row needs
+    offs = jnp.arange(chunk, dtype=jnp.int32)
+
+    def body(carry):
+        c, cache, last = carry
+        start = c * chunk
+        seg = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
+        valid = (start + offs)[None, :] < n[:, None]
+        logits, cache = ling3.forward(params, model_config, seg, cache, valid=valid)
+        idx = n - 1 - start  # index of the row's last token inside this chunk, if it is there
+        here = (idx >= 0) & (idx < chunk)
+        picked = jnp.take_along_axis(logits, jnp.clip(idx, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
+        last = jnp.where(here[:, None], picked.astype(jnp.float32), last)
+        return c + 1, cache, last
+
+    _, cache, last_logits = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, (jnp.int32(0), cache, last_logits))
+    return cache, last_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Static sampling knobs (see `sampling.sample`)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+def decode_step(params, model_config: ling3.Ling3Config, sconf: SamplingConfig, cache: dict, last_logits: jax.Array,
+                keys: jax.Array, active: jax.Array, forced: jax.Array | None = None):
+    """Samples one token per row from `last_logits` and feeds it to the model.
+
+    Args:
+      cache: model cache; `last_logits [B, V] float32`; keys: `[B]` per-row keys (folded with the row's position);
+      active: `bool [B]` rows that advance (others are fed with valid=False: their state does not change);
+      forced: optional `int32 [B]` teacher-forced tokens (< 0: sample).
+    Returns:
+      `(token [B] int32, logp [B] float32, cache, logits [B, V] float32)`; `logits` are the new next-token logits
+      (garbage for inactive rows).
+    """
+    token, logp = sampling.sample(step_keys(keys, cache["length"]), last_logits, sconf.temperature, sconf.top_k,
+                                  sconf.top_p, sconf.greedy, forced=forced)
+    logits, cache = ling3.forward(params, model_config, token[:, None], cache, valid=active[:, None])
+    return token, logp, cache, logits[:, 0]
+
+
+def pad_to_multiple(ids: jax.Array, chunk: int, pad_id: int = 0) -> jax.Array:
+    """Right-pads `[B, P]` along axis 1 to a multiple of `chunk` (static shapes)."""
+    p = ids.shape[1]
+    extra = (-p) % chunk
+    if extra == 0:
+        return ids
+    return jnp.pad(ids, ((0, 0), (0, extra)), constant_values=pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "max_new_tokens", "sconf", "chunk", "cache_dtype"))
+def generate(params, key: jax.Array, prompt_ids: jax.Array, prompt_length: jax.Array, *,
+             model_config: ling3.Ling3Config, max_new_tokens: int, sconf: SamplingConfig = SamplingConfig(),
+             chunk: int = 32, cache_dtype=jnp.float32):
+    """Prompt prefill + exactly `max_new_tokens` sampled tokens per row (no stopping), one jitted program.
+
+    Args:
+      key: one PRNG key or `[B]` per-row keys.
+      prompt_ids: `int32 [B, P]` right-padded prompts; prompt_length: `int32 [B]` (>= 1).
+    Returns:
+      `(tokens [B, max_new_tokens] int32, logp [B, max_new_tokens] float32)`.
+    """
+    b, p = prompt_ids.shape
+    keys = row_keys(key, b)
+    cache = ling3.init_cache(model_config, b, p + max_new_tokens, cache_dtype)
+    last = jnp.zeros((b, model_config.vocab_size), jnp.float32)
+    cache, last = prefill_chunked(params, model_config, cache, pad_to_multiple(prompt_ids, chunk),
+                                  prompt_length.astype(jnp.int32), last, chunk)
+    active = jnp.ones((b,), bool)
+
+    def body(i, carry):
+        cache, last, toks, logps = carry
+        tok, logp, cache, last = decode_step(params, model_config, sconf, cache, last, keys, active)
+        toks = jax.lax.dynamic_update_slice_in_dim(toks, tok[:, None], i, axis=1)
+        logps = jax.lax.dynamic_update_slice_in_dim(logps, logp[:, None], i, axis=1)
+        return cache, last, toks, logps
+
+    toks = jnp.zeros((b, max_new_tokens), jnp.int32)
+    logps = jnp.zeros((b, max_new_tokens), jnp.float32)
+    _, _, toks, logps = jax.lax.fori_loop(0, max_new_tokens, body, (cache, last, toks, logps))
+    return toks, logps
