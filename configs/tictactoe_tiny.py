@@ -56,15 +56,15 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- supervised warm start (format only: random legal moves) -----------------------------------
   c.sft = ml_collections.ConfigDict()
-  c.sft.num_steps = 60
+  c.sft.num_steps = 110
   c.sft.batch_size = 64
   c.sft.learning_rate = 3e-3
   c.sft.warmup_steps = 10
 
   # --- rollout ----------------------------------------------------------------------------------
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.boards_per_step = 64
-  c.rollout.group_size = 8       # samples per board (GSPO group)
+  c.rollout.boards_per_step = 32
+  c.rollout.group_size = 16      # samples per board (GSPO group)
   c.rollout.max_new_tokens = 16  # per turn
   c.rollout.max_turns = 1
   c.rollout.max_length = 0       # 0: prompt length + max_turns * (max_new_tokens + tool response)
@@ -79,9 +79,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.eps_high = 4e-4
   c.rl.normalize_adv_std = True
   c.rl.kl_coef = 0.0
-  c.rl.entropy_coef = 0.0
-  c.rl.learning_rate = 1e-3
-  c.rl.end_learning_rate = 1e-4
+  c.rl.entropy_coef = 0.003      # keeps the digit choice from collapsing before it is learned
+  c.rl.learning_rate = 2e-3
+  c.rl.end_learning_rate = 4e-4
   c.rl.warmup_steps = 10
   c.rl.weight_decay = 0.01
   c.rl.b1 = 0.9
@@ -89,7 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.clip_norm = 1.0
   c.rl.num_minibatches = 1       # optimiser steps per rollout batch
   c.rl.num_microbatches = 1
-  c.rl.train_groups = 16         # train on the 16 groups with the largest reward spread (0: all groups)
+  c.rl.train_groups = 8          # train on the 8 groups with the largest reward spread (0: all groups)
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
 
   # --- bookkeeping ------------------------------------------------------------------------------

@@ -68,10 +68,11 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) 
     pad = int(env.spec.pad_id)
     t0 = time.time()
     nll = float("nan")
+    prompt_cache = {}
     bar = tqdm.trange(s.num_steps, desc="warm start", dynamic_ncols=True)
     for _ in bar:
         idx = rng.choice(len(train_boards), size=s.batch_size, replace=True)
-        batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad)
+        batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad, prompt_cache)
         batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "squares"}
         batch["old_logp"] = jnp.zeros(batch["tokens"].shape, jnp.float32)
         batch["advantages"] = jnp.zeros(batch["tokens"].shape[:1], jnp.float32)

@@ -24,7 +24,7 @@ def call_text(square: int) -> str:
 
 
 def random_move_transcripts(tokenizer, boards: np.ndarray, rng: np.random.Generator, max_length: int,
-                            turn_end_id: int, pad_id: int):
+                            turn_end_id: int, pad_id: int, prompt_cache: dict | None = None):
     """Host-side batch of ``prompt + random legal call + turn end`` token ids.
 
     Args:
@@ -34,6 +34,8 @@ def random_move_transcripts(tokenizer, boards: np.ndarray, rng: np.random.Genera
       max_length: L, the padded length.
       turn_end_id: the token that ends an assistant turn (the rollout's stop token).
       pad_id: padding id.
+      prompt_cache: optional dict (board bytes -> prompt ids) reused across calls; rendering the chat template is
+        the slow part of building a batch.
 
     Returns:
       dict of NumPy arrays: ``tokens [N, L] int32``, ``valid [N, L] bool``, ``loss_mask [N, L] bool`` (1 on the
@@ -49,7 +51,13 @@ def random_move_transcripts(tokenizer, boards: np.ndarray, rng: np.random.Genera
         if len(legal) == 0:
             raise ValueError(f"board {i} has no legal move: {board.tolist()}")
         square = int(rng.choice(legal)) + 1
-        prompt = text.prompt_ids(tokenizer, text.move_task_messages(board))
+        cache_key = board.tobytes()
+        if prompt_cache is not None and cache_key in prompt_cache:
+            prompt = prompt_cache[cache_key]
+        else:
+            prompt = text.prompt_ids(tokenizer, text.move_task_messages(board))
+            if prompt_cache is not None:
+                prompt_cache[cache_key] = prompt
         response = list(tokenizer.encode(call_text(square), add_special_tokens=False)) + [int(turn_end_id)]
         ids = prompt + response
         if len(ids) > max_length:

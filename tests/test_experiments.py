@@ -1,0 +1,109 @@
+"""End-to-end CLI tests: a shortened default run (warm start + GSPO), resume, determinism, evaluation."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import tictactoe_tiny
+from experiments import train_tictactoe
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+REQUIRED_METRICS = (
+    "step", "rollout/rewards_mean", "rollout/rewards_std", "rollout/rewards_min", "rollout/rewards_max",
+    "rollout/accuracy", "rollout/response_len_mean", "rollout/prompt_len_mean", "rollout/tool_call_valid_rate",
+    "rollout/optimal_move_rate", "train/policy_loss", "train/ratio_mean", "train/clip_frac", "train/grad_norm",
+    "train/entropy", "perf/step_seconds", "perf/rollout_tokens_per_s")
+
+
+def short_config(num_steps: int):
+    """The default config, shortened: a few warm-start and GSPO steps on a handful of boards."""
+    c = tictactoe_tiny.get_config()
+    c.num_steps = num_steps
+    c.sft.num_steps = 3
+    c.sft.batch_size = 8
+    c.rollout.boards_per_step = 4
+    c.rollout.group_size = 4
+    c.rl.train_groups = 2
+    c.rollout.max_new_tokens = 12
+    c.checkpoint_every = 1
+    c.plot_every = 1
+    return c
+
+
+def read_rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def strip_perf(row):
+    return {k: v for k, v in row.items() if not k.startswith("perf/")}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("run"))
+    rows = train_tictactoe.train(short_config(2), workdir)
+    assert [r["step"] for r in rows] == [1, 2]
+    return workdir
+
+
+def test_short_default_run_writes_everything(run_dir):
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [k for k in REQUIRED_METRICS if k not in row]
+        assert not missing, f"metrics.jsonl lacks {missing}"
+        assert -1.0 <= row["rollout/rewards_mean"] <= 1.0
+        assert 0.0 <= row["rollout/tool_call_valid_rate"] <= 1.0
+        assert row["rollout/prompt_len_mean"] > 10
+    assert os.path.getsize(os.path.join(run_dir, "learning_curves.png")) > 1000
+    assert os.listdir(os.path.join(run_dir, "tensorboard"))
+    assert os.path.isdir(os.path.join(run_dir, "warmstart"))
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["1", "2"]
+
+
+def test_same_seed_same_metrics(run_dir, tmp_path):
+    rows = train_tictactoe.train(short_config(2), str(tmp_path))
+    assert [strip_perf(r) for r in rows] == [strip_perf(r) for r in read_rows(run_dir)]
+
+
+def test_resume_continues_from_latest_checkpoint(run_dir, tmp_path):
+    # A copy of the 2-step run extended to 3 steps must resume at step 2, reuse the cached warm start and append
+    # exactly one row.
+    import shutil
+    workdir = str(tmp_path / "resumed")
+    shutil.copytree(run_dir, workdir)
+    rows = train_tictactoe.train(short_config(3), workdir)
+    assert [r["step"] for r in rows] == [3]
+    assert [r["step"] for r in read_rows(workdir)] == [1, 2, 3]
+
+
+def test_evaluate_cli_prints_json_summary(run_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", f"--workdir={run_dir}", "--num_episodes=16",
+         "--batch_size=16", "--transcripts=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("mean_reward", "invalid_rate", "illegal_rate", "optimal_move_rate", "win_taken_rate",
+                "num_episodes"):
+        assert key in summary
+    assert summary["num_episodes"] == 16
+    assert summary["checkpoint_step"] == 2
+    assert 0.0 <= summary["invalid_rate"] <= 1.0
+    with open(os.path.join(run_dir, "eval_transcripts.txt")) as f:
+        assert "<|im_start|>user" in f.read()
+
+
+def test_train_cli_rejects_unknown_config_field(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.train_tictactoe", "--config=configs/tictactoe_tiny.py",
+         f"--workdir={tmp_path}", "--config.rl.no_such_field=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "no_such_field" in out.stderr
