@@ -12,9 +12,9 @@ Variants:
   ours                  ``reno_jax.envs.tictactoe.step`` (int8 board, bitboard line checks, branch-free).
   ours+parse+render     the chosen square goes through text first, as in a rollout: the pre-tokenized tool call
                         ``<tool_call>{"name": "choose_square", "arguments": {"square": k}}</tool_call>`` for the
-                        chosen square is parsed by the jitted DFA parser (``tool_parser.parse_tool_call``), the
-                        parsed square is played, and the tool response tokens for the new position are rendered
-                        (``text.render_tool_response``).
+                        chosen square is parsed by the jitted token-level DFA parser
+                        (``tool_parser.parse_tool_call``), the parsed square is played, and the tool response tokens
+                        for the new position are rendered (``text.render_tool_response``).
   pgx                   ``pgx.make("tic_tac_toe")`` (benchmark-only extra: ``pip install pgx``), vmapped ``step``,
                         same action sampler and same auto-reset (one ``init`` batch made up front and reused, so
                         neither env pays for a reset function inside the loop).
@@ -184,13 +184,13 @@ def ours_with_parse_render(batch, steps, sampler, parse=True, render=True):
     width = max(len(c) for c in calls)
     call_ids = jnp.asarray([c + [spec.pad_id] * (width - len(c)) for c in calls], jnp.int32)
     call_len = jnp.asarray([len(c) for c in calls], jnp.int32)
-    # Scan exactly the bytes a call can have (the parser's default is T x longest-token bytes).
-    max_bytes = max(len(tok.decode(c, skip_special_tokens=False).encode("utf-8")) for c in calls)
+    # No max_bytes: the parser walks a token-level automaton (one lookup per token); a byte cap would only add
+    # the cut-token byte loop, and no call here is long enough to be cut.
 
     def parse_step_render(state, action):
         if parse:
             ids = call_ids[action]  # [T] tokens the policy "generated"
-            kind, square = tool_parser.parse_tool_call(tables, ids, call_len[action], max_bytes=max_bytes)
+            kind, square = tool_parser.parse_tool_call(tables, ids, call_len[action])
             # A failed parse is an invalid move (index -1), as the rollout would treat it.
             action = jnp.where(kind == tool_parser.KIND_OK, square - 1, -1)
         new = ttt.step(state, action)

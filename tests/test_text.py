@@ -69,6 +69,21 @@ def other():
 
 
 @pytest.fixture(scope="module")
+def varied():
+    """Added tokens make some slot options shorter than others: "Opponent played 3.\n" and "... 7.\n" take
+    fewer tokens than the other opponent lines, so tool responses have several layouts per status."""
+    rng = random.Random(2)
+    words = ["board", "square", "Opponent", "played", "You", "won", "the", "|", "\n"]
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(200)]
+    raw = tokenizer_lib.train_byte_level_bpe(
+        corpus, 300, special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        added_tokens=("played 3.", "ed 7"),
+    )
+    return tokenizer_lib.wrap_tokenizer(raw, chat_template=tokenizer_lib.load_tokenizer(None).chat_template,
+                                        eos_token="<|im_end|>")
+
+
+@pytest.fixture(scope="module")
 def render_fns():
     prompt = jax.jit(jax.vmap(text.render_prompt, in_axes=(None, 0, 0, None)), static_argnums=3)
     response = jax.jit(jax.vmap(text.render_tool_response, in_axes=(None, 0, 0, 0, 0)))
@@ -272,3 +287,36 @@ def test_template_that_rewrites_content_is_rejected(shipped):
     short = "{%- for m in messages -%}<|im_start|>{{ m['content'][:12] }}<|im_end|>{%- endfor -%}"
     with pytest.raises(ValueError, match="dropped"):
         text.build_text_spec(shipped, chat_template=short)
+
+
+@pytest.mark.parametrize("which", ["shipped", "other", "varied"])
+def test_stencil_render_is_bit_identical_to_general_render(request, render_fns, which):
+    """The fast stencil tables and the general concatenation give the very same ids and lengths on every status,
+    opponent square, turn-end flag and many boards (and the prompts)."""
+    tok = request.getfixturevalue(which)
+    fast = text.build_text_spec(tok)
+    general = text.build_text_spec(tok, max_stencil_rows=0)
+    assert fast.response_stencils is not None and general.response_stencils is None
+    assert fast.prompt_stencils is not None and general.prompt_stencils is None
+    # Rows: turn end (2) x opponent square (10) on the four board statuses, turn end alone on the other two.
+    assert fast.response_stencils.base.shape[0] == 4 * 20 + 2 * 2
+    if which == "varied":  # opponent lines of 3 token lengths: the board sits at 2 x 3 offsets (+ no board)
+        assert int(np.max(np.asarray(fast.response_stencils.placement))) + 1 == 2 * 3 + 1
+    boards = _random_boards(12, seed=7)
+    grid = [(b, opp, st, te) for b in range(len(boards)) for opp in range(10) for st in range(text.NUM_STATUSES)
+            for te in (0, 1)]
+    b, opp, st, te = (np.array(x) for x in zip(*grid))
+    args = (boards[b], opp.astype(np.int32), st.astype(np.int32), te.astype(bool))
+    ids_f, n_f = render_fns[1](fast, *args)
+    ids_g, n_g = render_fns[1](general, *args)
+    assert np.array_equal(np.asarray(n_f), np.asarray(n_g))
+    assert np.array_equal(np.asarray(ids_f), np.asarray(ids_g))
+    sides = np.array([1 + i % 2 for i in range(len(boards))], np.int32)
+    for game in (False, True):
+        pf, pn = render_fns[0](fast, boards, sides, game)
+        gf, gn = render_fns[0](general, boards, sides, game)
+        assert np.array_equal(np.asarray(pf), np.asarray(gf)) and np.array_equal(np.asarray(pn), np.asarray(gn))
+    if which == "varied":  # and the ids decode to the template's text
+        for i in np.nonzero((opp == 3) | (opp == 7) | (opp == 5))[0][:40]:
+            want = text.tool_response_text(tok, boards[b[i]], opp[i], st[i], add_turn_end=bool(te[i]))
+            assert _decode(tok, np.asarray(ids_f)[i], np.asarray(n_f)[i]) == want

@@ -85,22 +85,21 @@ def _other_tokenizer():
     return tokenizer_lib.wrap_tokenizer(raw, eos_token="<|im_end|>")
 
 
-def _pad_tables(tables, vocab, width):
-    """Same-shaped tables for every tokenizer, so one compiled function serves all of them."""
-    tb = np.zeros((vocab, width), np.uint8)
-    tl = np.zeros((vocab,), np.int32)
-    tb[: tables.vocab_size, : tables.max_bytes] = np.asarray(tables.token_bytes)
-    tl[: tables.vocab_size] = np.asarray(tables.token_len)
-    return tp.ParserTables(token_bytes=jnp.asarray(tb), token_len=jnp.asarray(tl))
+def _pad_width(tables, width):
+    """Same-shaped tables for every tokenizer (built with a common vocab_size), so one compiled function serves
+    all of them."""
+    tb = np.zeros((tables.vocab_size, width), np.uint8)
+    tb[:, : tables.max_bytes] = np.asarray(tables.token_bytes)
+    return tables.replace(token_bytes=jnp.asarray(tb))
 
 
 @pytest.fixture(scope="module")
 def setups():
     toks = {"shipped": tokenizer_lib.load_tokenizer(None), "other": _other_tokenizer()}
-    raw = {k: tp.build_parser_tables(t) for k, t in toks.items()}
-    vocab = max(r.vocab_size for r in raw.values())
+    vocab = max(len(tp.token_bytes(t)) for t in toks.values())
+    raw = {k: tp.build_parser_tables(t, vocab_size=vocab) for k, t in toks.items()}
     width = max(r.max_bytes for r in raw.values())
-    return {k: (toks[k], _pad_tables(raw[k], vocab, width)) for k in toks}
+    return {k: (toks[k], _pad_width(raw[k], width)) for k in toks}
 
 
 _PARSE = jax.jit(tp.parse_tool_call_batch)
@@ -133,6 +132,25 @@ def test_fixed_cases_agree(setups, which):
         chunk = [_encode(tok, t) for t in texts[i : i + B]]
         chunk += [[]] * (B - len(chunk))
         _check(tok, tables, chunk)
+
+
+def test_short_rows_take_the_unrolled_path(setups):
+    """Rows of at most tp._UNROLL_MAX tokens are parsed by a Python-unrolled loop (T = 64 elsewhere: a scan)."""
+    short = 24
+    assert short <= tp._UNROLL_MAX < T
+    parse = jax.jit(tp.parse_tool_call_batch)
+    for tok, tables in setups.values():
+        rows = [_encode(tok, t)[:short] for t, _ in REFERENCE_CASES]
+        for i in range(0, len(rows), B):
+            chunk = rows[i : i + B] + [[]] * (B - len(rows[i : i + B]))
+            ids = np.zeros((B, short), np.int32)
+            lengths = np.array([len(r) for r in chunk], np.int32)
+            for r, row in enumerate(chunk):
+                ids[r, : len(row)] = row
+            kinds, squares = parse(tables, jnp.asarray(ids), jnp.asarray(lengths))
+            for r, row in enumerate(chunk):
+                want = tp.parse_tool_call_text(tokenizer_lib.decode(tok, row))
+                assert (int(kinds[r]), int(squares[r])) == want, (tokenizer_lib.decode(tok, row), want)
 
 
 def test_byte_table_matches_decode(setups):
@@ -315,3 +333,68 @@ def test_byte_garbage_agrees(setups, which, blobs, splice):
             s = s[:splice] + call(CANON) + s[splice:]
         texts.append(s)
     _check(tok, tables, [_encode(tok, t) for t in texts])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token-level automaton
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _feed_bytes(grammar, state, data):
+    """Byte-by-byte run of the minimized grammar automaton: (state, last register store or -1)."""
+    reg = -1
+    for b in data:
+        op = int(grammar.op[state, b])
+        state = int(grammar.next[state, b])
+        reg = op if op >= 0 else reg
+    return state, reg
+
+
+def test_token_table_is_the_byte_automaton_lifted(setups):
+    g = tp._grammar()
+    # The grammar is a fixed shape: a small automaton, independent of the tokenizer.
+    print(f"\n[parser] automaton states: {g.num_states} (product before minimization: {g.raw_states}); "
+          f"token table at a 157k vocab: {g.num_states * 157_000 * 2 / 2**20:.0f} MiB (int16)")
+    assert g.num_states <= 160 and g.next.shape == g.op.shape == (g.num_states, 256)
+    assert g.accept_state != g.bad_state
+    for s in (g.accept_state, g.bad_state):  # closed calls are absorbing and never touch the register
+        assert (g.next[s] == s).all() and (g.op[s] == -1).all()
+    rng = np.random.default_rng(1)
+    for tok, tables in setups.values():
+        raw = tp.token_bytes(tok)
+        assert tables.class_next.dtype == jnp.int16 and tables.class_next.shape[0] == g.num_states
+        assert tables.token_class.shape == (tables.vocab_size + 1,)
+        print(f"[parser] {tables.vocab_size} token ids in {tables.num_classes} classes")
+        assert tables.num_classes < tables.vocab_size // 2  # most tokens behave alike
+        table = np.asarray(tables.class_next).astype(np.int32)[:, np.asarray(tables.token_class)]  # [S, V + 1]
+        # Column V (no token) and ids past the tokenizer's vocab (no text) are the identity.
+        ident = (np.arange(g.num_states) << 4)[:, None]
+        assert (table[:, len(raw) :] == ident).all()
+        grammar_bytes = set(b'<>/{}":,-\\ \t\n0123456789tool_call choose_square name arguments')
+        # Random ids plus every token made only of bytes the grammar cares about (tags, keys, digits, ...).
+        picks = rng.integers(0, len(raw), size=40).tolist()
+        picks += [i for i, p in enumerate(raw) if p and set(p) <= grammar_bytes][:80]
+        for v in picks:
+            for s in range(g.num_states):
+                state, reg = _feed_bytes(g, s, raw[v])
+                assert table[s, v] == (state << 4 | (reg + 1)), (s, raw[v])
+
+
+@pytest.mark.parametrize("which", ["shipped", "other"])
+@HYP
+@given(texts=st.lists(st.tuples(st.text(alphabet="xé<> ", max_size=24), call_texts()), min_size=B, max_size=B))
+def test_cap_cuts_inside_tokens(setups, which, texts):
+    """max_bytes that lands anywhere (inside multi-byte tokens too) == the reference on the cut text."""
+    tok, tables = setups[which]
+    cap = 90  # the cut lands inside the call (often inside a multi-byte tag token) or past its end
+    raw = tp.token_bytes(tok)
+    rows = [_encode(tok, prefix + t) for prefix, t in texts]
+    ids, lengths = _batch([r[:T] for r in rows])
+    kinds, squares = _CAPPED(tables, jnp.asarray(ids), jnp.asarray(lengths), max_bytes=cap)
+    for r in range(B):
+        data = b"".join(raw[i] for i in ids[r, : lengths[r]])[:cap]
+        want = tp.parse_tool_call_text(data.decode("utf-8", errors="replace"))
+        assert (int(kinds[r]), int(squares[r])) == want, (data, want)
+
+
+_CAPPED = jax.jit(tp.parse_tool_call_batch, static_argnames="max_bytes")

@@ -9,8 +9,11 @@ integer from a small *source vector* (board cells, agent side, opponent square, 
   real values and give plain chat messages; ``prompt_ids`` / ``chat_text`` apply the tokenizer's chat template.
 * Jit: ``build_text_spec(tokenizer)`` renders the tokenizer's OWN chat template once with placeholder strings in
   the slots, splits the result into literal pieces and slots, and tokenizes every literal piece and every slot
-  option separately. ``render_prompt`` / ``render_tool_response`` then concatenate pre-tokenized pieces with
-  gathers (no scan, no host call), so the decoded ids are exactly the template's text. Token ids may differ from
+  option separately. ``render_prompt`` / ``render_tool_response`` then concatenate pre-tokenized pieces in jit
+  (no scan, no host call), so the decoded ids are exactly the template's text. The concatenation is
+  precomputed on the host into ``Stencils`` (whole pre-rendered rows plus small per-cell delta rows), so
+  rendering is a handful of contiguous row reads and adds; the general per-token concatenation remains as a
+  fallback and reference (same ids). Token ids may differ from
   tokenizing the whole text at once with a general tokenizer; with the shipped tokenizer they are identical,
   because its pre-tokenizer always splits at the slot boundaries (digits, lone X/O letters, newlines).
 
@@ -244,6 +247,158 @@ def prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Tr
 
 
 @flax.struct.dataclass
+class Stencils:
+    """Pre-rendered output rows of a set of programs: in-jit rendering is a few row lookups and adds.
+
+    Slots fall in two kinds. *Key* slots have options of different token lengths (turn-end marker: none or one
+    token; opponent line: empty or a sentence): they move everything after them, so each combination of their
+    values (per program) gets its own pre-rendered row ``base[key]``, with every other slot at option 0. *Delta*
+    slots have options of one token length (a cell: ``"7"``, ``"X"`` or ``"O"``; the side): they only change
+    token values in place. Delta sources are grouped into *chunks* of a few (product of option counts at most
+    ``_CHUNK_COMBOS``); ``chunk_tables[c][placement * combos + code]`` is a whole ``[Lout]`` row holding, at the
+    positions where the chunk's slots sit in rows of that *placement* class, the token differences from option 0
+    for the chunk's values (``code``, mixed radix), and 0 elsewhere. So::
+
+        ids = base[key] + sum_c chunk_tables[c][placement[key] * combos_c + code_c]
+
+    Every term is a contiguous row read (no per-token index), which is what makes this fast on CPU; the tables
+    are small (rows x Lout ints).
+
+    Attributes:
+      key_table: ``int32 [NP * prod(key option counts)]`` key of each (program, key-source values), mixed radix.
+      base: ``int32 [NK, Lout]`` pre-rendered rows (``pad_id`` past ``total``).
+      total: ``int32 [NK]`` tokens of each row.
+      placement: ``int32 [NK]`` placement class of each row (rows that hold the delta slots at the same positions
+        with the same token differences share one).
+      chunk_tables: tuple of ``int32 [NPL * combos_c, Lout]``.
+      key_sources: static ``((source, options), ...)`` in mixed-radix order (after the program index).
+      chunk_sources: static, per chunk ``((source, options), ...)``.
+    """
+
+    key_table: jax.Array
+    base: jax.Array
+    total: jax.Array
+    placement: jax.Array
+    chunk_tables: tuple
+    key_sources: tuple = flax.struct.field(pytree_node=False, default=())
+    chunk_sources: tuple = flax.struct.field(pytree_node=False, default=())
+
+
+_CHUNK_COMBOS = 27
+_MAX_KEY_TABLE = 1 << 16
+
+
+def _compile_stencils(programs, pieces: Sequence[Sequence[int]], out_len: int, pad_id: int, max_rows: int):
+    """Stencil tables of ``programs`` (``(base, src, max_tokens, options)`` lists), or None when they would
+    exceed ``max_rows`` rows (then the general concatenation is used)."""
+    plen = [len(p) for p in pieces]
+    n_opts: dict[int, int] = {}  # options per source (the same in every program)
+    plans = []
+    for base, src, _, options in programs:
+        keys = []
+        for k, (b, s, n) in enumerate(zip(base, src, options)):
+            if n > 1:
+                if n_opts.setdefault(s, n) != n:
+                    return None
+                if len({plen[b + v] for v in range(n)}) > 1:
+                    keys.append(k)
+        plans.append((keys, int(np.prod([options[k] for k in keys], dtype=np.int64))))
+    n_rows = sum(c for _, c in plans)
+    key_srcs = sorted({programs[p][1][k] for p, (keys, _) in enumerate(plans) for k in keys})
+    key_size = len(programs) * int(np.prod([n_opts[s] for s in key_srcs], dtype=np.int64))
+    if n_rows > max_rows or key_size > _MAX_KEY_TABLE:
+        return None
+
+    base_rows = np.full((max(n_rows, 1), out_len), pad_id, np.int32)
+    total = np.zeros(max(n_rows, 1), np.int32)
+    key_table = np.zeros(key_size, np.int32)
+    placements: dict[tuple, int] = {}
+    placement = np.zeros(max(n_rows, 1), np.int32)
+    row = 0
+    for p, ((base, src, _, options), (keys, count)) in enumerate(zip(programs, plans)):
+        strides = np.cumprod([1] + [options[k] for k in keys])[:-1].astype(np.int64)
+        combo_row = {}
+        for combo in range(count):
+            choice = {k: int(combo // st % options[k]) for k, st in zip(keys, strides)}
+            toks, deltas = [], []
+            for k, (b, s, n) in enumerate(zip(base, src, options)):
+                if k in choice:
+                    toks += pieces[b + choice[k]]
+                    continue
+                if n > 1:  # delta slot: option 0 in the row, differences to the other options in the chunk tables
+                    for c in range(plen[b]):
+                        diffs = tuple(int(pieces[b + v][c]) - int(pieces[b][c]) for v in range(n))
+                        deltas.append((len(toks) + c, s, diffs))
+                toks += pieces[b]
+            if len(toks) > out_len:
+                raise AssertionError(f"stencil row longer than the program's maximum ({len(toks)} > {out_len})")
+            base_rows[row, : len(toks)] = toks
+            total[row] = len(toks)
+            placement[row] = placements.setdefault(tuple(deltas), len(placements))
+            combo_row[tuple(choice.get(k, 0) for k in keys)] = row
+            row += 1
+        # Dense key table: every combination of ALL key sources maps to this program's row (ignoring the sources
+        # the program has no key slot for).
+        for values in np.ndindex(*[n_opts[s] for s in key_srcs]):
+            idx = p
+            for s, v in zip(key_srcs, values):
+                idx = idx * n_opts[s] + v
+            key_table[idx] = combo_row[tuple(values[key_srcs.index(programs[p][1][k])] for k in keys)]
+
+    # Chunks of delta sources, in order of first appearance.
+    delta_srcs: list[int] = []
+    for deltas in placements:
+        for _, s, _ in deltas:
+            if s not in delta_srcs:
+                delta_srcs.append(s)
+    chunks: list[list[int]] = []
+    for s in delta_srcs:
+        if chunks and np.prod([n_opts[x] for x in chunks[-1]]) * n_opts[s] <= _CHUNK_COMBOS:
+            chunks[-1].append(s)
+        else:
+            chunks.append([s])
+    tables = []
+    for chunk in chunks:
+        radix = [n_opts[s] for s in chunk]
+        combos = int(np.prod(radix))
+        table = np.zeros((len(placements), combos, out_len), np.int32)
+        for deltas, pl in placements.items():
+            for code, values in enumerate(np.ndindex(*radix)):
+                # np.ndindex runs the LAST source fastest: code = mixed radix with the first source most significant
+                value_of = dict(zip(chunk, values))
+                for pos, s, diffs in deltas:
+                    if s in value_of:
+                        table[pl, code, pos] += diffs[value_of[s]]
+        tables.append(jnp.asarray(table.reshape(len(placements) * combos, out_len)))
+    return Stencils(
+        key_table=jnp.asarray(key_table),
+        base=jnp.asarray(base_rows),
+        total=jnp.asarray(total),
+        placement=jnp.asarray(placement),
+        chunk_tables=tuple(tables),
+        key_sources=tuple((int(s), int(n_opts[s])) for s in key_srcs),
+        chunk_sources=tuple(tuple((int(s), int(n_opts[s])) for s in chunk) for chunk in chunks),
+    )
+
+
+def _render_stencil(stencils: Stencils, program: jax.Array, values: Sequence[jax.Array]):
+    """Fast path: program index ``[]`` and the source values (``values[j]``: int32 ``[]``, already in range) ->
+    ``(ids [Lout], length [])``."""
+    idx = program
+    for s, n in stencils.key_sources:
+        idx = idx * n + values[s]
+    key = stencils.key_table[idx]
+    out = stencils.base[key]
+    place = stencils.placement[key]
+    for table, sources in zip(stencils.chunk_tables, stencils.chunk_sources):
+        code = place
+        for s, n in sources:
+            code = code * n + values[s]
+        out = out + table[code]
+    return out, stencils.total[key]
+
+
+@flax.struct.dataclass
 class TextSpec:
     """Pre-tokenized chat pieces (a pytree of int32 arrays; the ``int`` fields are static).
 
@@ -257,6 +412,8 @@ class TextSpec:
       response_base, response_src: ``int32 [NUM_STATUSES, Kr]`` programs of the tool response, per status.
       turn_end_ids: ``int32 [1]`` the assistant turn-end marker (``<|im_end|>`` for the shipped tokenizer).
       stop_ids: ``int32 [n]`` tokens that end a generation turn (turn end, then eos if different).
+      prompt_stencils, response_stencils: ``Stencils`` of the two program sets (the fast path), or None (then the
+        general concatenation of pieces is used).
       prompt_len: static max prompt length ``Lp_max``; response_len: static ``Lr_max``.
       pad_id, turn_end_id, eos_id: static ints.
     """
@@ -269,6 +426,8 @@ class TextSpec:
     response_src: jax.Array
     turn_end_ids: jax.Array
     stop_ids: jax.Array
+    prompt_stencils: "Stencils | None" = None
+    response_stencils: "Stencils | None" = None
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
     response_len: int = flax.struct.field(pytree_node=False, default=0)
     pad_id: int = flax.struct.field(pytree_node=False, default=0)
@@ -347,25 +506,27 @@ class _PieceTable:
         self.ids.extend(self.encode(o) for o in options)
         return first
 
-    def program(self, parts: Parts) -> tuple[list[int], list[int], int]:
-        """Parts -> (base [K], src [K], max tokens); adjacent literals are merged first."""
+    def program(self, parts: Parts) -> tuple[list[int], list[int], int, list[int]]:
+        """Parts -> (base [K], src [K], max tokens, options [K]); adjacent literals are merged first."""
         merged: Parts = []
         for p in parts:
             if isinstance(p, str) and merged and isinstance(merged[-1], str):
                 merged[-1] += p
             elif p != "":
                 merged.append(p)
-        base, src, max_tokens = [], [], 0
+        base, src, max_tokens, options = [], [], 0, []
         for p in merged:
             if isinstance(p, _Slot):
                 base.append(self.block(p.options))
                 src.append(p.src)
                 max_tokens += max(len(self.encode(o)) for o in p.options)
+                options.append(len(p.options))
             else:
                 base.append(self.literal(p))
                 src.append(_SRC_ZERO)
                 max_tokens += len(self.encode(p))
-        return base, src, max_tokens
+                options.append(1)
+        return base, src, max_tokens, options
 
 
 def _render_template(tokenizer, messages, add_generation_prompt: bool, chat_template: str | None) -> str:
@@ -393,11 +554,15 @@ def _find_turn_end(tokenizer, after_assistant: str) -> tuple[str, int]:
     return best
 
 
-def build_text_spec(tokenizer, chat_template: str | None = None) -> TextSpec:
+def build_text_spec(tokenizer, chat_template: str | None = None, max_stencil_rows: int = 4096) -> TextSpec:
     """Build the ``TextSpec`` for ``tokenizer`` and its chat template (or ``chat_template`` if given).
 
     The template is rendered with placeholder strings in the variable slots; the text around them becomes
     literal pieces. The template must pass message contents through unchanged (wrapping them is fine).
+
+    ``max_stencil_rows`` caps the pre-rendered rows of each fast-path table (see ``Stencils``; the shipped
+    tokenizer needs 84 for tool responses, 2 for prompts); past it, or with 0, rendering falls back to the general
+    concatenation of pieces (same ids, slower).
     """
     table = _PieceTable(tokenizer)
     sys_msg = {"role": "system", "content": SYSTEM_PROMPT}
@@ -435,13 +600,13 @@ def build_text_spec(tokenizer, chat_template: str | None = None) -> TextSpec:
         response_programs.append(table.program([turn_end_slot, *_split_rendered(rest, slots)]))
 
     def stack(programs):
-        k = max(len(b) for b, _, _ in programs)
+        k = max(len(p[0]) for p in programs)
         base = np.zeros((len(programs), k), np.int32)  # padding segments read the empty piece 0
         src = np.zeros((len(programs), k), np.int32)
-        for r, (b, s, _) in enumerate(programs):
+        for r, (b, s, _, _) in enumerate(programs):
             base[r, : len(b)] = b
             src[r, : len(s)] = s
-        return base, src, max(m for _, _, m in programs)
+        return base, src, max(p[2] for p in programs)
 
     prompt_base, prompt_src, prompt_len = stack(prompt_programs)
     response_base, response_src, response_len = stack(response_programs)
@@ -455,6 +620,8 @@ def build_text_spec(tokenizer, chat_template: str | None = None) -> TextSpec:
         piece_ids[i, : len(ids)] = ids
     piece_len = np.array([len(ids) for ids in table.ids], np.int32)
     stop = [turn_end_id] + ([int(eos_id)] if int(eos_id) != turn_end_id else [])
+    prompt_stencils = _compile_stencils(prompt_programs, table.ids, prompt_len, pad_id, max_stencil_rows)
+    response_stencils = _compile_stencils(response_programs, table.ids, response_len, pad_id, max_stencil_rows)
 
     spec = TextSpec(
         piece_ids=jnp.asarray(piece_ids),
@@ -465,6 +632,8 @@ def build_text_spec(tokenizer, chat_template: str | None = None) -> TextSpec:
         response_src=jnp.asarray(response_src),
         turn_end_ids=jnp.asarray([turn_end_id], jnp.int32),
         stop_ids=jnp.asarray(stop, jnp.int32),
+        prompt_stencils=prompt_stencils,
+        response_stencils=response_stencils,
         prompt_len=int(prompt_len),
         response_len=int(response_len),
         pad_id=int(pad_id),
@@ -496,6 +665,21 @@ def _self_check(spec: TextSpec, tokenizer, chat_template) -> None:
         got = rendered(spec.response_base[status], spec.response_src[status], source, spec.response_len)
         if got != want:
             raise ValueError(f"in-jit tool-response pieces do not reproduce the template:\n{got!r}\n!=\n{want!r}")
+    # The fast-path tables must give the very same ids as the piece programs, for every key combination.
+    rng = np.random.default_rng(0)
+    for stencils, base, src, out_len in (
+        (spec.prompt_stencils, spec.prompt_base, spec.prompt_src, spec.prompt_len),
+        (spec.response_stencils, spec.response_base, spec.response_src, spec.response_len),
+    ):
+        if stencils is None:
+            continue
+        for program in range(base.shape[0]):
+            for side, opp, turn_end in np.ndindex(2, 10, 2):
+                source = _host_source(rng.integers(0, 3, NUM_SQUARES), 1 + side, opp, bool(turn_end))
+                want = _render_np(spec, base[program], src[program], source, out_len)
+                got = _stencil_np(stencils, program, source)
+                if not (np.array_equal(got[0], want[0]) and got[1] == want[1]):
+                    raise AssertionError(f"stencil tables disagree with the piece programs (program {program})")
 
 
 def tool_response_text(
@@ -514,6 +698,22 @@ def tool_response_text(
     return after if add_turn_end else after[len(turn_end) :]
 
 
+def _stencil_np(stencils: Stencils, program: int, source: Sequence[int]):
+    """NumPy twin of ``_render_stencil`` (host self-check)."""
+    idx = program
+    for s, n in stencils.key_sources:
+        idx = idx * n + int(source[s])
+    key = int(np.asarray(stencils.key_table)[idx])
+    out = np.asarray(stencils.base)[key].copy()
+    place = int(np.asarray(stencils.placement)[key])
+    for table, sources in zip(stencils.chunk_tables, stencils.chunk_sources):
+        code = place
+        for s, n in sources:
+            code = code * n + int(source[s])
+        out += np.asarray(table)[code]
+    return out, int(np.asarray(stencils.total)[key])
+
+
 def _render_np(spec: TextSpec, base, src, source, out_len):
     """NumPy twin of ``_render`` (host self-check)."""
     idx = np.asarray(base) + np.asarray(source)[np.asarray(src)]
@@ -525,7 +725,8 @@ def _render_np(spec: TextSpec, base, src, source, out_len):
 
 
 def _render(spec: TextSpec, base: jax.Array, src: jax.Array, source: jax.Array, out_len: int):
-    """Concatenate the pieces of one program. base/src ``[K]``, source ``[_NUM_SOURCES]`` -> ``([out_len], [])``."""
+    """General path: concatenate the pieces of one program. base/src ``[K]``, source ``[_NUM_SOURCES]`` ->
+    ``([out_len], [])``. Used when a spec has no stencils (``build_text_spec(..., max_stencil_rows=0)``)."""
     idx = base + source[src]  # [K] piece per segment
     lens = spec.piece_len[idx]  # [K]
     ends = jnp.cumsum(lens)
@@ -539,20 +740,19 @@ def _render(spec: TextSpec, base: jax.Array, src: jax.Array, source: jax.Array, 
     return jnp.where(t < total, ids, spec.pad_id).astype(jnp.int32), total
 
 
-def _source(board, agent_player=1, opponent_square=0, add_turn_end=False) -> jax.Array:
+def _values(board, agent_player=1, opponent_square=0, add_turn_end=False) -> list:
+    """Source values as a list of int32 scalars (index = ``_SRC_*``), clipped to each slot's options."""
     board = jnp.asarray(board)
     if board.shape != (NUM_SQUARES,):
         raise ValueError(f"board must have shape [9], got {board.shape}")
-    z = jnp.zeros((1,), jnp.int32)
-    return jnp.concatenate(
-        [
-            z,
-            jnp.clip(board.astype(jnp.int32), 0, 2),
-            jnp.reshape(jnp.clip(jnp.asarray(agent_player, jnp.int32) - 1, 0, 1), (1,)),
-            jnp.reshape(jnp.clip(jnp.asarray(opponent_square, jnp.int32), 0, 9), (1,)),
-            jnp.reshape(jnp.asarray(add_turn_end, jnp.int32), (1,)),
-        ]
-    )
+    cells = jnp.clip(board.astype(jnp.int32), 0, 2)
+    return [
+        jnp.int32(0),
+        *(cells[i] for i in range(NUM_SQUARES)),
+        jnp.clip(jnp.asarray(agent_player, jnp.int32) - 1, 0, 1),
+        jnp.clip(jnp.asarray(opponent_square, jnp.int32), 0, 9),
+        (jnp.asarray(add_turn_end) != 0).astype(jnp.int32),
+    ]
 
 
 def render_prompt(spec: TextSpec, board: jax.Array, agent_player: jax.Array, game: Any = False):
@@ -569,8 +769,10 @@ def render_prompt(spec: TextSpec, board: jax.Array, agent_player: jax.Array, gam
       ``(ids int32 [spec.prompt_len], length int32 [])``; ids past ``length`` are ``spec.pad_id``.
     """
     row = jnp.asarray(game, jnp.int32)
-    return _render(spec, spec.prompt_base[row], spec.prompt_src[row], _source(board, agent_player),
-                   spec.prompt_len)
+    values = _values(board, agent_player)
+    if spec.prompt_stencils is not None:
+        return _render_stencil(spec.prompt_stencils, row, values)
+    return _render(spec, spec.prompt_base[row], spec.prompt_src[row], jnp.stack(values), spec.prompt_len)
 
 
 def render_tool_response(
@@ -594,5 +796,7 @@ def render_tool_response(
       ``(ids int32 [spec.response_len], length int32 [])``.
     """
     row = jnp.clip(jnp.asarray(status, jnp.int32), 0, NUM_STATUSES - 1)
-    source = _source(board, 1, opponent_square, add_turn_end)
-    return _render(spec, spec.response_base[row], spec.response_src[row], source, spec.response_len)
+    values = _values(board, 1, opponent_square, add_turn_end)
+    if spec.response_stencils is not None:
+        return _render_stencil(spec.response_stencils, row, values)
+    return _render(spec, spec.response_base[row], spec.response_src[row], jnp.stack(values), spec.response_len)

@@ -1,4 +1,4 @@
-"""Tool-call parsing: a host reference parser and a jitted byte-level DFA that agrees with it exactly.
+"""Tool-call parsing: a host reference parser and a jitted token-level DFA that agrees with it exactly.
 
 Result (design contract): ``kind`` int32 in {0 ok, 1 no_call, 2 bad_call, 3 out_of_range} and ``square`` int32,
 1..9 when ``kind == 0`` else 0.
@@ -27,18 +27,27 @@ Grammar
 
 Jitted parser
 -------------
-``build_parser_tables(tokenizer)`` turns the vocabulary into a byte table ``[V, max_bytes]`` (byte-level BPE
-tokens are mapped back through the GPT-2 byte<->unicode table; added/special tokens contribute their literal
-text; a token may be a partial UTF-8 sequence). ``parse_tool_call`` gathers the bytes of the generated tokens,
-packs them, and runs one ``lax.scan`` over bytes with three automata: a KMP matcher for ``<tool_call>``, then,
-inside the call, a KMP matcher for ``</tool_call>`` in parallel with a DFA for the body grammar above, plus an
-integer register for the square (saturating at 10). The body can never contain ``<``, so the body DFA's state just
-before the closing tag is the state saved at the most recent ``<``. Text decoding replaces invalid UTF-8 by U+FFFD
-and every non-ASCII byte is "other" to all three automata, so bytes and decoded text always give the same result.
+Three byte automata define the grammar: a KMP matcher for ``<tool_call>``, then, inside the call, a KMP matcher for
+``</tool_call>`` in parallel with a DFA for the body grammar above, plus an integer register for the square
+(saturating at 10). The body can never contain ``<``, so the body DFA's state just before the closing tag is the
+state saved at the most recent ``<``. Text decoding replaces invalid UTF-8 by U+FFFD and every non-ASCII byte is
+"other" to all the automata, so bytes and decoded text always give the same result.
+
+On the host (``_grammar``, once per process) the three are merged into ONE product automaton (1377 reachable
+states) and Moore-minimized to 137 states, with the register kept outside the state: every edge keeps it or
+stores a constant. ``build_parser_tables(tokenizer)`` maps every token id to its bytes (byte-level BPE tokens
+through the GPT-2 byte<->unicode table; added/special tokens give their literal text; a token may be a partial
+UTF-8 sequence) and lifts the automaton to tokens: the state and register store after feeding all of a token's
+bytes, for every (state, token). Token ids with equal columns share a class, so the table is ``[137, C]`` int16
+plus a ``[V + 1]`` class map (C = 89 for the shipped 512-token vocabulary; the unshared table would be
+137 x V x 2 bytes, 41 MiB at V = 157k). ``parse_tool_call`` is then one class lookup and one dependent table
+lookup per token (T steps, whatever the tokens' byte lengths); only a ``max_bytes`` cap that cuts a token in the
+middle adds a byte-level loop over that one token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Any
@@ -243,6 +252,155 @@ _CLOSE_KMP = _kmp_table(CLOSE_TAG.encode())  # [13, 256]
 _BODY_NEXT, _BODY_ACT, _BODY_ACCEPT, _BODY_START = _build_body_dfa()
 
 
+# Register encoding on the product automaton's edges: -1 keeps the square register, 0..10 sets it (10 = "two or
+# more digits", always out of range). Packed token-table entries are ``(next_state << _REG_BITS) | (op + 1)``.
+_REG_KEEP = -1
+_REG_BITS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grammar:
+    """The whole grammar as ONE minimized byte-level DFA with a square register.
+
+    Attributes:
+      next: ``int32 [S, 256]`` next state; state 0 is the start (before ``<tool_call>``).
+      op: ``int8 [S, 256]`` register op of the edge: ``_REG_KEEP`` or a value 0..10 to store.
+      accept_state: the absorbing state "call closed, body accepted" (result: the register's range decides ok /
+        out_of_range). bad_state: absorbing "call closed, body rejected". Every other state means no call (yet).
+      raw_states: reachable states of the unminimized product (for the docs/tests).
+    """
+
+    next: np.ndarray
+    op: np.ndarray
+    accept_state: int
+    bad_state: int
+    raw_states: int
+
+    @property
+    def num_states(self) -> int:
+        return int(self.next.shape[0])
+
+    def packed(self) -> np.ndarray:
+        """``int32 [S, 256]`` edges packed like the token table."""
+        return (self.next.astype(np.int32) << _REG_BITS) | (self.op.astype(np.int32) + 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _grammar() -> _Grammar:
+    """Product of the three byte automata (open-tag KMP, close-tag KMP + body DFA + saved state), minimized.
+
+    Product state: phase 0 ``k_open``; phase 1 ``(k_close, body, saved)`` where ``saved`` is the body state just
+    before the latest ``<`` (the body can never contain ``<``, so that is the body state before the closing tag);
+    phase 2 ``accepted`` (absorbing). The square register stays OUTSIDE the state: every edge either keeps it or
+    stores a constant, which makes a token's effect on it a single "keep or store c" too. The body DFA's
+    accumulate action (``val * 10 + d``, saturating at 10) is only taken with ``val >= 1`` (checked below on the
+    body DFA's edges), where it always stores 10.
+    """
+    n_open, n_close = len(OPEN_TAG), len(CLOSE_TAG)
+    nb = _BODY_NEXT.shape[0]
+    off1 = n_open  # phase-1 keys: off1 + (k_close * nb + body) * nb + saved
+    off2 = off1 + n_close * nb * nb  # phase-2 keys: off2 + accepted
+    all_bytes = np.arange(256)
+    lt = all_bytes == ord("<")
+    digit = all_bytes - ord("0")
+
+    keys: dict[int, int] = {0: 0}
+    order = [0]
+    nexts, ops = [], []
+    i = 0
+    while i < len(order):
+        key = order[i]
+        i += 1
+        op = np.full(256, _REG_KEEP, np.int64)
+        if key < off1:  # phase 0: looking for the opening tag
+            k2 = _OPEN_KMP[key].astype(np.int64)
+            nkey = np.where(k2 == n_open, off1 + (0 * nb + _BODY_START) * nb + _BODY_START, k2)
+        elif key < off2:  # phase 1: inside the call
+            kc, rest = divmod(key - off1, nb * nb)
+            body, saved = divmod(rest, nb)
+            kc2 = _CLOSE_KMP[kc].astype(np.int64)
+            body2 = _BODY_NEXT[body].astype(np.int64)
+            act = _BODY_ACT[body]
+            saved2 = np.where(lt, body, saved)
+            op = np.select([act == _ACT_SET0, act == _ACT_SETD, act == _ACT_ACC], [0, digit, _VAL_SAT], _REG_KEEP)
+            nkey = np.where(kc2 == n_close, off2 + _BODY_ACCEPT[saved2], off1 + (kc2 * nb + body2) * nb + saved2)
+        else:  # phase 2: closed, absorbing
+            nkey = np.full(256, key, np.int64)
+        uniq, inv = np.unique(nkey, return_inverse=True)
+        for k in uniq.tolist():
+            if k not in keys:
+                keys[k] = len(order)
+                order.append(k)
+        nexts.append(np.array([keys[k] for k in uniq.tolist()], np.int64)[inv.ravel()])
+        ops.append(op)
+    nxt, op = np.stack(nexts), np.stack(ops)
+    raw = len(order)
+
+    # The accumulate action must only ever see a register >= 1 (then it always stores 10). Body states with an
+    # accumulate edge are entered only by storing a digit 1..9 or by accumulating, and are not the start state.
+    acc_states = np.nonzero((_BODY_ACT == _ACT_ACC).any(axis=1))[0]
+    into = np.isin(_BODY_NEXT, acc_states)
+    entering = _BODY_ACT[into]
+    if _BODY_START in acc_states or not np.all((entering == _ACT_ACC) | (entering == _ACT_SETD)):
+        raise AssertionError("tool-call grammar: an accumulate edge can see register value 0")
+    if np.any(into & (_BODY_ACT == _ACT_SETD) & ~np.isin(np.arange(256), list(b"123456789"))[None, :]):
+        raise AssertionError("tool-call grammar: a digit store outside 1..9 enters an accumulating state")
+
+    # Moore minimization: same output (pending / accepted / rejected), same register ops, equivalent successors.
+    label = np.zeros(raw, np.int64)
+    for key, s in keys.items():
+        if key >= off2:
+            label[s] = 1 + (key == off2)  # 1: accepted (off2 + 1), 2: rejected (off2 + 0)
+    cls = np.unique(label, return_inverse=True)[1].ravel()
+    n = int(cls.max()) + 1
+    while True:
+        sig = np.concatenate([cls[:, None], cls[nxt], op], axis=1)
+        ids: dict[bytes, int] = {}
+        cls = np.array([ids.setdefault(row.tobytes(), len(ids)) for row in sig], np.int64)
+        if len(ids) == n:
+            break
+        n = len(ids)
+    # Renumber classes by first appearance in BFS order (so the start state is 0).
+    first = np.full(n, -1, np.int64)
+    for s in range(raw - 1, -1, -1):
+        first[cls[s]] = s
+    rank = np.argsort(np.argsort(first))
+    cls = rank[cls]
+    rep = np.sort(first)  # representative raw state of each minimized state
+    return _Grammar(
+        next=cls[nxt[rep]].astype(np.int32),
+        op=op[rep].astype(np.int8),
+        accept_state=int(cls[keys[off2 + 1]]) if off2 + 1 in keys else -1,
+        bad_state=int(cls[keys[off2]]),
+        raw_states=raw,
+    )
+
+
+def _lift_to_tokens(grammar: _Grammar, token_bytes: np.ndarray, token_len: np.ndarray) -> np.ndarray:
+    """Token-level transition table: ``[S, V + 1]`` packed ``(state << 4) | (op + 1)`` after feeding all bytes of
+    token v in state s (op: the last register store along the way, or keep). Column V is "no token" (identity).
+
+    Cost: one vectorised pass per byte column, ``S x (total bytes of the vocabulary)`` table lookups.
+    """
+    s_count, v = grammar.num_states, token_len.shape[0]
+    cur = np.repeat(np.arange(s_count, dtype=np.int32)[:, None], v, axis=1)  # [S, V]
+    reg = np.full((s_count, v), _REG_KEEP, np.int8)
+    for j in range(token_bytes.shape[1]):
+        active = np.nonzero(token_len > j)[0]
+        if active.size == 0:
+            break
+        b = token_bytes[active, j].astype(np.int64)[None, :]
+        c = cur[:, active]
+        o = grammar.op[c, b]
+        cur[:, active] = grammar.next[c, b]
+        reg[:, active] = np.where(o != _REG_KEEP, o, reg[:, active])
+    table = np.empty((s_count, v + 1), np.int32)
+    table[:, :v] = (cur << _REG_BITS) | (reg.astype(np.int32) + 1)
+    table[:, v] = (np.arange(s_count, dtype=np.int32) << _REG_BITS) | (_REG_KEEP + 1)
+    dtype = np.int16 if (s_count << _REG_BITS) <= np.iinfo(np.int16).max else np.int32
+    return table.astype(dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Token -> bytes tables
 # ----------------------------------------------------------------------------------------------------------------
@@ -308,13 +466,23 @@ def token_bytes(tokenizer) -> list[bytes]:
 
 @flax.struct.dataclass
 class ParserTables:
-    """Per-token bytes for ``parse_tool_call`` (pytree of arrays).
+    """Token tables for ``parse_tool_call`` (pytree of arrays).
+
+    The grammar automaton (S states, a property of the grammar: 137) is lifted from bytes to tokens on the host:
+    the entry for state s and token v packs ``(state after all bytes of v) << 4 | (register op + 1)``, op = -1
+    (keep) or the last square value 0..10 stored along the way. Tokens whose columns are equal (almost all plain
+    text behaves alike) share one *class*, so the table is ``[S, C]`` with C much smaller than the vocabulary.
 
     Attributes:
-      token_bytes: ``uint8 [V, max_bytes]`` bytes of each token id, right-padded with 0.
+      token_class: ``int32 [V + 1]`` class of each token id; entry V is "no token" (the identity class).
+      class_next: ``int16 [S, C]`` (int32 if ``S >= 2048``) packed transitions per class.
+      token_bytes: ``uint8 [V, max_bytes]`` bytes of each token id, right-padded with 0 (used only to cut a token
+        in the middle when ``max_bytes`` truncates the text).
       token_len: ``int32 [V]`` byte count of each token id (0 for ids with no text).
     """
 
+    token_class: jax.Array
+    class_next: jax.Array
     token_bytes: jax.Array
     token_len: jax.Array
 
@@ -326,9 +494,28 @@ class ParserTables:
     def max_bytes(self) -> int:
         return int(self.token_bytes.shape[1])
 
+    @property
+    def num_states(self) -> int:
+        return int(self.class_next.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.class_next.shape[1])
+
+
+def _token_classes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``[S, V + 1]`` token table -> (class of each column ``int32 [V + 1]``, ``[S, C]`` distinct columns)."""
+    cols = np.ascontiguousarray(table.T)
+    keys = cols.view(np.dtype((np.void, cols.dtype.itemsize * cols.shape[1]))).ravel()
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    return inverse.astype(np.int32).ravel(), np.ascontiguousarray(cols[first].T)
+
 
 def build_parser_tables(tokenizer, vocab_size: int | None = None) -> ParserTables:
-    """Byte table for ``tokenizer``; ``vocab_size`` (e.g. the model's padded vocab) adds empty rows."""
+    """Tables for ``tokenizer``; ``vocab_size`` (e.g. the model's padded vocab) adds rows for ids without text.
+
+    Host cost: one vectorised pass over the vocabulary's bytes per automaton state (seconds at 157k tokens).
+    """
     pieces = token_bytes(tokenizer)
     v = max(len(pieces), int(vocab_size or 0))
     width = max(1, max(len(p) for p in pieces))
@@ -337,7 +524,13 @@ def build_parser_tables(tokenizer, vocab_size: int | None = None) -> ParserTable
     for i, p in enumerate(pieces):
         table[i, : len(p)] = np.frombuffer(p, np.uint8)
         lens[i] = len(p)
-    return ParserTables(token_bytes=jnp.asarray(table), token_len=jnp.asarray(lens))
+    token_class, class_next = _token_classes(_lift_to_tokens(_grammar(), table, lens))
+    return ParserTables(
+        token_class=jnp.asarray(token_class),
+        class_next=jnp.asarray(class_next),
+        token_bytes=jnp.asarray(table),
+        token_len=jnp.asarray(lens),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -345,18 +538,74 @@ def build_parser_tables(tokenizer, vocab_size: int | None = None) -> ParserTable
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _pack_bytes(tables: ParserTables, token_ids: jax.Array, length: jax.Array, max_bytes: int):
-    """Left-pack the bytes of ``token_ids[:length]`` into ``uint8 [max_bytes]``; returns (bytes, n_bytes)."""
-    t = token_ids.shape[0]
-    ids = jnp.clip(token_ids.astype(jnp.int32), 0, tables.vocab_size - 1)
-    lens = jnp.where(jnp.arange(t) < length, tables.token_len[ids], 0)  # [T]
-    starts = jnp.cumsum(lens) - lens
-    col = jnp.arange(tables.max_bytes)
-    pos = starts[:, None] + col[None, :]  # [T, Bmax]
-    keep = (col[None, :] < lens[:, None]) & (pos < max_bytes)
-    pos = jnp.where(keep, pos, max_bytes)  # out-of-bounds scatter index: dropped
-    buf = jnp.zeros((max_bytes,), jnp.uint8).at[pos.reshape(-1)].set(tables.token_bytes[ids].reshape(-1), mode="drop")
-    return buf, jnp.minimum(jnp.sum(lens), max_bytes)
+@functools.lru_cache(maxsize=1)
+def _result_table() -> np.ndarray:
+    """``int32 [S << 4]``: packed carry -> ``kind << 4 | square`` (one lookup; cheap for XLA to duplicate into the
+    consumers it fuses the result into, unlike the compare/select chain it replaces)."""
+    g = _grammar()
+    carry = np.arange(g.num_states << _REG_BITS)
+    state = carry >> _REG_BITS
+    reg = np.maximum((carry & ((1 << _REG_BITS) - 1)) - 1, 0)  # regcode 0: never stored, register still 0
+    in_range = (reg >= MIN_SQUARE) & (reg <= MAX_SQUARE)
+    kind = np.where(
+        state == g.accept_state,
+        np.where(in_range, KIND_OK, KIND_OUT_OF_RANGE),
+        np.where(state == g.bad_state, KIND_BAD_CALL, KIND_NO_CALL),
+    )
+    square = np.where(kind == KIND_OK, reg, 0)
+    return ((kind << 4) | square).astype(np.int32)
+
+
+def _result(carry: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Final packed carry (automaton state, square register) -> ``(kind, square)``."""
+    packed = jnp.asarray(_result_table())[carry]
+    return packed >> 4, packed & 15
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_table() -> np.ndarray:
+    """``int32 [S, 257]`` packed byte-level edges; column 256 is "no byte" (identity)."""
+    g = _grammar()
+    table = np.zeros((g.num_states, 257), np.int32)
+    table[:, :256] = g.packed()
+    table[:, 256] = (np.arange(g.num_states) << _REG_BITS) | (_REG_KEEP + 1)
+    return table
+
+
+_UNROLL_MAX = 32  # sequences up to this many symbols are unrolled in Python (no scan, no transposes)
+
+
+def _run(table: jax.Array, symbols: jax.Array, carry: Any = 0, symbol_class: jax.Array | None = None) -> jax.Array:
+    """Feed ``symbols [N]`` (columns of the packed ``table [S, C]``, or ids mapped to columns by
+    ``symbol_class``) to the automaton.
+
+    ``carry`` packs ``state << 4 | (last register store + 1)`` (0: nothing stored yet), the same layout as the
+    table entries, so a step is one lookup and one select and the whole result lives in one int32.
+    """
+    flat = table.reshape(-1)
+    width = table.shape[1]
+    low = (1 << _REG_BITS) - 1
+
+    def lookup(index):  # unsigned, in-bounds index: no negative-index fix-up in every step
+        return flat.at[index.astype(jnp.uint32)].get(mode="promise_in_bounds").astype(jnp.int32)
+
+    def column(sym):  # the class lookup does not depend on the carry: it stays off the dependency chain
+        if symbol_class is None:
+            return sym
+        return symbol_class.at[sym.astype(jnp.uint32)].get(mode="promise_in_bounds")
+
+    def step(carry, sym):
+        code = lookup((carry >> _REG_BITS) * width + column(sym))
+        return jnp.where((code & low) == 0, code | (carry & low), code)
+
+    n = symbols.shape[0]
+    if n > _UNROLL_MAX:
+        return jax.lax.scan(lambda c, x: (step(c, x), None), jnp.asarray(carry, jnp.int32), symbols, unroll=8)[0]
+    if isinstance(carry, int) and carry == 0 and n:  # from the start state: row 0, no register yet
+        carry, symbols = lookup(column(symbols[0])), symbols[1:]
+    for i in range(symbols.shape[0]):
+        carry = step(carry, symbols[i])
+    return jnp.asarray(carry, jnp.int32)
 
 
 def parse_tool_call(
@@ -365,12 +614,17 @@ def parse_tool_call(
     """Parse the first tool call in a generated token sequence (jit/vmap friendly; agrees with
     ``parse_tool_call_text(decode(token_ids[:length]))``).
 
+    Two lookups per token: its class (``tables.token_class``, independent of the others), then the automaton
+    step (``tables.class_next``; the grammar automaton was lifted from bytes to tokens on the host), so the cost
+    is T dependent gathers in a small table, whatever the tokens' byte lengths.
+
     Args:
       tables: ``ParserTables`` of the tokenizer that produced the ids.
       token_ids: ``int [T]`` generated tokens (ids outside ``[0, V)`` are clipped).
       length: ``int []`` number of valid tokens (default T); the rest is ignored.
-      max_bytes: static cap on the number of text bytes scanned (default ``T * tables.max_bytes``, always exact).
-        A smaller cap makes the scan shorter; text past the cap is treated as not generated.
+      max_bytes: static cap on the number of text bytes parsed (default: no cap). Text past the cap is treated
+        as not generated; a token straddling the cap is cut in the middle (this costs one extra byte-level loop
+        over that token, ``tables.max_bytes`` steps, so only pass a cap that can bind).
 
     Returns:
       ``(kind int32 [], square int32 [])``.
@@ -379,58 +633,30 @@ def parse_tool_call(
     if token_ids.ndim != 1:
         raise ValueError(f"token_ids must be [T] (vmap for batches), got shape {token_ids.shape}")
     t = token_ids.shape[0]
+    v = tables.vocab_size
+    if tables.token_class.shape[0] != v + 1:
+        raise ValueError(
+            f"ParserTables.token_class has {tables.token_class.shape[0]} entries, expected vocab + 1 = {v + 1}; "
+            "build the tables with build_parser_tables"
+        )
     length = jnp.asarray(t if length is None else length, jnp.int32)
-    n = t * tables.max_bytes if max_bytes is None else int(max_bytes)
-    buf, n_bytes = _pack_bytes(tables, token_ids, length, n)
-
-    open_kmp = jnp.asarray(_OPEN_KMP)
-    close_kmp = jnp.asarray(_CLOSE_KMP)
-    body_next = jnp.asarray(_BODY_NEXT)
-    body_act = jnp.asarray(_BODY_ACT)
-    body_accept = jnp.asarray(_BODY_ACCEPT)
-    n_open, n_close = len(OPEN_TAG), len(CLOSE_TAG)
-    i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
-
-    def step(carry, x):
-        phase, k_open, k_close, body, saved, val, kind, square = carry
-        byte, valid = x
-        b = byte.astype(jnp.int32)
-        searching = valid & (phase == 0)
-        inside = valid & (phase == 1)
-        # Phase 0: look for the opening tag.
-        k_open2 = open_kmp[k_open, b]
-        opened = searching & (k_open2 == n_open)
-        # Phase 1: closing-tag matcher, body DFA, square register, body state before the latest '<'.
-        k_close2 = close_kmp[k_close, b]
-        body2 = body_next[body, b]
-        act = body_act[body, b]
-        d = b - ord("0")
-        val2 = jnp.select(
-            [act == _ACT_SET0, act == _ACT_SETD, act == _ACT_ACC],
-            [0, d, jnp.minimum(val * 10 + d, _VAL_SAT)],
-            default=val,
-        )
-        saved2 = jnp.where(b == ord("<"), body, saved)
-        closed = inside & (k_close2 == n_close)
-        accepted = body_accept[saved2]
-        in_range = (val2 >= MIN_SQUARE) & (val2 <= MAX_SQUARE)
-        kind2 = jnp.where(accepted, jnp.where(in_range, KIND_OK, KIND_OUT_OF_RANGE), KIND_BAD_CALL)
-        carry = (
-            jnp.where(opened, 1, jnp.where(closed, 2, phase)),
-            jnp.where(searching, k_open2, k_open),
-            jnp.where(inside, k_close2, k_close),
-            jnp.where(inside, body2, body),
-            jnp.where(inside, saved2, saved),
-            jnp.where(inside, val2, val),
-            jnp.where(closed, kind2, kind),
-            jnp.where(closed & accepted & in_range, val2, square),
-        )
-        return tuple(i32(c) for c in carry), None
-
-    init = (i32(0), i32(0), i32(0), i32(_BODY_START), i32(_BODY_START), i32(0), i32(KIND_NO_CALL), i32(0))
-    valid = jnp.arange(n) < n_bytes
-    carry, _ = jax.lax.scan(step, init, (buf, valid), unroll=1)
-    return carry[6], carry[7]
+    ids = jnp.clip(token_ids.astype(jnp.int32), 0, v - 1)
+    valid = jnp.arange(t) < length
+    cap = None if max_bytes is None or int(max_bytes) >= t * tables.max_bytes else max(0, int(max_bytes))
+    if cap is not None:
+        lens = jnp.where(valid, tables.token_len[ids], 0)
+        ends = jnp.cumsum(lens)
+        starts = ends - lens
+        cut = valid & (starts < cap) & (ends > cap)  # the (at most one) token straddling the cap
+        cut_id = jnp.sum(jnp.where(cut, ids, 0))
+        cut_bytes = jnp.sum(jnp.where(cut, cap - starts, 0))
+        valid = valid & (ends <= cap)
+    carry = _run(tables.class_next, jnp.where(valid, ids, v), symbol_class=tables.token_class)
+    if cap is not None:  # the first cut_bytes bytes of the straddling token, one byte at a time
+        col = jnp.arange(tables.max_bytes)
+        symbols = jnp.where(col < cut_bytes, tables.token_bytes[cut_id].astype(jnp.int32), 256)
+        carry = _run(jnp.asarray(_byte_table()), symbols, carry)
+    return _result(carry)
 
 
 def parse_tool_call_batch(tables: ParserTables, token_ids: jax.Array, lengths: jax.Array, *, max_bytes=None):
