@@ -106,10 +106,12 @@ def sample_starts(config, key, train_boards: np.ndarray, num_groups: int) -> rol
 
 @functools.partial(jax.jit, static_argnames=("group_size", "num_groups"))
 def _top_variance_rows(reward, group_size: int, num_groups: int):
-    std = reward.reshape(-1, group_size).std(axis=1)
+    r = reward.reshape(-1, group_size)
+    informative = jnp.max(r, axis=1) > jnp.min(r, axis=1)  # exact: no float rounding from a mean
+    std = jnp.where(informative, r.std(axis=1), 0.0)
     order = jnp.argsort(-std, stable=True)[:num_groups]
     rows = (order[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
-    return rows, jnp.mean(std > 0)
+    return rows, jnp.mean(informative)
 
 
 def select_groups(batch: dict, reward, group_size: int, num_groups: int):

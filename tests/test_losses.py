@@ -314,3 +314,16 @@ def test_bad_shapes_and_args_raise():
     with pytest.raises(ValueError, match="unknown loss"):
         L.get_loss("ppo2")
     assert L.NORMALIZE_STD["dr_grpo"] is False and set(L.NORMALIZE_STD) == set(L.LOSSES)
+
+
+@pytest.mark.parametrize("value", [0.8, 0.1, 1.0 / 3.0, -0.7])
+@pytest.mark.parametrize("group_size", [3, 8, 16])
+def test_constant_groups_get_exactly_zero_advantage_despite_rounding(value, group_size):
+    # 16 x 0.8 has a float32 mean one ulp off 0.8; without an exact constant-group check, (r - mean) / (std + eps)
+    # turns that residue into advantages of about -0.92 for every member of the group.
+    rewards = jnp.concatenate([jnp.full((group_size,), value, jnp.float32),
+                               jnp.linspace(-1.0, 1.0, group_size, dtype=jnp.float32)])
+    adv = np.asarray(L.group_advantages(rewards, group_size))
+    np.testing.assert_array_equal(adv[:group_size], 0.0)
+    np.testing.assert_allclose(adv[group_size:].mean(), 0.0, atol=1e-6)
+    np.testing.assert_allclose(adv[group_size:].std(), 1.0, atol=1e-4)

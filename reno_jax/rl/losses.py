@@ -84,9 +84,12 @@ def group_advantages(rewards: Array, group_size: int, normalize_std: bool = True
         raise ValueError(
             f"group_advantages: batch size {rewards.shape[0]} is not a positive multiple of group_size {group_size}")
     r = rewards.reshape(-1, group_size)
-    centred = r - jnp.mean(r, axis=1, keepdims=True)
+    # A constant group must get exactly 0: its float32 mean can be off by one ulp (16 x 0.8 sums to 12.8000002), and
+    # dividing that rounding residue by an equally tiny std would turn it into advantages of order 1 that push the
+    # whole group (e.g. 16 optimal moves) in one direction.
+    constant = jnp.max(r, axis=1, keepdims=True) == jnp.min(r, axis=1, keepdims=True)
+    centred = jnp.where(constant, 0.0, r - jnp.mean(r, axis=1, keepdims=True))
     if normalize_std:
-        # Population std from the centred values: exactly 0 for a constant group, so the result is 0, not NaN.
         std = jnp.sqrt(jnp.mean(centred * centred, axis=1, keepdims=True))
         centred = centred / (std + eps)
     return centred.reshape(-1)
