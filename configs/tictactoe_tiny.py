@@ -79,9 +79,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.eps_high = 4e-4
   c.rl.normalize_adv_std = True
   c.rl.kl_coef = 0.0
-  c.rl.entropy_coef = 0.003      # keeps the digit choice from collapsing before it is learned
-  c.rl.learning_rate = 2e-3
-  c.rl.end_learning_rate = 4e-4
+  c.rl.entropy_coef = 0.03       # slows the collapse of the digit choice (exploration)
+  c.rl.learning_rate = 1e-3
+  c.rl.end_learning_rate = 2e-4
   c.rl.warmup_steps = 10
   c.rl.weight_decay = 0.01
   c.rl.b1 = 0.9
