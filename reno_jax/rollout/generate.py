@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from reno_jax.envs import tool_parser
 from reno_jax.models import ling3
 from reno_jax.rollout import sampling
 
@@ -53,18 +54,9 @@ class StopTables:
 
 
 def _kmp_automaton(pattern: bytes) -> np.ndarray:
-    """`[len(pattern), 256] int32` next-state table of the KMP automaton (state = matched prefix length);
-    reaching `len(pattern)` means a hit (the caller restarts from the failure state)."""
-    m = len(pattern)
-    table = np.zeros((m + 1, 256), np.int32)
-    table[0, pattern[0]] = 1
-    fail = 0
-    for s in range(1, m + 1):
-        table[s] = table[fail]
-        if s < m:
-            table[s, pattern[s]] = s + 1
-            fail = table[fail, pattern[s]]
-    return table
+    """`[len(pattern) + 1, 256] int32` KMP next-state table (state = matched prefix length; `len(pattern)` is a
+    hit, after which the caller restarts from the failure state). Shared with the tool-call parser."""
+    return tool_parser._kmp_table(pattern)
 
 
 def build_stop_tables(token_bytes: Sequence[bytes], stop_ids: Sequence[int], pattern: bytes | None) -> StopTables:
