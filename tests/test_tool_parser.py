@@ -105,7 +105,7 @@ def setups():
 _PARSE = jax.jit(tp.parse_tool_call_batch)
 
 
-def _check(tok, tables, id_lists):
+def assert_parsers_agree(tok, tables, id_lists):
     """Jitted parser on B padded rows == reference on the decoded text of each row."""
     ids = np.zeros((B, T), np.int32)
     lengths = np.zeros((B,), np.int32)
@@ -131,7 +131,7 @@ def test_fixed_cases_agree(setups, which):
     for i in range(0, len(texts), B):
         chunk = [_encode(tok, t) for t in texts[i : i + B]]
         chunk += [[]] * (B - len(chunk))
-        _check(tok, tables, chunk)
+        assert_parsers_agree(tok, tables, chunk)
 
 
 def test_short_rows_take_the_unrolled_path(setups):
@@ -292,7 +292,7 @@ HYP = settings(max_examples=30, deadline=None, suppress_health_check=[HealthChec
 @given(texts=st.lists(call_texts(), min_size=B, max_size=B))
 def test_structured_calls_agree(setups, which, texts):
     tok, tables = setups[which]
-    _check(tok, tables, [_encode(tok, t) for t in texts])
+    assert_parsers_agree(tok, tables, [_encode(tok, t) for t in texts])
 
 
 @pytest.mark.parametrize("which", ["shipped", "other"])
@@ -302,7 +302,7 @@ def test_wellformed_calls_agree(setups, which, texts):
     tok, tables = setups[which]
     kinds = {tp.parse_tool_call_text(t)[0] for t in texts}
     assert kinds <= {OK, OOR, BAD}  # BAD only when the prefix opened an earlier call
-    _check(tok, tables, [_encode(tok, t) for t in texts])
+    assert_parsers_agree(tok, tables, [_encode(tok, t) for t in texts])
 
 
 @pytest.mark.parametrize("which", ["shipped", "other"])
@@ -317,7 +317,7 @@ def test_token_garbage_agrees(setups, which, data):
         parts = data.draw(st.lists(st.one_of(st.lists(st.integers(0, len(tok) - 1), max_size=6),
                                              st.sampled_from(pieces)), max_size=8))
         rows.append([i for p in parts for i in p])
-    _check(tok, tables, rows)
+    assert_parsers_agree(tok, tables, rows)
 
 
 @pytest.mark.parametrize("which", ["shipped", "other"])
@@ -332,7 +332,7 @@ def test_byte_garbage_agrees(setups, which, blobs, splice):
         if i % 2:
             s = s[:splice] + call(CANON) + s[splice:]
         texts.append(s)
-    _check(tok, tables, [_encode(tok, t) for t in texts])
+    assert_parsers_agree(tok, tables, [_encode(tok, t) for t in texts])
 
 
 # ---------------------------------------------------------------------------------------------------------------
