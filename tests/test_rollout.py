@@ -48,13 +48,7 @@ def _numpy_params(config, seed=0):
         else:
             x = rng.normal(0.0, 0.02, shape)
         flat[path] = jnp.asarray(x, jnp.float32)
-    tree = {}
-    for path, val in flat.items():
-        node = tree
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = val
-    return tree
+    return ling3._unflatten(flat)
 
 
 def _counted_rollout(params, keys, starts, env, forced):
