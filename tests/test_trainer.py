@@ -328,3 +328,21 @@ def test_bad_batches_raise():
         step(fresh_state(opt), {k: v for k, v in batch.items() if k != "old_logp"})
     with pytest.raises(ValueError, match="leading dimension"):
         step(fresh_state(opt), dict(batch, advantages=batch["advantages"][:4]))
+
+
+def test_compressed_adam_init_is_quantized_zeros():
+    """The directly built zero state equals quantising zeros (same structure, dtypes, shapes and values)."""
+    params = {"w": jnp.ones((80, 70)), "b": jnp.ones((5,))}
+    for state_dtype in ("int8", "bfloat16"):
+        tx = trainer.scale_by_adam_compressed(state_dtype=state_dtype)
+        got = tx.init(params)
+        if state_dtype == "int8":
+            want_mu = {"w": trainer._quantize_signed(jnp.zeros((80, 70)), 256), "b": jnp.zeros((5,))}
+            want_nu = {"w": trainer._quantize_nonneg(jnp.zeros((80, 70)), 256), "b": jnp.zeros((5,))}
+        else:
+            want_mu = want_nu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.bfloat16), params)
+        for got_tree, want_tree in ((got.mu, want_mu), (got.nu, want_nu)):
+            assert jax.tree.structure(got_tree) == jax.tree.structure(want_tree)
+            for a, b in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

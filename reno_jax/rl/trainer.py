@@ -174,12 +174,22 @@ def scale_by_adam_compressed(b1: float = 0.9, b2: float = 0.999, eps: float = 1e
             return (_dequantize_signed if kind == "mu" else _dequantize_nonneg)(stored, like.shape)
         return stored.astype(jnp.float32)
 
+    def zero_moment(p, kind):
+        # Built directly: quantising a zeros constant makes XLA constant-fold the whole quantiser (minutes for a
+        # multi-billion-parameter model).
+        if state_dtype == "bfloat16":
+            return jnp.zeros(p.shape, jnp.bfloat16)
+        if not is_quant(p):
+            return jnp.zeros(p.shape, jnp.float32)
+        n_blocks = -(-p.size // block_size)
+        codes_dtype = jnp.int8 if kind == "mu" else jnp.uint8
+        return QuantizedMoment(jnp.zeros((n_blocks, block_size), codes_dtype), jnp.zeros((n_blocks,), jnp.float32))
+
     def init_fn(params):
-        zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
         return ScaleByAdamCompressedState(
             count=jnp.zeros([], jnp.int32),
-            mu=jax.tree.map(lambda p: store(zeros(p), "mu"), params),
-            nu=jax.tree.map(lambda p: store(zeros(p), "nu"), params))
+            mu=jax.tree.map(lambda p: zero_moment(p, "mu"), params),
+            nu=jax.tree.map(lambda p: zero_moment(p, "nu"), params))
 
     def update_fn(updates, state, params=None):
         del params

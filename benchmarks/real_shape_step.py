@@ -1,0 +1,199 @@
+"""One GSPO step of Ling-3.0-tiny at its real shape with random weights: rollout time, train-step time, peak memory.
+
+The published AReno setting (configs/areno_ling3_tiny.py): 4 boards x 4 samples, up to 1471 new tokens, bf16
+parameters, GSPO, 8-bit Adam moments, micro-batched backward. Random weights never emit a tool call, so every
+row generates the full --max-new-tokens: the rollout time is the worst case of a step (the published run started
+near that length and ended near 850 tokens).
+
+  python benchmarks/real_shape_step.py                       # real shape; needs an accelerator (~40 GB)
+  python benchmarks/real_shape_step.py --model tiny --max-new-tokens 32 --steps 2    # CPU smoke run
+
+Phases, each printed as it finishes (compile time reported separately from the timed runs):
+  init     random bf16 parameters created on the device (jax.random per leaf, HF-style kinds).
+  rollout  `rollout.make_rollout_fn` on the move task (prefill, decode with caches, parse, reward);
+           first call = compile + run, then --steps timed calls.
+  train    `trainer.make_train_step` with the GSPO loss on that rollout's batch (random advantages, so the
+           gradient is not zero), int8 Adam moments; first call = compile + run, then --steps timed calls.
+Peak device memory is the allocator's `peak_bytes_in_use` (GPU/TPU; absent on CPU).
+The last output line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from reno_jax import pipeline  # noqa: E402
+from reno_jax.envs import boards as boards_lib  # noqa: E402
+from reno_jax.envs import tokenizer as tokenizer_lib  # noqa: E402
+from reno_jax.models import ling3  # noqa: E402
+from reno_jax.rl import losses, trainer  # noqa: E402
+from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
+
+
+def device_init(config: ling3.Ling3Config, key: jax.Array, dtype) -> dict:
+    """Random parameters made on the device (ling3.init_params draws on the host: minutes for 7.9B values).
+
+    One N(0, 1) buffer as large as the largest leaf is drawn once; every leaf is a differently offset slice of it,
+    scaled by its init kind (one random-number kernel to compile instead of hundreds). Leaves are correlated,
+    which does not matter for timing and memory.
+    """
+    items = sorted(ling3.param_shapes(config).items())
+    std = config.initializer_range
+    fp32_kinds = ("A_log", "dt_bias", "conv", "router", "zeros32")
+    biggest = max(math.prod(shape) for _, (shape, _) in items)
+
+    @jax.jit
+    def make(key):
+        noise = jax.random.normal(key, (biggest + 65537,), jnp.float32)
+        leaves = []
+        for i, (_, (shape, kind)) in enumerate(items):
+            size = math.prod(shape)
+            z = jax.lax.dynamic_slice(noise, ((i * 7919) % 65537,), (size,)).reshape(shape)
+            u = jax.nn.sigmoid(1.7 * z)  # ~U(0, 1)
+            if kind == "ones":
+                x = jnp.ones(shape, jnp.float32)
+            elif kind == "zeros32":
+                x = jnp.zeros(shape, jnp.float32)
+            elif kind == "conv":
+                x = (2.0 * u - 1.0) / math.sqrt(shape[0])
+            elif kind == "A_log":
+                x = jnp.log(1.0 + 15.0 * u)
+            elif kind == "dt_bias":
+                dt = jnp.exp(math.log(1e-3) + u * (math.log(1e-1) - math.log(1e-3)))
+                x = dt + jnp.log(-jnp.expm1(-dt))
+            else:  # linear, embed, router
+                x = std * z
+            leaves.append(x.astype(jnp.float32 if kind in fp32_kinds else dtype))
+        return leaves
+
+    leaves = make(key)
+    return ling3._unflatten({path: x for (path, _), x in zip(items, leaves)})
+
+
+def peak_bytes() -> int | None:
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0))
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t0
+
+
+def run_rollout(args, config, params, res):
+    tokenizer = tokenizer_lib.load_tokenizer(None)
+    env = rollout_lib.make_env(tokenizer, vocab_size=config.vocab_size)
+    rc = rollout_lib.RolloutConfig(task="move", max_new_tokens=args.max_new_tokens, max_turns=1,
+                                   temperature=1.0, group_size=args.group_size)
+    boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
+    starts = rollout_lib.move_starts(boards)
+    rollout_fn = functools.partial(rollout_lib.make_rollout_fn(config, rc), env=env)
+    key = jax.random.PRNGKey(1)
+    traj, first = timed(rollout_fn, params, key, starts)
+    res["rollout_first_call_s"] = first
+    times = []
+    for i in range(args.steps):
+        traj, dt = timed(rollout_fn, params, jax.random.fold_in(key, i + 1), starts)
+        times.append(dt)
+    gen = int(np.asarray(traj.loss_mask).sum())
+    res["rollout_rows"] = int(traj.tokens.shape[0])
+    res["rollout_length"] = int(traj.tokens.shape[1])
+    res["rollout_generated_tokens"] = gen
+    if times:
+        res["rollout_s"] = float(np.median(times))
+        res["rollout_generated_tokens_per_s"] = gen / res["rollout_s"]
+    return traj
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["real", "tiny"], default="real")
+    ap.add_argument("--boards", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=1471)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--state-dtype", default="int8", choices=["int8", "bfloat16", "float32"])
+    ap.add_argument("--steps", type=int, default=2, help="timed calls of each phase after the compiling one")
+    ap.add_argument("--synthetic-batch", action="store_true",
+                    help="skip the rollout; train on random tokens of the rollout's shape (prompt + max-new-tokens)")
+    ap.add_argument("--out", default="", help="also write the JSON figures to this file after each phase")
+    args = ap.parse_args()
+
+    res = {"backend": jax.default_backend(), "device": str(jax.local_devices()[0].device_kind),
+           "jax": jax.__version__, "model": args.model, "boards": args.boards, "group_size": args.group_size,
+           "max_new_tokens": args.max_new_tokens, "microbatches": args.microbatches,
+           "optimizer_state_dtype": args.state_dtype}
+
+    def report(phase):
+        res["peak_bytes_in_use"] = peak_bytes()
+        print(f"[{phase}] " + json.dumps(res), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    config = ling3.ling3_tiny_real() if args.model == "real" else ling3.tiny_test_config(vocab_size=512)
+    dtype = jnp.bfloat16
+    counts = ling3.count_params(config)
+    res.update(params_total=counts["total"], params_active=counts["active"])
+    params, res["init_s"] = timed(device_init, config, jax.random.PRNGKey(0), dtype)
+    res["param_bytes"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+    report("init")
+
+    if args.synthetic_batch:
+        rows, prompt_len = args.boards * args.group_size, 63
+        length = prompt_len + args.max_new_tokens
+        tokens = jax.random.randint(jax.random.PRNGKey(1), (rows, length), 0, config.vocab_size, jnp.int32)
+        loss_mask = jnp.broadcast_to(jnp.arange(length) >= prompt_len, (rows, length))
+        old_logp = jnp.where(loss_mask, -math.log(config.vocab_size), 0.0).astype(jnp.float32)
+        traj = argparse.Namespace(tokens=tokens, valid=jnp.ones((rows, length), bool), loss_mask=loss_mask,
+                                  behaviour_logp=old_logp, reward=jnp.zeros((rows,), jnp.float32))
+        res["rollout_rows"], res["rollout_length"] = rows, length
+    else:
+        traj = run_rollout(args, config, params, res)
+    report("rollout")
+
+    optimizer = trainer.make_optimizer(1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32"
+                                       else args.state_dtype)
+    state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(2))
+    del params
+    opt_bytes = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)))
+    res["optimizer_state_bytes"] = opt_bytes
+    loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
+    step_fn = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=False), loss_fn, optimizer,
+                                      num_microbatches=args.microbatches)
+    adv = jax.random.normal(jax.random.PRNGKey(3), traj.reward.shape, jnp.float32)
+    batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
+             "old_logp": traj.behaviour_logp, "advantages": adv}
+    del traj
+    (state, metrics), res["train_first_call_s"] = timed(step_fn, state, batch)
+    report("train first call")
+    times = []
+    for _ in range(args.steps):
+        (state, metrics), dt = timed(step_fn, state, batch)
+        times.append(dt)
+    res["train_step_s"] = float(np.median(times)) if times else None
+    res["train_tokens"] = int(np.asarray(batch["valid"]).sum())
+    res["train_loss"] = float(metrics["loss"])
+    res["train_grad_norm"] = float(metrics["grad_norm"])
+    res["train_skipped_updates"] = int(state.skipped_updates)
+    if res.get("rollout_s") and res["train_step_s"]:
+        res["gspo_step_s"] = res["rollout_s"] + res["train_step_s"]
+    report("train")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
