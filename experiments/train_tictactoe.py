@@ -29,7 +29,7 @@ import tqdm
 from reno_jax import pipeline
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
-from reno_jax.rl import losses, sft, trainer
+from reno_jax.rl import losses, sft, shared_prefix, trainer
 from reno_jax.rollout import rollout as rollout_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tictactoe_tiny.py", "Experiment config file.",
@@ -165,8 +165,17 @@ def train(config, workdir: str) -> list[dict]:
 
     writer = metrics_lib.MetricsWriter(workdir, start_step=start)
     rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
-    train_step = trainer.make_train_step(pipeline.make_logp_fn(model_config), pipeline.make_loss_fn(config), optimizer,
+    share_prefix = bool(r.get("share_prompt_prefix", False))
+    if share_prefix:
+        train_rows = rc.group_size * min(int(r.get("train_groups", 0)) or num_groups, num_groups)
+        if (train_rows // rc.group_size) % (r.num_minibatches * r.num_microbatches):
+            raise ValueError("rl.share_prompt_prefix needs whole groups in every minibatch / micro-batch: "
+                             f"{train_rows // rc.group_size} trained groups per step are not divisible by "
+                             f"num_minibatches * num_microbatches = {r.num_minibatches * r.num_microbatches}")
+    train_step = trainer.make_train_step(pipeline.make_logp_fn(model_config, group_size=rc.group_size),
+                                         pipeline.make_loss_fn(config), optimizer,
                                          num_minibatches=r.num_minibatches, num_microbatches=r.num_microbatches)
+    prefix_len = None  # shared-prefix cut: the shortest prompt seen so far (recompiles only when it shrinks)
     rows = []
     bar = tqdm.trange(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO",
                       dynamic_ncols=True)
@@ -182,6 +191,10 @@ def train(config, workdir: str) -> list[dict]:
         batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
                  "old_logp": traj.behaviour_logp, "advantages": advantages}
         batch, informative = select_groups(batch, traj.reward, rc.group_size, r.get("train_groups", 0))
+        if share_prefix:
+            shortest = int(np.min(np.asarray(traj.prompt_length)))
+            prefix_len = shortest if prefix_len is None else min(prefix_len, shortest)
+            batch = shared_prefix.split_shared_prefix(batch, prefix_len)
         state, train_metrics = train_step(state, batch)
         step = int(state.step)
         row = {}

@@ -21,7 +21,7 @@ from reno_jax.envs import tasks
 from reno_jax.envs import tokenizer as tokenizer_lib
 from reno_jax.models import ling3
 from reno_jax.models.config import Ling3Config
-from reno_jax.rl import losses, trainer
+from reno_jax.rl import losses, shared_prefix, trainer
 from reno_jax.rollout import rollout as rollout_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -59,26 +59,36 @@ def build_model(config, key: jax.Array, tokenizer) -> tuple[Ling3Config, Any]:
     return model_config, ling3.init_params(model_config, key, dtype)
 
 
-def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True):
+def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None):
     """`logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)` for `trainer.make_train_step`.
 
     `logp[:, t]` is `log p(tokens[t] | tokens[:t])` in float32; the entropy is that of the full next-token
-    distribution at the same positions (a metric, and the entropy bonus when configured).
+    distribution at the same positions (a metric, and the entropy bonus when configured). With `group_size`, a
+    batch carrying `prefix_tokens` (see `reno_jax.rl.shared_prefix`) is scored with each group's prompt encoded
+    once; `tokens` are then the continuations and `logp[:, t]` conditions on the prefix too.
     """
 
     def logp_fn(params, batch):
         tokens = batch["tokens"]
         valid = batch.get("valid")
-        logits, _ = ling3.forward(params, model_config, tokens, valid=valid)
-        logits = logits[:, :-1].astype(jnp.float32)
+        if "prefix_tokens" in batch:
+            if group_size is None:
+                raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
+            logits = shared_prefix.shared_prefix_logits(params, model_config, batch["prefix_tokens"], tokens,
+                                                        valid, group_size)
+            targets, pad = tokens, 0
+        else:
+            logits, _ = ling3.forward(params, model_config, tokens, valid=valid)
+            logits = logits[:, :-1].astype(jnp.float32)
+            targets, pad = tokens[:, 1:], 1
         logz = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
-        logp = jnp.pad(picked - logz, ((0, 0), (1, 0)))
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        logp = jnp.pad(picked - logz, ((0, 0), (pad, 0)))
         entropy = None
         if with_entropy:
             probs = jax.nn.softmax(logits, axis=-1)
             ent = logz - jnp.sum(probs * logits, axis=-1)
-            entropy = jnp.pad(ent, ((0, 0), (1, 0)))
+            entropy = jnp.pad(ent, ((0, 0), (pad, 0)))
         return logp, entropy
 
     return logp_fn
