@@ -6,6 +6,7 @@ row generates the full --max-new-tokens: the rollout time is the worst case of a
 near that length and ended near 850 tokens).
 
   python benchmarks/real_shape_step.py                       # real shape; needs an accelerator (~40 GB)
+  python benchmarks/real_shape_step.py --synthetic-batch --remat --share-prefix    # train step only
   python benchmarks/real_shape_step.py --model tiny --max-new-tokens 32 --steps 2    # CPU smoke run
 
 Phases, each printed as it finishes (compile time reported separately from the timed runs):
@@ -38,7 +39,7 @@ from reno_jax import pipeline  # noqa: E402
 from reno_jax.envs import boards as boards_lib  # noqa: E402
 from reno_jax.envs import tokenizer as tokenizer_lib  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
-from reno_jax.rl import losses, trainer  # noqa: E402
+from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
 
 
@@ -129,13 +130,15 @@ def main():
     ap.add_argument("--steps", type=int, default=2, help="timed calls of each phase after the compiling one")
     ap.add_argument("--synthetic-batch", action="store_true",
                     help="skip the rollout; train on random tokens of the rollout's shape (prompt + max-new-tokens)")
+    ap.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
+    ap.add_argument("--share-prefix", action="store_true", help="encode each group's prompt once (rl.shared_prefix)")
     ap.add_argument("--out", default="", help="also write the JSON figures to this file after each phase")
     args = ap.parse_args()
 
     res = {"backend": jax.default_backend(), "device": str(jax.local_devices()[0].device_kind),
            "jax": jax.__version__, "model": args.model, "boards": args.boards, "group_size": args.group_size,
            "max_new_tokens": args.max_new_tokens, "microbatches": args.microbatches,
-           "optimizer_state_dtype": args.state_dtype}
+           "optimizer_state_dtype": args.state_dtype, "remat": args.remat, "share_prefix": args.share_prefix}
 
     def report(phase):
         res["peak_bytes_in_use"] = peak_bytes()
@@ -159,7 +162,8 @@ def main():
         loss_mask = jnp.broadcast_to(jnp.arange(length) >= prompt_len, (rows, length))
         old_logp = jnp.where(loss_mask, -math.log(config.vocab_size), 0.0).astype(jnp.float32)
         traj = argparse.Namespace(tokens=tokens, valid=jnp.ones((rows, length), bool), loss_mask=loss_mask,
-                                  behaviour_logp=old_logp, reward=jnp.zeros((rows,), jnp.float32))
+                                  behaviour_logp=old_logp, reward=jnp.zeros((rows,), jnp.float32),
+                                  prompt_length=jnp.full((rows,), prompt_len, jnp.int32))
         res["rollout_rows"], res["rollout_length"] = rows, length
     else:
         traj = run_rollout(args, config, params, res)
@@ -172,11 +176,14 @@ def main():
     opt_bytes = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)))
     res["optimizer_state_bytes"] = opt_bytes
     loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
-    step_fn = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=False), loss_fn, optimizer,
+    step_fn = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=False, group_size=args.group_size,
+                                                            remat=args.remat), loss_fn, optimizer,
                                       num_microbatches=args.microbatches)
     adv = jax.random.normal(jax.random.PRNGKey(3), traj.reward.shape, jnp.float32)
     batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
              "old_logp": traj.behaviour_logp, "advantages": adv}
+    if args.share_prefix:
+        batch = shared_prefix.split_shared_prefix(batch, int(jnp.min(traj.prompt_length)))
     del traj
     (state, metrics), res["train_first_call_s"] = timed(step_fn, state, batch)
     report("train first call")

@@ -30,7 +30,10 @@ def get_config():
   c.rl.end_learning_rate = 1e-9
   c.rl.warmup_steps = 0
   c.rl.num_minibatches = 1
-  c.rl.num_microbatches = 4
+  c.rl.num_microbatches = 4       # one group (4 samples, one shared prompt) per micro-batch
+  c.rl.remat = True               # without it one micro-batch's activations exceed the device (see docs/benchmarks.md)
+  c.rl.entropy_coef = 0.0
+  c.rl.train_groups = 0
   c.rl.optimizer_state_dtype = "int8"
   c.checkpoint_every = 100
   c.keep_checkpoints = 4

@@ -80,6 +80,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.normalize_adv_std = True
   c.rl.kl_coef = 0.0
   c.rl.entropy_coef = 0.03       # slows the collapse of the digit choice (exploration)
+  c.rl.forking_entropy_coef = 0.0  # entropy bonus on each response's highest-entropy token(s) only (the square)
+  c.rl.forking_kl_coef = 0.0       # instead: k3 KL to the warm start on the forking token(s) (mass-covering)
+  c.rl.forking_top_k = 1
+  c.rl.forking_entropy_hold = 1.0  # full bonus / KL until this fraction of the run, then linearly to 0 at `end`
+  c.rl.forking_entropy_end = 1.0
   c.rl.learning_rate = 1e-3
   c.rl.end_learning_rate = 2e-4
   c.rl.warmup_steps = 10
@@ -89,6 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.clip_norm = 1.0
   c.rl.num_minibatches = 1       # optimiser steps per rollout batch
   c.rl.num_microbatches = 1
+  c.rl.remat = False               # recompute layers in the backward pass (memory for speed; big models)
   c.rl.share_prompt_prefix = True  # encode each group's prompt once in the backward pass (exact, much cheaper)
   c.rl.train_groups = 8          # train on the 8 groups with the largest reward spread (0: all groups)
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"

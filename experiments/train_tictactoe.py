@@ -104,6 +104,20 @@ def sample_starts(config, key, train_boards: np.ndarray, num_groups: int) -> rol
                                    epsilon=config.env.opponent_epsilon)
 
 
+def forking_entropy_scale(step: int, num_steps: int, hold: float, end: float) -> float:
+    """Schedule of the forking-token entropy bonus: 1 until `hold * num_steps`, then linear to 0 at `end * num_steps`.
+
+    Exploration is kept up while the policy still learns which squares are good, then released so the sampled
+    policy can sharpen onto them before the end of the run.
+    """
+    t = step / max(num_steps, 1)
+    if t <= hold:
+        return 1.0
+    if t >= end:
+        return 0.0
+    return float((end - t) / (end - hold))
+
+
 @functools.partial(jax.jit, static_argnames=("group_size", "num_groups"))
 def _top_variance_rows(reward, group_size: int, num_groups: int):
     r = reward.reshape(-1, group_size)
@@ -153,9 +167,13 @@ def train(config, workdir: str) -> list[dict]:
                                  max_to_keep=config.keep_checkpoints)
     abstract = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, key_rl), params)
     state = ckpt.restore(abstract)
-    if state is None:
-        if not config.model.get("path", "") and config.sft.num_steps > 0:
+    anchored = bool(r.get("forking_kl_coef", 0.0))
+    warm = not config.model.get("path", "") and config.sft.num_steps > 0
+    if state is None or (anchored and warm):  # the anchor of the forking KL is the warm start (or the checkpoint)
+        if warm:
             params, _ = warm_start(config, workdir, model_config, params, tokenizer, env, key_sft)
+    ref_params = jax.tree.map(jnp.copy, params) if anchored else None
+    if state is None:
         state = trainer.create_train_state(params, optimizer, key_rl)
         start = 0
     else:
@@ -166,15 +184,21 @@ def train(config, workdir: str) -> list[dict]:
     writer = metrics_lib.MetricsWriter(workdir, start_step=start)
     rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
     share_prefix = bool(r.get("share_prompt_prefix", False))
+    forking = bool(r.get("forking_entropy_coef", 0.0)) or anchored
+    if anchored:
+        ref_logp_fn = jax.jit(lambda p, b: pipeline.make_logp_fn(model_config, with_entropy=False,
+                                                                 group_size=rc.group_size)(p, b)[0])
     if share_prefix:
         train_rows = rc.group_size * min(int(r.get("train_groups", 0)) or num_groups, num_groups)
         if (train_rows // rc.group_size) % (r.num_minibatches * r.num_microbatches):
             raise ValueError("rl.share_prompt_prefix needs whole groups in every minibatch / micro-batch: "
                              f"{train_rows // rc.group_size} trained groups per step are not divisible by "
                              f"num_minibatches * num_microbatches = {r.num_minibatches * r.num_microbatches}")
-    train_step = trainer.make_train_step(pipeline.make_logp_fn(model_config, group_size=rc.group_size),
+    train_step = trainer.make_train_step(pipeline.make_logp_fn(model_config, group_size=rc.group_size,
+                                                               remat=bool(r.get("remat", False))),
                                          pipeline.make_loss_fn(config), optimizer,
-                                         num_minibatches=r.num_minibatches, num_microbatches=r.num_microbatches)
+                                         num_minibatches=r.num_minibatches, num_microbatches=r.num_microbatches,
+                                         loss_batch_keys=("entropy_scale",) if forking else ())
     prefix_len = None  # shared-prefix cut: the shortest prompt seen so far (recompiles only when it shrinks)
     rows = []
     bar = tqdm.trange(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO",
@@ -191,10 +215,16 @@ def train(config, workdir: str) -> list[dict]:
         batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
                  "old_logp": traj.behaviour_logp, "advantages": advantages}
         batch, informative = select_groups(batch, traj.reward, rc.group_size, r.get("train_groups", 0))
+        if forking:
+            scale = forking_entropy_scale(step=int(state.step), num_steps=config.num_steps,
+                                          hold=r.get("forking_entropy_hold", 1.0), end=r.get("forking_entropy_end", 1.0))
+            batch["entropy_scale"] = jnp.full(batch["advantages"].shape, scale, jnp.float32)
         if share_prefix:
             shortest = int(np.min(np.asarray(traj.prompt_length)))
             prefix_len = shortest if prefix_len is None else min(prefix_len, shortest)
             batch = shared_prefix.split_shared_prefix(batch, prefix_len)
+        if anchored:
+            batch["ref_logp"] = ref_logp_fn(ref_params, batch)
         state, train_metrics = train_step(state, batch)
         step = int(state.step)
         row = {}

@@ -59,13 +59,15 @@ def build_model(config, key: jax.Array, tokenizer) -> tuple[Ling3Config, Any]:
     return model_config, ling3.init_params(model_config, key, dtype)
 
 
-def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None):
+def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None,
+                 remat: bool = False):
     """`logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)` for `trainer.make_train_step`.
 
     `logp[:, t]` is `log p(tokens[t] | tokens[:t])` in float32; the entropy is that of the full next-token
     distribution at the same positions (a metric, and the entropy bonus when configured). With `group_size`, a
     batch carrying `prefix_tokens` (see `reno_jax.rl.shared_prefix`) is scored with each group's prompt encoded
-    once; `tokens` are then the continuations and `logp[:, t]` conditions on the prefix too.
+    once; `tokens` are then the continuations and `logp[:, t]` conditions on the prefix too. `remat`: recompute
+    each decoder layer in the backward pass instead of storing its activations (`ling3.forward(remat=True)`).
     """
 
     def logp_fn(params, batch):
@@ -75,10 +77,10 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
             if group_size is None:
                 raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
             logits = shared_prefix.shared_prefix_logits(params, model_config, batch["prefix_tokens"], tokens,
-                                                        valid, group_size)
+                                                        valid, group_size, remat=remat)
             targets, pad = tokens, 0
         else:
-            logits, _ = ling3.forward(params, model_config, tokens, valid=valid)
+            logits, _ = ling3.forward(params, model_config, tokens, valid=valid, remat=remat)
             logits = logits[:, :-1].astype(jnp.float32)
             targets, pad = tokens[:, 1:], 1
         logz = jax.nn.logsumexp(logits, axis=-1)
@@ -190,4 +192,9 @@ def make_loss_fn(config):
         kwargs["kl_coef"] = r.kl_coef
     if r.entropy_coef:
         kwargs["entropy_coef"] = r.entropy_coef
-    return functools.partial(losses.get_loss(r.loss), **kwargs)
+    loss_fn = functools.partial(losses.get_loss(r.loss), **kwargs)
+    if r.get("forking_entropy_coef", 0.0):
+        loss_fn = losses.with_forking_entropy_bonus(loss_fn, r.forking_entropy_coef, r.get("forking_top_k", 1))
+    elif r.get("forking_kl_coef", 0.0):
+        loss_fn = losses.with_forking_kl(loss_fn, r.forking_kl_coef, r.get("forking_top_k", 1))
+    return loss_fn

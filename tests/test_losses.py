@@ -327,3 +327,69 @@ def test_constant_groups_get_exactly_zero_advantage_despite_rounding(value, grou
     np.testing.assert_array_equal(adv[:group_size], 0.0)
     np.testing.assert_allclose(adv[group_size:].mean(), 0.0, atol=1e-6)
     np.testing.assert_allclose(adv[group_size:].std(), 1.0, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entropy bonus on forking tokens
+# ---------------------------------------------------------------------------------------------------------------
+def test_forking_token_mask_picks_top_entropy_policy_tokens():
+    _, _, _, mask, _, ent = _inputs(3)
+    ent = ent.copy()
+    ent[2, 0] = 99.0  # highest entropy but not a policy token: never selected
+    mask[2, 0] = False
+    for k in (1, 2):
+        sel = np.asarray(L.forking_token_mask(ent, mask, k))
+        assert not np.any(sel & ~mask)
+        for b in range(B):
+            vals = ent[b][mask[b]]
+            want = np.sort(vals)[::-1][:k] if vals.size else np.array([])
+            np.testing.assert_allclose(np.sort(ent[b][sel[b]])[::-1], want)
+    with pytest.raises(ValueError, match="top_k"):
+        L.forking_token_mask(ent, mask, 0)
+
+
+def test_forking_entropy_bonus_value_and_gradient():
+    logp, old, adv, mask, _, ent = _inputs(4)
+    base = lambda *a, **k: L.gspo_loss(*a, **k)
+    wrapped = L.with_forking_entropy_bonus(base, coef=0.5, top_k=1)
+    loss, metrics = wrapped(logp, old, adv, mask, entropy=ent)
+    plain, _ = base(logp, old, adv, mask, entropy=ent)
+    per_seq = [ent[b][mask[b]].max() for b in range(B) if mask[b].any()]
+    np.testing.assert_allclose(float(metrics["forking_entropy"]), np.mean(per_seq), rtol=1e-6)
+    np.testing.assert_allclose(float(loss), float(plain) - 0.5 * np.mean(per_seq), rtol=1e-5, atol=1e-6)
+    # d loss / d entropy: -coef / n_seq on each sequence's forking token, 0 elsewhere.
+    g = np.asarray(jax.grad(lambda e: wrapped(logp, old, adv, mask, entropy=e)[0])(jnp.asarray(ent)))
+    sel = np.asarray(L.forking_token_mask(ent, mask, 1))
+    np.testing.assert_allclose(g[sel], -0.5 / len(per_seq), rtol=1e-5)
+    assert np.all(g[~sel] == 0)
+    with pytest.raises(ValueError, match="entropy"):
+        wrapped(logp, old, adv, mask)
+
+
+def test_forking_kl_value_and_expected_gradient():
+    logp, old, adv, mask, ref, ent = _inputs(5)
+    wrapped = L.with_forking_kl(L.gspo_loss, coef=0.3, top_k=1)
+    loss, metrics = wrapped(logp, old, adv, mask, entropy=ent, ref_logp=ref)
+    plain, _ = L.gspo_loss(logp, old, adv, mask, entropy=ent, ref_logp=ref)
+    sel = np.asarray(L.forking_token_mask(ent, mask, 1))
+    per_seq = [_np_k3(logp[b][sel[b]], ref[b][sel[b]]).mean() for b in range(B) if mask[b].any()]
+    np.testing.assert_allclose(float(metrics["forking_kl"]), np.mean(per_seq), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), float(plain) + 0.3 * np.mean(per_seq), rtol=1e-5, atol=1e-6)
+    half, _ = wrapped(logp, old, adv, mask, entropy=ent, ref_logp=ref, entropy_scale=np.full((B,), 0.5))
+    np.testing.assert_allclose(float(half), float(plain) + 0.15 * np.mean(per_seq), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="ref_logp"):
+        wrapped(logp, old, adv, mask, entropy=ent)
+    # One categorical decision: the k3 gradient, averaged over samples a ~ pi, is that of KL(pi_ref || pi).
+    z = jnp.asarray([1.5, 0.2, -0.7, 0.0])
+    ref_p = jnp.asarray([0.4, 0.3, 0.2, 0.1])
+    pi = jax.nn.softmax(z)
+
+    def k3_of_z(zz, a):
+        lp = jax.nn.log_softmax(zz)[a]
+        return L._k3(lp[None], jnp.log(ref_p[a])[None], jnp.ones((1,), bool))[0]
+
+    def expected_k3_grad(z):
+        return sum(pi[a] * jax.grad(k3_of_z)(z, a) for a in range(4))
+
+    want = jax.grad(lambda zz: jnp.sum(ref_p * (jnp.log(ref_p) - jax.nn.log_softmax(zz))))(z)
+    np.testing.assert_allclose(np.asarray(expected_k3_grad(z)), np.asarray(want), atol=1e-6)

@@ -479,12 +479,16 @@ class ParserTables:
       token_bytes: ``uint8 [V, max_bytes]`` bytes of each token id, right-padded with 0 (used only to cut a token
         in the middle when ``max_bytes`` truncates the text).
       token_len: ``int32 [V]`` byte count of each token id (0 for ids with no text).
+      class_pair_next: ``[S, C * C]`` (dtype of ``class_next``) transitions for two tokens at once (class pair
+        ``c1 * C + c2``), halving the chain of dependent lookups per call; None when ``S * C * C`` exceeds
+        ``_MAX_PAIR_ENTRIES`` (tokenizers with many classes then take one token per lookup).
     """
 
     token_class: jax.Array
     class_next: jax.Array
     token_bytes: jax.Array
     token_len: jax.Array
+    class_pair_next: jax.Array | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -530,7 +534,29 @@ def build_parser_tables(tokenizer, vocab_size: int | None = None) -> ParserTable
         class_next=jnp.asarray(class_next),
         token_bytes=jnp.asarray(table),
         token_len=jnp.asarray(lens),
+        class_pair_next=_pair_table(class_next),
     )
+
+
+_MAX_PAIR_ENTRIES = 1 << 21  # 4 MiB of int16: past that, cache misses cost more than the saved lookups
+
+
+def _pair_table(class_next: np.ndarray) -> jax.Array | None:
+    """``[S, C]`` packed single-token transitions -> ``[S, C * C]`` two-token transitions (or None if too big).
+
+    Entry ``(s, c1 * C + c2)`` is the state after c1 then c2, with the register op of the later one that stores
+    (op 0 = keep), exactly what two steps of ``_run`` compute.
+    """
+    s, c = class_next.shape
+    if s * c * c > _MAX_PAIR_ENTRIES:
+        return None
+    t = class_next.astype(np.int64)
+    low = (1 << _REG_BITS) - 1
+    first_state, first_op = t >> _REG_BITS, t & low  # [S, C]
+    second = t[first_state]  # [S, C, C]: the second token's entry from the state after the first
+    op = np.where((second & low) != 0, second & low, first_op[:, :, None])
+    pair = ((second >> _REG_BITS) << _REG_BITS) | op
+    return jnp.asarray(pair.reshape(s, c * c).astype(class_next.dtype))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -575,7 +601,8 @@ def _byte_table() -> np.ndarray:
 _UNROLL_MAX = 32  # sequences up to this many symbols are unrolled in Python (no scan, no transposes)
 
 
-def _run(table: jax.Array, symbols: jax.Array, carry: Any = 0, symbol_class: jax.Array | None = None) -> jax.Array:
+def _run(table: jax.Array, symbols: jax.Array, carry: Any = 0, symbol_class: jax.Array | None = None,
+         pair_table: jax.Array | None = None) -> jax.Array:
     """Feed ``symbols [N]`` (columns of the packed ``table [S, C]``, or ids mapped to columns by
     ``symbol_class``) to the automaton.
 
@@ -601,6 +628,27 @@ def _run(table: jax.Array, symbols: jax.Array, carry: Any = 0, symbol_class: jax
     n = symbols.shape[0]
     if n > _UNROLL_MAX:
         return jax.lax.scan(lambda c, x: (step(c, x), None), jnp.asarray(carry, jnp.int32), symbols, unroll=8)[0]
+    if pair_table is not None and n >= 2:
+        pairs = pair_table.reshape(-1)
+        pair_width = pair_table.shape[1]
+
+        def pair_column(i):  # independent of the carry, like column()
+            return column(symbols[i]) * width + column(symbols[i + 1])
+
+        def pair_step(carry, i):
+            code = pairs.at[((carry >> _REG_BITS) * pair_width + pair_column(i)).astype(jnp.uint32)].get(
+                mode="promise_in_bounds").astype(jnp.int32)
+            return jnp.where((code & low) == 0, code | (carry & low), code)
+
+        start = 0
+        if isinstance(carry, int) and carry == 0:  # from the start state: row 0, no register yet
+            carry = pairs.at[pair_column(0).astype(jnp.uint32)].get(mode="promise_in_bounds").astype(jnp.int32)
+            start = 2
+        for i in range(start, n - 1, 2):
+            carry = pair_step(carry, i)
+        if (n - start) % 2:
+            carry = step(carry, symbols[n - 1])
+        return jnp.asarray(carry, jnp.int32)
     if isinstance(carry, int) and carry == 0 and n:  # from the start state: row 0, no register yet
         carry, symbols = lookup(column(symbols[0])), symbols[1:]
     for i in range(symbols.shape[0]):
@@ -651,7 +699,8 @@ def parse_tool_call(
         cut_id = jnp.sum(jnp.where(cut, ids, 0))
         cut_bytes = jnp.sum(jnp.where(cut, cap - starts, 0))
         valid = valid & (ends <= cap)
-    carry = _run(tables.class_next, jnp.where(valid, ids, v), symbol_class=tables.token_class)
+    carry = _run(tables.class_next, jnp.where(valid, ids, v), symbol_class=tables.token_class,
+                 pair_table=tables.class_pair_next)
     if cap is not None:  # the first cut_bytes bytes of the straddling token, one byte at a time
         col = jnp.arange(tables.max_bytes)
         symbols = jnp.where(col < cut_bytes, tables.token_bytes[cut_id].astype(jnp.int32), 256)

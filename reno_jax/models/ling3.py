@@ -21,6 +21,7 @@ are dropped, so the caller must size the cache for the whole sequence.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -227,8 +228,22 @@ def _check_inputs(params, config, input_ids, cache, valid):
         raise ValueError(f"params lack decoder layers {missing}")
 
 
+def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, *, config: Ling3Config, index: int):
+    """One pre-norm decoder layer: x -> (x + attention, + MLP) and the layer's new cache."""
+    eps = config.rms_norm_eps
+    hn = rms_norm(x, p["input_layernorm"]["scale"], eps)
+    if config.layer_kinds[index] == "kda":
+        a, lc = kda_attention(p["attention"], hn, config, valid, lc)
+    else:
+        a, lc = mla_attention(p["attention"], hn, config, valid, positions, lc, length)
+    x = x + a
+    hn = rms_norm(x, p["post_attention_layernorm"]["scale"], eps)
+    x = x + (moe(p["mlp"], hn, config) if config.is_moe_layer(index) else swiglu_mlp(p["mlp"], hn))
+    return x, lc
+
+
 def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict | None = None, *,
-            valid: jax.Array | None = None, return_hidden: bool = False):
+            valid: jax.Array | None = None, return_hidden: bool = False, remat: bool = False):
     """Causal LM forward.
 
     input_ids: [B, T] int; valid: [B, T] bool, a left-aligned prefix of real tokens per row (default all True).
@@ -236,6 +251,8 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     the returned cache has length + valid.sum(1); invalid tokens never change any state (their logits are garbage).
     Returns (logits [B, T, V] float32, new cache or None); with return_hidden=True a third element
     hidden [L+1, B, T, D]: index 0 the embeddings, index i+1 the residual stream after layer i (before the final norm).
+    remat=True wraps each decoder layer in `jax.checkpoint`: under autodiff only the layers' inputs are kept and
+    the rest is recomputed in the backward pass (activation memory of one layer instead of all; same values).
     """
     input_ids = jnp.asarray(input_ids)
     _check_inputs(params, config, input_ids, cache, valid)
@@ -250,18 +267,13 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     eps = config.rms_norm_eps
     hidden = [x]
     new_layers = []
-    for i, kind in enumerate(config.layer_kinds):
-        p = m[f"layers_{i}"]
+    for i in range(config.num_hidden_layers):
+        layer = functools.partial(_decoder_layer, config=config, index=i)
+        if remat:  # keep only each layer's input for the backward pass; recompute the rest
+            layer = jax.checkpoint(layer)
         lc = None if cache is None else cache["layers"][i]
-        hn = rms_norm(x, p["input_layernorm"]["scale"], eps)
-        if kind == "kda":
-            a, lc = kda_attention(p["attention"], hn, config, valid, lc)
-        else:
-            a, lc = mla_attention(p["attention"], hn, config, valid, positions, lc, length)
+        x, lc = layer(m[f"layers_{i}"], x, lc, valid, positions, length)
         new_layers.append(lc)
-        x = x + a
-        hn = rms_norm(x, p["post_attention_layernorm"]["scale"], eps)
-        x = x + (moe(p["mlp"], hn, config) if config.is_moe_layer(i) else swiglu_mlp(p["mlp"], hn))
         hidden.append(x)
 
     xn = rms_norm(x, m["norm"]["scale"], eps)

@@ -317,6 +317,72 @@ def dapo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_hig
                       ref_logp, kl_coef, entropy, entropy_coef)
 
 
+def forking_token_mask(entropy, mask, top_k: int = 1):
+    """``bool [B, L]``: in each sequence, its ``top_k`` policy tokens of highest entropy (ties may add more).
+
+    The selection is not differentiated. In a tool call almost every token is fixed by the format; the few
+    high-entropy "forking" tokens (here the chosen square) carry the decision (Wang et al. 2025, "Beyond the 80/20
+    Rule: High-Entropy Minority Tokens Drive Effective RL for LLM Reasoning").
+    """
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    mask = jnp.asarray(mask).astype(bool)
+    e = jnp.where(mask, jax.lax.stop_gradient(jnp.asarray(entropy, jnp.float32)), -jnp.inf)
+    k = min(int(top_k), e.shape[1])
+    kth = jnp.sort(e, axis=1)[:, -k][:, None]
+    return mask & (e >= kth)
+
+
+def with_forking_entropy_bonus(loss_fn: Callable, coef: float, top_k: int = 1) -> Callable:
+    """Wraps a loss: adds ``- coef * H`` with H the entropy on each sequence's ``top_k`` forking tokens
+    (``forking_token_mask``), averaged per sequence, then over sequences.
+
+    Unlike ``entropy_coef`` (all policy tokens), this keeps the *decision* from collapsing without loosening the
+    format tokens, whose entropy is ~0 and whose spread would only produce malformed calls. The wrapped loss
+    reports ``forking_entropy``; it needs the ``entropy`` argument. An optional ``entropy_scale`` argument (a
+    scalar or per-row array, all rows equal) multiplies ``coef``: a schedule fed through the batch
+    (``trainer.make_train_step(loss_batch_keys=("entropy_scale",))``).
+    """
+
+    def fn(logp, old_logp, advantages, mask, *, entropy=None, entropy_scale=None, **kwargs):
+        if entropy is None:
+            raise ValueError("with_forking_entropy_bonus needs the per-token entropy")
+        loss, metrics = loss_fn(logp, old_logp, advantages, mask, entropy=entropy, **kwargs)
+        bonus, _ = _agg_sequence_mean(jnp.asarray(entropy, jnp.float32), forking_token_mask(entropy, mask, top_k))
+        scale = 1.0 if entropy_scale is None else jnp.mean(jnp.asarray(entropy_scale, jnp.float32))
+        metrics = dict(metrics, forking_entropy=jax.lax.stop_gradient(bonus),
+                       forking_entropy_coef=jnp.asarray(coef * scale, jnp.float32))
+        return loss - coef * scale * bonus, metrics
+
+    return fn
+
+
+def with_forking_kl(loss_fn: Callable, coef: float, top_k: int = 1) -> Callable:
+    """Wraps a loss: adds ``+ coef * k3(logp, ref_logp)`` on each sequence's ``top_k`` forking tokens
+    (``forking_token_mask`` by entropy), averaged per sequence, then over sequences.
+
+    An anchor to a reference policy at the decision only. With the reference = the format warm start (uniform
+    over legal squares), the k3 estimator's expected gradient, ``sum_a (pi(a) - pi_ref(a)) grad log pi(a)``, is
+    that of the mass-covering KL(pi_ref || pi): it keeps every legal square in play, so a group keeps reward
+    spread (and a gradient), without spreading mass onto malformed continuations the way an entropy bonus over the
+    vocabulary does. Needs ``entropy`` and ``ref_logp``; ``entropy_scale`` (optional, as in
+    ``with_forking_entropy_bonus``) multiplies ``coef``. Reports ``forking_kl``.
+    """
+
+    def fn(logp, old_logp, advantages, mask, *, entropy=None, ref_logp=None, entropy_scale=None, **kwargs):
+        if entropy is None or ref_logp is None:
+            raise ValueError("with_forking_kl needs the per-token entropy and ref_logp")
+        loss, metrics = loss_fn(logp, old_logp, advantages, mask, entropy=entropy, ref_logp=ref_logp, **kwargs)
+        sel = forking_token_mask(entropy, mask, top_k)
+        kl, _ = _agg_sequence_mean(_k3(jnp.asarray(logp, jnp.float32), jnp.asarray(ref_logp, jnp.float32), sel), sel)
+        scale = 1.0 if entropy_scale is None else jnp.mean(jnp.asarray(entropy_scale, jnp.float32))
+        metrics = dict(metrics, forking_kl=jax.lax.stop_gradient(kl),
+                       forking_kl_coef=jnp.asarray(coef * scale, jnp.float32))
+        return loss + coef * scale * kl, metrics
+
+    return fn
+
+
 LOSSES: Mapping[str, Callable] = {
     "gspo": gspo_loss,
     "gspo_token": gspo_token_loss,

@@ -39,13 +39,14 @@ def split_shared_prefix(batch: dict, prefix_len: int) -> dict:
 
 
 def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.Array, tokens: jax.Array,
-                         valid: jax.Array | None, group_size: int) -> jax.Array:
+                         valid: jax.Array | None, group_size: int, remat: bool = False) -> jax.Array:
     """Next-token logits for a shared-prefix batch.
 
     Args:
       prefix_tokens: `int [B, S]`; rows of a group are identical (only every G-th row is read).
       tokens: `int [B, C]` continuations; `valid [B, C]` a left-aligned prefix of real tokens per row.
       group_size: G (static); B must be a multiple of G.
+      remat: recompute each decoder layer in the backward pass (`ling3.forward(remat=True)`).
 
     Returns:
       `float32 [B, C, V]`: `logits[:, t]` scores `tokens[:, t]` given the prefix and `tokens[:, :t]`.
@@ -57,8 +58,8 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
     prefix = prefix_tokens[::g]  # [N, S]
     n, s = prefix.shape
     cache = ling3.init_cache(config, n, s + c, dtype=params["model"]["word_embeddings"]["embedding"].dtype)
-    prefix_logits, cache = ling3.forward(params, config, prefix, cache)
+    prefix_logits, cache = ling3.forward(params, config, prefix, cache, remat=remat)
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
-    cont_logits, _ = ling3.forward(params, config, tokens, cache, valid=valid)
+    cont_logits, _ = ling3.forward(params, config, tokens, cache, valid=valid, remat=remat)
     first = jnp.repeat(prefix_logits[:, -1:], g, axis=0)  # [B, 1, V] scores tokens[:, 0]
     return jnp.concatenate([first, cont_logits[:, :-1]], axis=1).astype(jnp.float32)

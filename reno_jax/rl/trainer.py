@@ -13,7 +13,7 @@ trains the Ling-3.0 model and the toy policies of the tests.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -300,7 +300,8 @@ def _reduce_kind(name):
 
 def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.GradientTransformation,
                     num_minibatches: int = 1, num_microbatches: int = 1, *, shuffle: bool = False,
-                    donate: bool = True) -> Callable[[TrainState, Mapping[str, Array]], tuple[TrainState, dict]]:
+                    donate: bool = True, loss_batch_keys: Sequence[str] = ()
+                    ) -> Callable[[TrainState, Mapping[str, Array]], tuple[TrainState, dict]]:
     """Builds ``train_step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
 
     Args:
@@ -320,6 +321,8 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         (``lax.scan``) before the update: peak activation memory of a K-times-smaller batch.
       shuffle: permute the batch rows before splitting, with a key split from ``state.rng`` (which advances).
       donate: donate ``state`` to the jitted function (its buffers are reused; do not touch the old state).
+      loss_batch_keys: batch entries passed on to ``loss_fn`` as keyword arguments of the same name (per-row
+        arrays, split like the rest of the batch), e.g. a scheduled coefficient broadcast to ``[B]``.
 
     ``batch``: dict of arrays with leading dimension B (divisible by M*K), at least ``tokens [B, L]``,
     ``loss_mask [B, L]``, ``old_logp [B, L]``, ``advantages [B]`` (optional ``ref_logp [B, L]`` and anything
@@ -334,6 +337,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     ``grad_norm_max``, ``skipped`` (updates skipped in this call) and ``skipped_updates`` (running total).
     """
     num_minibatches, num_microbatches = int(num_minibatches), int(num_microbatches)
+    loss_batch_keys = tuple(loss_batch_keys)
     if num_minibatches < 1 or num_microbatches < 1:
         raise ValueError("num_minibatches and num_microbatches must be >= 1")
 
@@ -344,6 +348,8 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
             kw["entropy"] = entropy
         if "ref_logp" in mb:
             kw["ref_logp"] = mb["ref_logp"]
+        for k in loss_batch_keys:
+            kw[k] = mb[k]
         loss, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], **kw)
         return loss, dict(metrics)
 
