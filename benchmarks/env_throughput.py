@@ -245,7 +245,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=200, help="env steps per timed run (one lax.scan)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the best is reported")
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs; the best is reported")
     parser.add_argument("--sampler", default="hash", choices=sorted(SAMPLERS),
                         help="action sampler, the same for every variant: 'hash' (counter-based, cheap) or 'jax' "
                              "(jax.random with --prng keys)")

@@ -12,7 +12,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.num_steps = 300
+  c.num_steps = 600
 
   # --- policy model -------------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
@@ -65,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict()
   c.rollout.boards_per_step = 32
   c.rollout.group_size = 16      # samples per board (GSPO group)
-  c.rollout.max_new_tokens = 16  # per turn
+  c.rollout.max_new_tokens = 12  # per turn (a call is 7 tokens + turn end)
   c.rollout.max_turns = 1
   c.rollout.max_length = 0       # 0: prompt length + max_turns * (max_new_tokens + tool response)
   c.rollout.temperature = 1.0
@@ -79,14 +79,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.eps_high = 4e-4
   c.rl.normalize_adv_std = True
   c.rl.kl_coef = 0.0
-  c.rl.entropy_coef = 0.03       # slows the collapse of the digit choice (exploration)
-  c.rl.forking_entropy_coef = 0.0  # entropy bonus on each response's highest-entropy token(s) only (the square)
+  c.rl.entropy_coef = 0.0        # entropy bonus on every response token (format tokens included)
+  c.rl.forking_entropy_coef = 0.1   # entropy bonus on each response's highest-entropy token (the square)
   c.rl.forking_kl_coef = 0.0       # instead: k3 KL to the warm start on the forking token(s) (mass-covering)
   c.rl.forking_top_k = 1
-  c.rl.forking_entropy_hold = 1.0  # full bonus / KL until this fraction of the run, then linearly to 0 at `end`
-  c.rl.forking_entropy_end = 1.0
-  c.rl.learning_rate = 1e-3
-  c.rl.end_learning_rate = 2e-4
+  c.rl.entropy_top_k = 9           # entropies over the 9 most likely tokens only (renormalised): the bonus evens
+                                   # out the plausible squares instead of pushing mass onto the vocabulary's tail
+  c.rl.forking_entropy_hold = 0.5  # full bonus / KL until this fraction of the run, then linearly to 0 at `end`
+  c.rl.forking_entropy_end = 0.8
+  c.rl.learning_rate = 3e-3
+  c.rl.end_learning_rate = 3e-4
   c.rl.warmup_steps = 10
   c.rl.weight_decay = 0.01
   c.rl.b1 = 0.9
@@ -96,7 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.num_microbatches = 1
   c.rl.remat = False               # recompute layers in the backward pass (memory for speed; big models)
   c.rl.share_prompt_prefix = True  # encode each group's prompt once in the backward pass (exact, much cheaper)
-  c.rl.train_groups = 8          # train on the 8 groups with the largest reward spread (0: all groups)
+  c.rl.train_groups = 0          # 0: train on every group; N: only the N groups with the largest reward spread
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
 
   # --- bookkeeping ------------------------------------------------------------------------------

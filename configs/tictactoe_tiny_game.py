@@ -19,5 +19,11 @@ def get_config():
   c.rollout.group_size = 8
   c.rollout.max_turns = 5          # X makes at most 5 moves
   c.rollout.max_new_tokens = 16
-  c.num_steps = 200
+  c.num_steps = 100
+  # The move task's forking-token bonus loosened the call format here (its warm start never saw game prompts):
+  # plain GSPO at the previous move-task learning rate.
+  c.rl.forking_entropy_coef = 0.0
+  c.rl.entropy_top_k = 0
+  c.rl.learning_rate = 1e-3
+  c.rl.end_learning_rate = 2e-4
   return c

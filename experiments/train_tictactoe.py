@@ -36,9 +36,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/tictactoe_tiny.py",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and plots go.", required=True)
 
-CURVE_KEYS = ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "rollout/optimal_move_rate",
-              "rollout/win_rate", "rollout/loss_rate", "rollout/response_len_mean", "train/policy_loss",
-              "train/entropy", "train/grad_norm", "perf/step_seconds")
+CURVE_KEYS = {  # panels of learning_curves.png, per task
+    "move": ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "rollout/optimal_move_rate",
+             "rollout/win_taken_rate", "rollout/illegal_rate", "rollout/informative_group_rate",
+             "train/entropy", "train/forking_entropy", "train/grad_norm", "perf/step_seconds"),
+    "game": ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "rollout/win_rate", "rollout/draw_rate",
+             "rollout/loss_rate", "rollout/response_len_mean", "rollout/informative_group_rate",
+             "train/entropy", "train/grad_norm", "perf/step_seconds"),
+}
 
 
 # ---------------------------------------------------------------------------------------------- warm start
@@ -195,7 +200,8 @@ def train(config, workdir: str) -> list[dict]:
                              f"{train_rows // rc.group_size} trained groups per step are not divisible by "
                              f"num_minibatches * num_microbatches = {r.num_minibatches * r.num_microbatches}")
     train_step = trainer.make_train_step(pipeline.make_logp_fn(model_config, group_size=rc.group_size,
-                                                               remat=bool(r.get("remat", False))),
+                                                               remat=bool(r.get("remat", False)),
+                                                               entropy_top_k=int(r.get("entropy_top_k", 0))),
                                          pipeline.make_loss_fn(config), optimizer,
                                          num_minibatches=r.num_minibatches, num_microbatches=r.num_microbatches,
                                          loss_batch_keys=("entropy_scale",) if forking else ())
@@ -245,7 +251,7 @@ def train(config, workdir: str) -> list[dict]:
         ckpt.save(state, config, force=step == config.num_steps)
         if config.plot_every and (step % config.plot_every == 0 or step == config.num_steps):
             metrics_lib.plot_learning_curves(writer.path, os.path.join(workdir, "learning_curves.png"),
-                                             keys=CURVE_KEYS)
+                                             keys=CURVE_KEYS[config.env.task])
     ckpt.close()
     writer.close()
     return rows

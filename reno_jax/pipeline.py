@@ -60,7 +60,7 @@ def build_model(config, key: jax.Array, tokenizer) -> tuple[Ling3Config, Any]:
 
 
 def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None,
-                 remat: bool = False):
+                 remat: bool = False, entropy_top_k: int = 0):
     """`logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)` for `trainer.make_train_step`.
 
     `logp[:, t]` is `log p(tokens[t] | tokens[:t])` in float32; the entropy is that of the full next-token
@@ -68,6 +68,8 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
     batch carrying `prefix_tokens` (see `reno_jax.rl.shared_prefix`) is scored with each group's prompt encoded
     once; `tokens` are then the continuations and `logp[:, t]` conditions on the prefix too. `remat`: recompute
     each decoder layer in the backward pass instead of storing its activations (`ling3.forward(remat=True)`).
+    `entropy_top_k` > 0: the entropy is that of the distribution renormalised over the k most likely tokens
+    (an entropy bonus then evens out the plausible choices without pushing mass onto the vocabulary's tail).
     """
 
     def logp_fn(params, batch):
@@ -88,8 +90,10 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
         logp = jnp.pad(picked - logz, ((0, 0), (pad, 0)))
         entropy = None
         if with_entropy:
-            probs = jax.nn.softmax(logits, axis=-1)
-            ent = logz - jnp.sum(probs * logits, axis=-1)
+            ent_logits = jax.lax.top_k(logits, entropy_top_k)[0] if entropy_top_k else logits
+            ent_logz = jax.nn.logsumexp(ent_logits, axis=-1) if entropy_top_k else logz
+            probs = jax.nn.softmax(ent_logits, axis=-1)
+            ent = ent_logz - jnp.sum(probs * ent_logits, axis=-1)
             entropy = jnp.pad(ent, ((0, 0), (pad, 0)))
         return logp, entropy
 
@@ -193,6 +197,8 @@ def make_loss_fn(config):
     if r.entropy_coef:
         kwargs["entropy_coef"] = r.entropy_coef
     loss_fn = functools.partial(losses.get_loss(r.loss), **kwargs)
+    if r.get("forking_entropy_coef", 0.0) and r.get("forking_kl_coef", 0.0):
+        raise ValueError("rl.forking_entropy_coef and rl.forking_kl_coef are alternatives: set one of them to 0")
     if r.get("forking_entropy_coef", 0.0):
         loss_fn = losses.with_forking_entropy_bonus(loss_fn, r.forking_entropy_coef, r.get("forking_top_k", 1))
     elif r.get("forking_kl_coef", 0.0):

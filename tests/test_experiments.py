@@ -107,3 +107,28 @@ def test_train_cli_rejects_unknown_config_field(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "no_such_field" in out.stderr
+
+
+def test_forking_regulariser_schedule():
+    sched = lambda step: train_tictactoe.forking_entropy_scale(step, 100, hold=0.5, end=0.8)
+    assert [sched(s) for s in (0, 25, 50)] == [1.0, 1.0, 1.0]
+    np.testing.assert_allclose([sched(60), sched(65), sched(70)], [2 / 3, 0.5, 1 / 3])
+    assert sched(80) == 0.0 and sched(99) == 0.0
+    assert train_tictactoe.forking_entropy_scale(7, 10, hold=1.0, end=1.0) == 1.0
+
+
+def test_short_run_with_forking_kl_anchor(tmp_path):
+    """The KL-anchored variant runs end to end and logs its regulariser."""
+    c = short_config(2)
+    c.rl.entropy_coef = 0.0
+    c.rl.forking_entropy_coef = 0.0
+    c.rl.forking_kl_coef = 0.1
+    c.rl.forking_entropy_hold = 0.0
+    c.rl.forking_entropy_end = 1.0
+    rows = train_tictactoe.train(c, str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(np.isfinite(r["train/forking_kl"]) for r in rows)
+    assert rows[0]["train/forking_kl_coef"] == pytest.approx(0.1) and rows[1]["train/forking_kl_coef"] < 0.1
+    c.rl.forking_entropy_coef = 0.1
+    with pytest.raises(ValueError, match="alternatives"):
+        train_tictactoe.train(c, str(tmp_path / "both"))
