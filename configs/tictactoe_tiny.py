@@ -60,6 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.batch_size = 64
   c.sft.learning_rate = 3e-3
   c.sft.warmup_steps = 10
+  c.sft.soft_targets = False     # game task: learn from the random legal policy's whole distribution (see sft.py)
 
   # --- rollout ----------------------------------------------------------------------------------
   c.rollout = ml_collections.ConfigDict()
@@ -83,6 +84,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.forking_entropy_coef = 0.1   # entropy bonus on each response's highest-entropy token (the square)
   c.rl.forking_kl_coef = 0.0       # instead: k3 KL to the warm start on the forking token(s) (mass-covering)
   c.rl.forking_top_k = 1
+  c.rl.forking_per_turn = False    # multi-turn: the top-k tokens of every turn instead of every response
   c.rl.entropy_top_k = 9           # entropies over the 9 most likely tokens only (renormalised): the bonus evens
                                    # out the plausible squares instead of pushing mass onto the vocabulary's tail
   c.rl.forking_entropy_hold = 0.5  # full bonus / KL until this fraction of the run, then linearly to 0 at `end`

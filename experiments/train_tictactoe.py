@@ -51,6 +51,8 @@ CURVE_KEYS = {  # panels of learning_curves.png, per task
 def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) -> tuple[dict, dict]:
     """Supervised format warm start on random-legal-move transcripts; cached in `workdir/warmstart`.
 
+    Move task: one call per dataset board. Game task: whole games (the agent's side and opponent as in RL).
+
     Returns `(params, summary)`; a cached warm start is restored instead of retrained.
     """
     path = os.path.abspath(os.path.join(workdir, "warmstart"))
@@ -71,14 +73,33 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) 
     length = int(env.spec.prompt_len) + config.rollout.max_new_tokens
     turn_end = int(np.asarray(env.spec.stop_ids)[0])
     pad = int(env.spec.pad_id)
+    game = config.env.task == "game"
+    if game:  # whole games of random legal moves against the configured opponent, rendered as the rollout would
+        rc = pipeline.rollout_config(config)
+        length = rollout_lib.conversation_length(env, rc)
+        call_ids, call_len, square_offset = sft.call_token_table(tokenizer, turn_end, pad)
+        soft = bool(s.get("soft_targets", False)) and square_offset >= 0
+        if s.get("soft_targets", False) and not soft:
+            logging.warning("sft.soft_targets needs calls that differ in one token; training on sampled squares")
     t0 = time.time()
     nll = float("nan")
     prompt_cache = {}
     bar = tqdm.trange(s.num_steps, desc="warm start", dynamic_ncols=True)
     for _ in bar:
-        idx = rng.choice(len(train_boards), size=s.batch_size, replace=True)
-        batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad, prompt_cache)
-        batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "squares"}
+        if game:
+            key, k_starts, k_play = jax.random.split(key, 3)
+            starts = sample_starts(config, k_starts, train_boards, s.batch_size)
+            batch = sft.random_game_transcripts(k_play, starts, env, call_ids, call_len, max_turns=rc.turns,
+                                                length=length, square_offset=square_offset if soft else -1)
+            batch.pop("outcome")
+            legal = batch.pop("legal_squares")
+            if soft:  # expected log-likelihood under the random legal policy at every square token
+                batch.update(sft.uniform_soft_targets(legal, call_ids[:, square_offset]))
+        else:
+            idx = rng.choice(len(train_boards), size=s.batch_size, replace=True)
+            batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad,
+                                                prompt_cache)
+            batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "squares"}
         batch["old_logp"] = jnp.zeros(batch["tokens"].shape, jnp.float32)
         batch["advantages"] = jnp.zeros(batch["tokens"].shape[:1], jnp.float32)
         state, m = step_fn(state, batch)

@@ -70,12 +70,19 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
     each decoder layer in the backward pass instead of storing its activations (`ling3.forward(remat=True)`).
     `entropy_top_k` > 0: the entropy is that of the distribution renormalised over the k most likely tokens
     (an entropy bonus then evens out the plausible choices without pushing mass onto the vocabulary's tail).
+
+    Soft targets (supervised warm start): a batch may carry ``soft_target_ids int32 [B, K]`` and
+    ``soft_target_weights float32 [B, L, K]``; where a position's weights sum to more than 0, ``logp[:, t]`` is
+    ``sum_k w[t, k] * log p(ids[k] | tokens[:t])`` (the expected log-likelihood under that target) instead of the
+    log-prob of ``tokens[t]``.
     """
 
     def logp_fn(params, batch):
         tokens = batch["tokens"]
         valid = batch.get("valid")
         if "prefix_tokens" in batch:
+            if "soft_target_weights" in batch:
+                raise ValueError("soft targets are not supported with a shared-prefix batch")
             if group_size is None:
                 raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
             logits = shared_prefix.shared_prefix_logits(params, model_config, batch["prefix_tokens"], tokens,
@@ -87,6 +94,13 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
             targets, pad = tokens[:, 1:], 1
         logz = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        if "soft_target_weights" in batch:
+            weights = batch["soft_target_weights"][:, pad:].astype(jnp.float32)  # [B, T, K], aligned with logits
+            ids = batch["soft_target_ids"]  # [B, K]
+            soft_logits = jnp.take_along_axis(logits, jnp.broadcast_to(ids[:, None, :], weights.shape), axis=-1)
+            total = jnp.sum(weights, axis=-1)
+            soft = jnp.sum(weights * soft_logits, axis=-1) - total * logz
+            picked = jnp.where(total > 0, soft + logz, picked)
         logp = jnp.pad(picked - logz, ((0, 0), (pad, 0)))
         entropy = None
         if with_entropy:
@@ -200,7 +214,8 @@ def make_loss_fn(config):
     if r.get("forking_entropy_coef", 0.0) and r.get("forking_kl_coef", 0.0):
         raise ValueError("rl.forking_entropy_coef and rl.forking_kl_coef are alternatives: set one of them to 0")
     if r.get("forking_entropy_coef", 0.0):
-        loss_fn = losses.with_forking_entropy_bonus(loss_fn, r.forking_entropy_coef, r.get("forking_top_k", 1))
+        loss_fn = losses.with_forking_entropy_bonus(loss_fn, r.forking_entropy_coef, r.get("forking_top_k", 1),
+                                                    per_turn=bool(r.get("forking_per_turn", False)))
     elif r.get("forking_kl_coef", 0.0):
         loss_fn = losses.with_forking_kl(loss_fn, r.forking_kl_coef, r.get("forking_top_k", 1))
     return loss_fn

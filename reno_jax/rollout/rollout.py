@@ -265,7 +265,7 @@ def _chunk_for(text_len: int, chunk: int) -> int:
     return max(1, min(chunk, -(-text_len // 8) * 8))
 
 
-def _scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array) -> jax.Array:
+def scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array) -> jax.Array:
     """buf[b, start[b] + j] = values[b, j] for j < count[b] (others dropped). buf [B, L], values [B, W]."""
     b, w = values.shape
     j = jnp.arange(w, dtype=jnp.int32)[None, :]
@@ -356,7 +356,7 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
         turn=jnp.int32(0),
         cache=cache,
         last=last,
-        tokens=_scatter_rows(jnp.full((b, big_l), spec.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), prompt_ids,
+        tokens=scatter_rows(jnp.full((b, big_l), spec.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), prompt_ids,
                              prompt_len),
         logp=jnp.zeros((b, big_l), jnp.float32),
         gen_start=jnp.full((b, t_max), big_l, jnp.int32),  # start of turn k's policy tokens (L if no turn k)
@@ -411,8 +411,8 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
         # 1. Decode the turn.
         d = decode_turn(carry, live)
         cache, last, n_gen = d["cache"], d["last"], d["n_gen"]
-        tokens = _scatter_rows(carry["tokens"], start, d["gen_tok"], n_gen)
-        logp = _scatter_rows(carry["logp"], start, d["gen_logp"], n_gen)
+        tokens = scatter_rows(carry["tokens"], start, d["gen_tok"], n_gen)
+        logp = scatter_rows(carry["logp"], start, d["gen_logp"], n_gen)
         gen_start = jax.lax.dynamic_update_index_in_dim(carry["gen_start"], jnp.where(live, start, big_l), turn, 1)
         gen_end = jax.lax.dynamic_update_index_in_dim(carry["gen_end"], jnp.where(live, start + n_gen, big_l), turn, 1)
         # 2. Parse the call and step the environment.
@@ -447,7 +447,7 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
                 cont = cont & ~(more & ~fits)
                 n_feed = jnp.where(more & fits, resp_n, 0).astype(jnp.int32)
                 resp = gen.pad_to_multiple(resp, rchunk, spec.pad_id)
-                tokens = _scatter_rows(tokens, pos, resp, n_feed)
+                tokens = scatter_rows(tokens, pos, resp, n_feed)
                 cache, last = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk)
         else:
             r, info = jax.vmap(tasks.move_reward, in_axes=(0, 0, 0, None))(carry["board"], kind, square, table)

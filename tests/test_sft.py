@@ -1,0 +1,120 @@
+"""reno_jax.rl.sft: format-only warm-start data (random legal moves) for the move and game tasks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from reno_jax import pipeline
+from reno_jax.envs import tasks, text, tool_parser
+from reno_jax.envs import tictactoe as ttt
+from reno_jax.envs.tokenizer import load_tokenizer
+from reno_jax.models import ling3
+from reno_jax.rl import sft
+from reno_jax.rollout import rollout as R
+
+TURNS = 5
+
+
+@pytest.fixture(scope="module")
+def game_world():
+    tok = load_tokenizer(None)
+    env = R.make_env(tok)
+    rc = R.RolloutConfig(task="game", max_new_tokens=12, max_turns=TURNS)
+    length = R.conversation_length(env, rc)
+    ids, lens, offset = sft.call_token_table(tok, env.spec.turn_end_id, env.spec.pad_id)
+    n = 24
+    agent = np.where(np.arange(n) % 2 == 0, 1, 2).astype(np.int8)
+    kinds = np.array([tasks.OPPONENT_RANDOM, tasks.OPPONENT_MINIMAX, tasks.OPPONENT_EPSILON] * (n // 3), np.int32)
+    starts = R.game_starts(jax.random.PRNGKey(3), n, agent_player=agent, opponent=kinds, epsilon=0.5)
+    out = sft.random_game_transcripts(jax.random.PRNGKey(4), starts, env, ids, lens, max_turns=TURNS,
+                                      length=length, square_offset=offset)
+    return dict(tok=tok, env=env, ids=ids, lens=lens, offset=offset, agent=agent, kinds=kinds, starts=starts,
+                out=jax.device_get(out), length=length)
+
+
+def test_call_token_table(game_world):
+    tok, ids, lens, offset = game_world["tok"], game_world["ids"], game_world["lens"], game_world["offset"]
+    assert ids.shape[0] == 9 and offset >= 0
+    for k in range(9):
+        got = tok.decode(ids[k, :lens[k] - 1].tolist(), skip_special_tokens=False)
+        assert tool_parser.parse_tool_call_text(got) == (tool_parser.KIND_OK, k + 1)
+    assert len(set(ids[:, offset].tolist())) == 9  # the square's own token
+
+
+
+
+def test_game_transcripts_are_random_legal_games_in_rollout_text(game_world):
+    w = game_world
+    tok, out, offset = w["tok"], w["out"], w["offset"]
+    square_tokens = w["ids"][:, offset]
+    outcomes = set()
+    for b in range(len(w["agent"])):
+        valid = out["valid"][b]
+        n = int(valid.sum())
+        assert valid[:n].all() and not valid[n:].any()
+        mask = out["loss_mask"][b]
+        assert not (mask & ~valid).any()
+        runs = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+        spans = list(zip(runs[::2], runs[1::2]))
+        assert 1 <= len(spans) <= TURNS
+        # Rebuild the conversation on the host and compare with the chat template's text.
+        board = np.zeros(9, np.int8)
+        prompt_text = tok.decode(out["tokens"][b, :spans[0][0]].tolist(), skip_special_tokens=False)
+        agent = int(w["agent"][b])
+        if agent == 2:  # the opponent (X) opened: find its square from the prompt's board
+            opened = [k for k in range(9) if text.render_board(np.eye(9, dtype=np.int8)[k]) in prompt_text]
+            assert len(opened) == 1
+            board[opened[0]] = 1
+        msgs = text.game_task_messages(board, agent)
+        for t, (s, e) in enumerate(spans):
+            call = tok.decode(out["tokens"][b, s:e - 1].tolist(), skip_special_tokens=False)
+            kind, square = tool_parser.parse_tool_call_text(call)
+            assert kind == tool_parser.KIND_OK
+            assert board[square - 1] == 0, "the random policy only plays legal squares"
+            legal = out["legal_squares"][b, s + offset]
+            np.testing.assert_array_equal(legal, board == 0)
+            assert out["tokens"][b, s + offset] == square_tokens[square - 1]
+            assert not out["legal_squares"][b, s + offset + 1:e].any()
+            board[square - 1] = agent
+            if t + 1 < len(spans):  # the opponent replied: read its square from the next board in the text
+                nxt = out["tokens"][b, e:spans[t + 1][0]].tolist()
+                resp = tok.decode(nxt, skip_special_tokens=False)
+                opp = [k for k in range(9) if f"Opponent played {k + 1}." in resp]
+                assert len(opp) == 1 and board[opp[0]] == 0
+                board[opp[0]] = 3 - agent
+                msgs += [{"role": "assistant", "content": sft.call_text(square)}, text.tool_message(board, opp[0] + 1, 0)]
+        want = text.chat_text(tok, msgs, add_generation_prompt=True)
+        got = tok.decode(out["tokens"][b, :spans[-1][0]].tolist(), skip_special_tokens=False,
+                         clean_up_tokenization_spaces=False)
+        assert got == want
+        outcomes.add(int(out["outcome"][b]))
+        assert int(out["outcome"][b]) in (tasks.OUTCOME_ONGOING, tasks.OUTCOME_WIN, tasks.OUTCOME_DRAW,
+                                          tasks.OUTCOME_LOSS)
+    assert outcomes & {tasks.OUTCOME_WIN, tasks.OUTCOME_LOSS}, "24 random games should include decided ones"
+
+
+def test_soft_targets_are_the_expected_log_likelihood(game_world):
+    w = game_world
+    cfg = ling3.tiny_test_config(vocab_size=len(w["tok"]), num_hidden_layers=2)
+    params = ling3.init_params(cfg, jax.random.PRNGKey(0))
+    rows = slice(0, 2)
+    batch = {k: jnp.asarray(w["out"][k][rows]) for k in ("tokens", "valid")}
+    legal = jnp.asarray(w["out"]["legal_squares"][rows])
+    square_ids = w["ids"][:, w["offset"]]
+    soft = sft.uniform_soft_targets(legal, square_ids)
+    np.testing.assert_allclose(np.asarray(soft["soft_target_weights"].sum(-1)),
+                               np.asarray(legal.any(-1), np.float32), rtol=1e-6)
+    logp_fn = pipeline.make_logp_fn(cfg, with_entropy=False)
+    hard, _ = logp_fn(params, batch)
+    got, _ = logp_fn(params, {**batch, **soft})
+    logits, _ = ling3.forward(params, cfg, batch["tokens"], valid=batch["valid"])
+    logprobs = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    where = np.argwhere(np.asarray(legal.any(-1)))
+    assert len(where) >= 2
+    for b, t in where:
+        lg = np.asarray(legal[b, t])
+        want = logprobs[b, t - 1, square_ids[lg]].mean()
+        np.testing.assert_allclose(float(got[b, t]), want, rtol=1e-5, atol=1e-6)
+    other = ~np.asarray(legal.any(-1))
+    np.testing.assert_array_equal(np.asarray(got)[other], np.asarray(hard)[other])
