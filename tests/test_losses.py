@@ -393,3 +393,20 @@ def test_forking_kl_value_and_expected_gradient():
 
     want = jax.grad(lambda zz: jnp.sum(ref_p * (jnp.log(ref_p) - jax.nn.log_softmax(zz))))(z)
     np.testing.assert_allclose(np.asarray(expected_k3_grad(z)), np.asarray(want), atol=1e-6)
+
+
+def test_forking_token_mask_per_turn():
+    """per_turn: the top-k tokens of every contiguous run of the mask (one decision per turn of a game)."""
+    mask = jnp.array([[0, 1, 1, 1, 0, 0, 1, 1, 0, 1], [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]], bool)
+    ent = jnp.array([[9, 1, 3, 2, 9, 9, 5, 4, 9, 0.5], [2, 2, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.float32)
+    top1 = np.asarray(L.forking_token_mask(ent, mask, 1, per_turn=True)).astype(int)
+    np.testing.assert_array_equal(top1, [[0, 0, 1, 0, 0, 0, 1, 0, 0, 1], [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]])  # tie: both
+    top2 = np.asarray(L.forking_token_mask(ent, mask, 2, per_turn=True)).astype(int)
+    np.testing.assert_array_equal(top2, [[0, 0, 1, 1, 0, 0, 1, 1, 0, 1], [1, 1, 0, 0, 0, 0, 0, 0, 0, 0]])
+    # One turn per row: the same as the per-sequence selection.
+    one = jnp.array([[0, 1, 1, 1, 1, 0]], bool)
+    e1 = jnp.array([[5, 0.1, 0.7, 0.3, 0.2, 9]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(L.forking_token_mask(e1, one, 1, per_turn=True)),
+                                  np.asarray(L.forking_token_mask(e1, one, 1)))
+    jitted = jax.jit(L.forking_token_mask, static_argnums=(2, 3))
+    np.testing.assert_array_equal(np.asarray(jitted(ent, mask, 1, True)), top1.astype(bool))

@@ -317,23 +317,39 @@ def dapo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_hig
                       ref_logp, kl_coef, entropy, entropy_coef)
 
 
-def forking_token_mask(entropy, mask, top_k: int = 1):
+def forking_token_mask(entropy, mask, top_k: int = 1, per_turn: bool = False):
     """``bool [B, L]``: in each sequence, its ``top_k`` policy tokens of highest entropy (ties may add more).
 
     The selection is not differentiated. In a tool call almost every token is fixed by the format; the few
     high-entropy "forking" tokens (here the chosen square) carry the decision (Wang et al. 2025, "Beyond the 80/20
     Rule: High-Entropy Minority Tokens Drive Effective RL for LLM Reasoning").
+
+    ``per_turn``: instead, the ``top_k`` highest-entropy tokens of every *turn*, a turn being a contiguous run of
+    ``mask`` (multi-turn episodes make one decision per turn).
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     mask = jnp.asarray(mask).astype(bool)
     e = jnp.where(mask, jax.lax.stop_gradient(jnp.asarray(entropy, jnp.float32)), -jnp.inf)
-    k = min(int(top_k), e.shape[1])
-    kth = jnp.sort(e, axis=1)[:, -k][:, None]
-    return mask & (e >= kth)
+    if not per_turn:
+        k = min(int(top_k), e.shape[1])
+        kth = jnp.sort(e, axis=1)[:, -k][:, None]
+        return mask & (e >= kth)
+    b, length = mask.shape
+    starts = mask & ~jnp.pad(mask[:, :-1], ((0, 0), (1, 0)))
+    turn = jnp.cumsum(starts, axis=1)  # 1.. on each turn's tokens
+    seg = (jnp.arange(b)[:, None] * (length + 1) + jnp.where(mask, turn, 0)).reshape(-1)
+    chosen = jnp.zeros((b * length,), bool)
+    remaining = e.reshape(-1)
+    for _ in range(int(top_k)):  # peel off each turn's current maximum k times
+        best = jax.ops.segment_max(remaining, seg, num_segments=b * (length + 1))
+        hit = (remaining == best[seg]) & (remaining > -jnp.inf)
+        chosen = chosen | hit
+        remaining = jnp.where(hit, -jnp.inf, remaining)
+    return chosen.reshape(b, length) & mask
 
 
-def with_forking_entropy_bonus(loss_fn: Callable, coef: float, top_k: int = 1) -> Callable:
+def with_forking_entropy_bonus(loss_fn: Callable, coef: float, top_k: int = 1, per_turn: bool = False) -> Callable:
     """Wraps a loss: adds ``- coef * H`` with H the entropy on each sequence's ``top_k`` forking tokens
     (``forking_token_mask``), averaged per sequence, then over sequences.
 
@@ -348,7 +364,8 @@ def with_forking_entropy_bonus(loss_fn: Callable, coef: float, top_k: int = 1) -
         if entropy is None:
             raise ValueError("with_forking_entropy_bonus needs the per-token entropy")
         loss, metrics = loss_fn(logp, old_logp, advantages, mask, entropy=entropy, **kwargs)
-        bonus, _ = _agg_sequence_mean(jnp.asarray(entropy, jnp.float32), forking_token_mask(entropy, mask, top_k))
+        bonus, _ = _agg_sequence_mean(jnp.asarray(entropy, jnp.float32),
+                                      forking_token_mask(entropy, mask, top_k, per_turn))
         scale = 1.0 if entropy_scale is None else jnp.mean(jnp.asarray(entropy_scale, jnp.float32))
         metrics = dict(metrics, forking_entropy=jax.lax.stop_gradient(bonus),
                        forking_entropy_coef=jnp.asarray(coef * scale, jnp.float32))
