@@ -52,8 +52,8 @@ def test_logp_entropy_and_grads_match_rowwise(setup):
     np.testing.assert_allclose(np.asarray(ent_sh)[m], np.asarray(ent_full[:, S:])[m], atol=2e-5)
     w = jax.random.normal(jax.random.PRNGKey(4), (N * G, C))
     mask = batch["valid"][:, S:]
-    g_full = jax.grad(lambda p: jnp.sum(jnp.where(mask, fn(p, batch)[0][:, S:] * w, 0.0)))(params)
-    g_sh = jax.grad(lambda p: jnp.sum(jnp.where(mask, fn(p, sb)[0] * w, 0.0)))(params)
+    g_full = jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(mask, fn(p, batch)[0][:, S:] * w, 0.0))))(params)
+    g_sh = jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(mask, fn(p, sb)[0] * w, 0.0))))(params)
     for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_sh)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5 * (float(jnp.max(jnp.abs(a))) + 1e-6))
 
