@@ -132,3 +132,22 @@ def test_short_run_with_forking_kl_anchor(tmp_path):
     c.rl.forking_entropy_coef = 0.1
     with pytest.raises(ValueError, match="alternatives"):
         train_tictactoe.train(c, str(tmp_path / "both"))
+
+
+def test_short_game_run_with_game_warm_start(tmp_path):
+    """The game config end to end: whole-game warm start with soft targets, then multi-turn GSPO."""
+    from configs import tictactoe_tiny_game
+    c = tictactoe_tiny_game.get_config()
+    c.num_steps = 1
+    c.sft.num_steps = 2
+    c.sft.batch_size = 4
+    c.rollout.boards_per_step = 2
+    c.rollout.group_size = 2
+    c.rollout.max_turns = 2
+    c.checkpoint_every = 1
+    c.plot_every = 1
+    rows = train_tictactoe.train(c, str(tmp_path))
+    assert [r["step"] for r in rows] == [1]
+    for key in ("rollout/win_rate", "rollout/loss_rate", "rollout/draw_rate", "rollout/illegal_rate"):
+        assert 0.0 <= rows[0][key] <= 1.0
+    assert os.path.isdir(tmp_path / "warmstart") and os.path.isfile(tmp_path / "learning_curves.png")
