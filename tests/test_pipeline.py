@@ -13,12 +13,12 @@ def test_entropy_top_k():
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, cfg.vocab_size)
     batch = {"tokens": tokens}
-    logp_full, ent_full = pipeline.make_logp_fn(cfg)(params, batch)
-    logp_all, ent_all = pipeline.make_logp_fn(cfg, entropy_top_k=cfg.vocab_size)(params, batch)
+    logp_full, ent_full = jax.jit(pipeline.make_logp_fn(cfg))(params, batch)
+    logp_all, ent_all = jax.jit(pipeline.make_logp_fn(cfg, entropy_top_k=cfg.vocab_size))(params, batch)
     np.testing.assert_allclose(np.asarray(ent_all), np.asarray(ent_full), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(logp_all), np.asarray(logp_full))  # log-probs never change
-    _, ent3 = pipeline.make_logp_fn(cfg, entropy_top_k=3)(params, batch)
-    logits, _ = ling3.forward(params, cfg, tokens)
+    _, ent3 = jax.jit(pipeline.make_logp_fn(cfg, entropy_top_k=3))(params, batch)
+    logits, _ = jax.jit(lambda p, t: ling3.forward(p, cfg, t))(params, tokens)
     top = np.sort(np.asarray(logits[:, :-1], np.float64), axis=-1)[..., -3:]
     p = np.exp(top - top.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)

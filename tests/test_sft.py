@@ -105,10 +105,10 @@ def test_soft_targets_are_the_expected_log_likelihood(game_world):
     soft = sft.uniform_soft_targets(legal, square_ids)
     np.testing.assert_allclose(np.asarray(soft["soft_target_weights"].sum(-1)),
                                np.asarray(legal.any(-1), np.float32), rtol=1e-6)
-    logp_fn = pipeline.make_logp_fn(cfg, with_entropy=False)
+    logp_fn = jax.jit(pipeline.make_logp_fn(cfg, with_entropy=False))
     hard, _ = logp_fn(params, batch)
     got, _ = logp_fn(params, {**batch, **soft})
-    logits, _ = ling3.forward(params, cfg, batch["tokens"], valid=batch["valid"])
+    logits, _ = jax.jit(lambda p, t, v: ling3.forward(p, cfg, t, valid=v))(params, batch["tokens"], batch["valid"])
     logprobs = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     where = np.argwhere(np.asarray(legal.any(-1)))
     assert len(where) >= 2
