@@ -94,14 +94,15 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
             targets, pad = tokens[:, 1:], 1
         logz = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        logp = picked - logz
         if "soft_target_weights" in batch:
             weights = batch["soft_target_weights"][:, pad:].astype(jnp.float32)  # [B, T, K], aligned with logits
             ids = batch["soft_target_ids"]  # [B, K]
             soft_logits = jnp.take_along_axis(logits, jnp.broadcast_to(ids[:, None, :], weights.shape), axis=-1)
             total = jnp.sum(weights, axis=-1)
             soft = jnp.sum(weights * soft_logits, axis=-1) - total * logz
-            picked = jnp.where(total > 0, soft + logz, picked)
-        logp = jnp.pad(picked - logz, ((0, 0), (pad, 0)))
+            logp = jnp.where(total > 0, soft, logp)
+        logp = jnp.pad(logp, ((0, 0), (pad, 0)))
         entropy = None
         if with_entropy:
             ent_logits = jax.lax.top_k(logits, entropy_top_k)[0] if entropy_top_k else logits

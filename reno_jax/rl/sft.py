@@ -130,9 +130,9 @@ def random_game_transcripts(key: jax.Array, starts, env, call_ids: jax.Array, ca
         legal = state.board == 0
         noise = jax.random.uniform(k_move, legal.shape)
         square = jnp.argmax(jnp.where(legal, noise, -1.0), axis=-1).astype(jnp.int32)  # uniform over legal
-        n = jnp.where(live, call_len[square], 0)
-        tokens = rollout_lib.scatter_rows(tokens, pos, call_ids[square], n)
-        loss_mask = rollout_lib.scatter_rows(loss_mask, pos, jnp.ones(call_ids[square].shape, jnp.bool_), n)
+        call, n = call_ids[square], jnp.where(live, call_len[square], 0)
+        tokens = rollout_lib.scatter_rows(tokens, pos, call, n)
+        loss_mask = rollout_lib.scatter_rows(loss_mask, pos, jnp.ones(call.shape, jnp.bool_), n)
         if square_offset >= 0:
             at = jnp.where(live, pos + square_offset, length)  # out of bounds -> dropped
             legal_squares = legal_squares.at[jnp.arange(b), at].set(legal, mode="drop")

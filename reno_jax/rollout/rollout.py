@@ -357,7 +357,7 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
         cache=cache,
         last=last,
         tokens=scatter_rows(jnp.full((b, big_l), spec.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), prompt_ids,
-                             prompt_len),
+                            prompt_len),
         logp=jnp.zeros((b, big_l), jnp.float32),
         gen_start=jnp.full((b, t_max), big_l, jnp.int32),  # start of turn k's policy tokens (L if no turn k)
         gen_end=jnp.full((b, t_max), big_l, jnp.int32),
