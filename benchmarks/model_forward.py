@@ -21,8 +21,9 @@ far from what a GPU build needs.
   * flops: XLA:CPU lowers `ragged_dot` densely (every expert on every routed row, see reno_jax/models/layers.py), so
     the count is about E / K times the useful expert FLOPs; `useful_decode_flops_estimate` = 2 * batch * active
     parameters is what an exact grouped GEMM does.
-  On GPU / TPU `ragged_dot` is a grouped GEMM and neither artefact applies. argument/output/alias sizes (weights and
-  cache, the cache donated and aliased) are exact.
+  XLA:GPU as shipped with jax 0.10 rewrites `ragged_dot` densely too (see benchmarks/real_shape_step.py
+  --compile-only); a decode step's few rows keep the ragged dispatch, larger calls use the blocked dispatch of
+  layers.py. argument/output/alias sizes (weights and cache, the cache donated and aliased) are exact.
 
     python benchmarks/model_forward.py [--batch 64] [--seq 64] [--max-length 128] [--repeats 5]
 

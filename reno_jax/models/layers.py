@@ -11,15 +11,24 @@ weights. Cost per MoE layer, with N tokens, K = num_experts_per_tok, E experts, 
   two [N*K, D] gathers;
 * memory traffic: every expert's weights are read once per call (3*E*D*Im values), which dominates decode at
   small N — the same as any exact MoE kernel, since at batch 64 / top-8 almost all 128 experts are hit;
-* backend caveat: on GPU / TPU `ragged_dot` lowers to a grouped GEMM (XLA's ragged-dot instruction). The XLA:CPU
-  fallback lowering of `ragged_dot` masks the lhs per group and runs a dense batched matmul, i.e. E times the
-  useful FLOPs; that only matters for CPU runs of a real-size model, never for the tiny test models.
+* backend caveat: XLA does not always have a grouped GEMM for `ragged_dot`. XLA:CPU, and XLA:GPU as shipped
+  with jax 0.10 (seen in the optimised HLO of a deviceless H200 compile, benchmarks/real_shape_step.py
+  --compile-only), rewrite it to a dense product over all E experts with the rows masked per group: E times the
+  useful FLOPs and an [E, N*K, D] temporary (17 GiB per projection for one micro-batch of the real model's
+  training step, 4 x 1471 tokens). Hence the *blocked* dispatch below for large row counts.
+
+Blocked dispatch (`moe_experts_blocked`): each expert's rows, still sorted by expert, are padded to a multiple of
+`BLOCK_ROWS`, so every block of rows belongs to one expert; the blocks run as one batched matmul against their
+experts' weights (selected per block by a one-hot matmul). Exact like the ragged dispatch (no token is dropped),
+plain dense ops on every backend, at most min(E, N*K) * (BLOCK_ROWS - 1) padded rows. `moe` uses it when that
+bound is at most N*K (at most 2x the rows; in practice ~E * BLOCK_ROWS / 2 extra), i.e. for prefill and training
+batches, and the ragged dispatch for decode-sized calls, where the padding would dominate.
 
 `moe_dense_reference` computes the same function by running every expert on every token. It is the independent
 check in the tests, and also the dispatch used on CPU for models with few experts (`DENSE_DISPATCH_MAX_EXPERTS`):
 there the ragged_dot fallback is dense anyway and costs E * N * K expert rows, while running every expert once on
 every token costs E * N, i.e. K times less (the embedded tiny model trains 2x faster with it). GPU/TPU and large
-expert counts always use the sorted ragged_dot dispatch.
+expert counts use the blocked or the ragged dispatch.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from reno_jax.models.config import Ling3Config
 
 # On CPU, models with at most this many routed experts run every expert on every token (see module docstring).
 DENSE_DISPATCH_MAX_EXPERTS = 16
+# Rows per block of the blocked dispatch (a multiple of the GPU's matmul tiles; see module docstring).
+BLOCK_ROWS = 64
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -122,6 +133,58 @@ def moe_experts(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.
     return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype)
 
 
+def blocked_dispatch_pays(num_assignments: int, num_experts: int, block_rows: int = BLOCK_ROWS) -> bool:
+    """Whether the blocked dispatch's padding bound, min(E, A) * (block_rows - 1) rows, is at most the A rows."""
+    return min(num_experts, num_assignments) * (block_rows - 1) <= num_assignments
+
+
+def moe_experts_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.Array,
+                        block_rows: int = BLOCK_ROWS) -> jax.Array:
+    """Exact dispatch as one batched matmul over fixed-size blocks of rows, each block owned by one expert.
+
+    p_experts: gate_proj/up_proj [E, D, Im], down_proj [E, Im, D]; x: [N, D]; weights/experts: [N, K].
+    Returns [N, D] in x.dtype (combine accumulated in float32), the same function as `moe_experts`.
+    """
+    n, d = x.shape
+    k = experts.shape[1]
+    wg, wu, wd = _expert_weights(p_experts, x.dtype)
+    num_experts = wg.shape[0]
+    a, b = n * k, int(block_rows)
+    num_blocks = (a + min(num_experts, a) * (b - 1)) // b  # static bound on sum_e ceil(size_e / b)
+    flat = experts.reshape(-1)  # [A]
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    padded = (sizes + b - 1) // b * b
+    padded_end = jnp.cumsum(padded)
+    sorted_expert = flat[order]
+    # Row of each sorted assignment in the padded layout: its expert's padded start + its rank within the expert.
+    rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_expert]
+    dest = (padded_end - padded)[sorted_expert] + rank  # [A], increasing
+    # Inverse map: padded row -> sorted assignment (A marks a padding row, which reads a zero row of x).
+    source = jnp.full((num_blocks * b,), a, jnp.int32).at[dest].set(
+        jnp.arange(a, dtype=jnp.int32), indices_are_sorted=True, unique_indices=True)
+    token = jnp.concatenate([order // k, jnp.full((1,), n, order.dtype)])
+    x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
+    xs = jnp.take(x_pad, token[source], axis=0).reshape(num_blocks, b, d)  # [nb, b, D]
+    # Expert of each block; trailing blocks past the last expert's rows are all padding (any expert will do).
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks, dtype=jnp.int32) * b,
+                                                side="right"), num_experts - 1)
+
+    # Weights per block as a one-hot matmul rather than a gather: the gradient is then a matmul too, where the
+    # gather's would be a scatter-add, which XLA:GPU compiles into a huge kernel (a 64 MB PTX module per
+    # projection, tens of minutes in ptxas, for the real model). Both are bound by writing the [nb, ...] copy.
+    onehot = jax.nn.one_hot(block_expert, num_experts, dtype=wg.dtype)  # [nb, E]
+
+    def per_block(w):  # [E, A, B] -> [nb, A, B], exact (one non-zero term per output)
+        return jnp.einsum("ne,eab->nab", onehot, w, precision=jax.lax.Precision.HIGHEST)
+
+    h = jax.nn.silu(jnp.einsum("nbd,ndi->nbi", xs, per_block(wg))) * jnp.einsum("nbd,ndi->nbi", xs, per_block(wu))
+    ys = jnp.einsum("nbi,nid->nbd", h, per_block(wd)).reshape(num_blocks * b, d)  # padded sorted order
+    inverse = jnp.argsort(order)  # position of each (token, slot) in sorted order
+    y = jnp.take(ys, dest[inverse], axis=0).reshape(n, k, d).astype(jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype)
+
+
 def moe_dense_reference(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """Same result as `moe_experts`, running every expert on every token (tests only)."""
     wg, wu, wd = _expert_weights(p_experts, x.dtype)
@@ -138,7 +201,12 @@ def moe(p: dict, x: jax.Array, config: Ling3Config, *, dense_reference: bool = F
     flat = x.reshape(-1, shape[-1])
     weights, experts = route(p["gate"], flat, config)
     cpu_small = jax.default_backend() == "cpu" and config.num_experts <= DENSE_DISPATCH_MAX_EXPERTS
-    fn = moe_dense_reference if (dense_reference or cpu_small) else moe_experts
+    if dense_reference or cpu_small:
+        fn = moe_dense_reference
+    elif blocked_dispatch_pays(flat.shape[0] * config.num_experts_per_tok, config.num_experts):
+        fn = moe_experts_blocked
+    else:
+        fn = moe_experts
     out = fn(p["experts"], flat, weights, experts)
     if config.num_shared_experts > 0:
         out = out + swiglu_mlp(p["shared_experts"], flat)
