@@ -8,6 +8,14 @@ near that length and ended near 850 tokens).
   python benchmarks/real_shape_step.py                       # real shape; needs an accelerator (~40 GB)
   python benchmarks/real_shape_step.py --synthetic-batch --remat --share-prefix    # train step only
   python benchmarks/real_shape_step.py --model tiny --max-new-tokens 32 --steps 2    # CPU smoke run
+  python benchmarks/real_shape_step.py --remat --share-prefix \
+      --compile-only benchmarks/gpu_targets/h200.txtpb        # no GPU: XLA's memory plan for an H200
+
+--compile-only needs no accelerator: the train step is lowered on abstract shapes and compiled by XLA's GPU
+compiler for a device described by a GpuTargetConfig text proto (deviceless ahead-of-time compilation; needs the
+benchmark-only extra `pip install "jax[cuda12]"` and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 on a machine without a
+driver). It reports the compiled program's memory analysis (arguments, outputs, donated aliases, temporaries)
+instead of timings: the memory XLA will ask for on that device, without running anything.
 
 Phases, each printed as it finishes (compile time reported separately from the timed runs):
   init     random bf16 parameters created on the device (jax.random per leaf, HF-style kinds).
@@ -88,21 +96,129 @@ def peak_bytes() -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", 0))
 
 
+def compile_only_device(target_path: str):
+    """A compile-only GPU device described by a GpuTargetConfig text proto (no driver or GPU needed)."""
+    from jax.experimental import topologies
+
+    with open(target_path) as f:
+        target = f.read()
+    try:
+        topo = topologies.get_topology_desc("compile-only", "cuda", target_config=target, topology="1x1x1")
+    except NotImplementedError as e:
+        raise SystemExit(f"--compile-only needs JAX's CUDA plugin (benchmark-only extra: pip install "
+                         f"'jax[cuda12]=={jax.__version__}'; without a driver also set "
+                         f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1): {e}") from e
+    return topo.devices[0]
+
+
+def on_device(tree, device):
+    """Abstract shapes of ``tree`` placed on ``device`` (what ``jit(...).lower`` needs for a compile-only device)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def memory_figures(compiled) -> dict:
+    """XLA's memory plan of a compiled program. The estimated peak is arguments + temporaries + outputs not
+    aliased to a donated argument (all three are live at the end of the step)."""
+    m = compiled.memory_analysis()
+    out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
+           "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+           "generated_code_bytes": int(m.generated_code_size_in_bytes)}
+    out["estimated_peak_bytes"] = (out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"]
+                                   - out["alias_bytes"] + out["generated_code_bytes"])
+    return out
+
+
+PROMPT_LEN = 63  # the move task's prompt with the shipped tokenizer is about this long
+
+
+def synthetic_batch(args, config, key):
+    """Random tokens of the rollout's shape (prompt + max-new-tokens), every response token trained."""
+    rows, length = args.boards * args.group_size, PROMPT_LEN + args.max_new_tokens
+    tokens = jax.random.randint(key, (rows, length), 0, config.vocab_size, jnp.int32)
+    loss_mask = jnp.broadcast_to(jnp.arange(length) >= PROMPT_LEN, (rows, length))
+    old_logp = jnp.where(loss_mask, -math.log(config.vocab_size), 0.0).astype(jnp.float32)
+    return argparse.Namespace(tokens=tokens, valid=jnp.ones((rows, length), bool), loss_mask=loss_mask,
+                              behaviour_logp=old_logp, reward=jnp.zeros((rows,), jnp.float32),
+                              prompt_length=jnp.full((rows,), PROMPT_LEN, jnp.int32))
+
+
+def make_step(args, config):
+    """(optimizer, jitted train step): GSPO, the published clip range, Adam moments in --state-dtype."""
+    optimizer = trainer.make_optimizer(1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32"
+                                       else args.state_dtype)
+    loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
+    step_fn = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=args.entropy,
+                                                            group_size=args.group_size, remat=args.remat),
+                                      loss_fn, optimizer,
+                                      num_microbatches=args.microbatches)
+    return optimizer, step_fn
+
+
+def train_batch(args, traj, adv, prompt_len: int) -> dict:
+    batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
+             "old_logp": traj.behaviour_logp, "advantages": adv}
+    if args.share_prefix:
+        batch = shared_prefix.split_shared_prefix(batch, prompt_len)
+    return batch
+
+
+def compile_only(args, config, res):
+    """Lower + compile the train step for a compile-only device and report XLA's memory plan (nothing runs)."""
+    device = compile_only_device(args.compile_only)
+    res.update(backend="compile-only", device=str(device.device_kind), target_config=args.compile_only)
+    params = jax.eval_shape(lambda k: device_init(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
+    res["param_bytes"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+    optimizer, step_fn = make_step(args, config)
+    state = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), params)
+    res["optimizer_state_bytes"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)))
+
+    def make_batch(key):
+        traj = synthetic_batch(args, config, key)
+        return train_batch(args, traj, jax.random.normal(key, traj.reward.shape, jnp.float32), PROMPT_LEN)
+
+    batch = jax.eval_shape(make_batch, jax.random.PRNGKey(1))
+    res["rollout_rows"], res["rollout_length"] = args.boards * args.group_size, PROMPT_LEN + args.max_new_tokens
+    if not args.synthetic_batch:  # the rollout program too (its tables and start boards as abstract arguments)
+        rollout_fn, key, starts, env = rollout_setup(args, config)
+        t0 = time.perf_counter()
+        compiled = rollout_fn.lower(on_device(params, device), on_device(key, device), on_device(starts, device),
+                                    env=on_device(env, device)).compile()
+        res["rollout_compile_s"] = time.perf_counter() - t0
+        res.update({f"rollout_{k}": v for k, v in memory_figures(compiled).items()})
+        print("[rollout] " + json.dumps(res), flush=True)
+    t0 = time.perf_counter()
+    lowered = step_fn.lower(on_device(state, device), on_device(batch, device))
+    res["train_lower_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    res["train_compile_s"] = time.perf_counter() - t0
+    res.update({f"train_{k}": v for k, v in memory_figures(compiled).items()})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res))
+
+
 def timed(fn, *args):
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     return out, time.perf_counter() - t0
 
 
-def run_rollout(args, config, params, res):
+def rollout_setup(args, config):
+    """(jitted rollout fn, key, starts, env) of the move task at the benchmark's shape."""
     tokenizer = tokenizer_lib.load_tokenizer(None)
     env = rollout_lib.make_env(tokenizer, vocab_size=config.vocab_size)
     rc = rollout_lib.RolloutConfig(task="move", max_new_tokens=args.max_new_tokens, max_turns=1,
                                    temperature=1.0, group_size=args.group_size)
     boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
-    starts = rollout_lib.move_starts(boards)
-    rollout_fn = functools.partial(rollout_lib.make_rollout_fn(config, rc), env=env)
-    key = jax.random.PRNGKey(1)
+    return rollout_lib.make_rollout_fn(config, rc), jax.random.PRNGKey(1), rollout_lib.move_starts(boards), env
+
+
+def run_rollout(args, config, params, res):
+    rollout_fn, key, starts, env = rollout_setup(args, config)
+    rollout_fn = functools.partial(rollout_fn, env=env)
     traj, first = timed(rollout_fn, params, key, starts)
     res["rollout_first_call_s"] = first
     times = []
@@ -132,13 +248,20 @@ def main():
                     help="skip the rollout; train on random tokens of the rollout's shape (prompt + max-new-tokens)")
     ap.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     ap.add_argument("--share-prefix", action="store_true", help="encode each group's prompt once (rl.shared_prefix)")
+    ap.add_argument("--entropy", action="store_true",
+                    help="also compute the per-token entropy in the train step, as experiments/train_tictactoe.py "
+                         "does (a logged metric)")
+    ap.add_argument("--compile-only", default="", metavar="TARGET",
+                    help="no device: compile the train step for the GPU described by this GpuTargetConfig text "
+                         "proto and report XLA's memory plan (the rollout's too, unless --synthetic-batch)")
     ap.add_argument("--out", default="", help="also write the JSON figures to this file after each phase")
     args = ap.parse_args()
 
     res = {"backend": jax.default_backend(), "device": str(jax.local_devices()[0].device_kind),
            "jax": jax.__version__, "model": args.model, "boards": args.boards, "group_size": args.group_size,
            "max_new_tokens": args.max_new_tokens, "microbatches": args.microbatches,
-           "optimizer_state_dtype": args.state_dtype, "remat": args.remat, "share_prefix": args.share_prefix}
+           "optimizer_state_dtype": args.state_dtype, "remat": args.remat, "share_prefix": args.share_prefix,
+           "entropy": args.entropy}
 
     def report(phase):
         res["peak_bytes_in_use"] = peak_bytes()
@@ -151,39 +274,26 @@ def main():
     dtype = jnp.bfloat16
     counts = ling3.count_params(config)
     res.update(params_total=counts["total"], params_active=counts["active"])
+    if args.compile_only:
+        return compile_only(args, config, res)
     params, res["init_s"] = timed(device_init, config, jax.random.PRNGKey(0), dtype)
     res["param_bytes"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
     report("init")
 
     if args.synthetic_batch:
-        rows, prompt_len = args.boards * args.group_size, 63
-        length = prompt_len + args.max_new_tokens
-        tokens = jax.random.randint(jax.random.PRNGKey(1), (rows, length), 0, config.vocab_size, jnp.int32)
-        loss_mask = jnp.broadcast_to(jnp.arange(length) >= prompt_len, (rows, length))
-        old_logp = jnp.where(loss_mask, -math.log(config.vocab_size), 0.0).astype(jnp.float32)
-        traj = argparse.Namespace(tokens=tokens, valid=jnp.ones((rows, length), bool), loss_mask=loss_mask,
-                                  behaviour_logp=old_logp, reward=jnp.zeros((rows,), jnp.float32),
-                                  prompt_length=jnp.full((rows,), prompt_len, jnp.int32))
-        res["rollout_rows"], res["rollout_length"] = rows, length
+        traj = synthetic_batch(args, config, jax.random.PRNGKey(1))
+        res["rollout_rows"], res["rollout_length"] = traj.tokens.shape
     else:
         traj = run_rollout(args, config, params, res)
     report("rollout")
 
-    optimizer = trainer.make_optimizer(1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32"
-                                       else args.state_dtype)
+    optimizer, step_fn = make_step(args, config)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(2))
     del params
     opt_bytes = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)))
     res["optimizer_state_bytes"] = opt_bytes
-    loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
-    step_fn = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=False, group_size=args.group_size,
-                                                            remat=args.remat), loss_fn, optimizer,
-                                      num_microbatches=args.microbatches)
     adv = jax.random.normal(jax.random.PRNGKey(3), traj.reward.shape, jnp.float32)
-    batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
-             "old_logp": traj.behaviour_logp, "advantages": adv}
-    if args.share_prefix:
-        batch = shared_prefix.split_shared_prefix(batch, int(jnp.min(traj.prompt_length)))
+    batch = train_batch(args, traj, adv, int(jnp.min(traj.prompt_length)))
     del traj
     (state, metrics), res["train_first_call_s"] = timed(step_fn, state, batch)
     report("train first call")
