@@ -91,6 +91,10 @@ def device_init(config: ling3.Ling3Config, key: jax.Array, dtype) -> dict:
     return ling3._unflatten({path: x for (path, _), x in zip(items, leaves)})
 
 
+def tree_bytes(tree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
 def peak_bytes() -> int | None:
     stats = jax.local_devices()[0].memory_stats()
     return None if not stats else int(stats.get("peak_bytes_in_use", 0))
@@ -168,10 +172,10 @@ def compile_only(args, config, res):
     device = compile_only_device(args.compile_only)
     res.update(backend="compile-only", device=str(device.device_kind), target_config=args.compile_only)
     params = jax.eval_shape(lambda k: device_init(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
-    res["param_bytes"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+    res["param_bytes"] = tree_bytes(params)
     optimizer, step_fn = make_step(args, config)
     state = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), params)
-    res["optimizer_state_bytes"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)))
+    res["optimizer_state_bytes"] = tree_bytes(state.opt_state)
 
     def make_batch(key):
         traj = synthetic_batch(args, config, key)
@@ -277,7 +281,7 @@ def main():
     if args.compile_only:
         return compile_only(args, config, res)
     params, res["init_s"] = timed(device_init, config, jax.random.PRNGKey(0), dtype)
-    res["param_bytes"] = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+    res["param_bytes"] = tree_bytes(params)
     report("init")
 
     if args.synthetic_batch:
@@ -290,7 +294,7 @@ def main():
     optimizer, step_fn = make_step(args, config)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(2))
     del params
-    opt_bytes = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)))
+    opt_bytes = tree_bytes(state.opt_state)
     res["optimizer_state_bytes"] = opt_bytes
     adv = jax.random.normal(jax.random.PRNGKey(3), traj.reward.shape, jnp.float32)
     batch = train_batch(args, traj, adv, int(jnp.min(traj.prompt_length)))

@@ -180,8 +180,8 @@ def moe_experts_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, exper
 
     h = jax.nn.silu(jnp.einsum("nbd,ndi->nbi", xs, per_block(wg))) * jnp.einsum("nbd,ndi->nbi", xs, per_block(wu))
     ys = jnp.einsum("nbi,nid->nbd", h, per_block(wd)).reshape(num_blocks * b, d)  # padded sorted order
-    inverse = jnp.argsort(order)  # position of each (token, slot) in sorted order
-    y = jnp.take(ys, dest[inverse], axis=0).reshape(n, k, d).astype(jnp.float32)
+    row_of = jnp.zeros((a,), jnp.int32).at[order].set(dest, unique_indices=True)  # padded row of each (token, slot)
+    y = jnp.take(ys, row_of, axis=0).reshape(n, k, d).astype(jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype)
 
 
