@@ -12,8 +12,9 @@ Every function here works on ONE position (unbatched); batch with ``jax.vmap``. 
 
 Speed notes: the state also carries each player's stones as a 9-bit integer (``x_bits``, ``o_bits``; bit i =
 square index i). ``step`` then needs no reduction over the board: legality is one AND, a win is a lookup in a
-512-entry table (``WIN_BY_BITS[bits]``), a full board is ``x_bits | o_bits == 511``, and the int8 board is updated
-with one elementwise select. Functions that take a bare board (``winner``, ``is_terminal``) build the bit masks as
+512-entry table (``WIN_BY_BITS[bits]``), a full board is ``x_bits | o_bits == 511``, and the int8 board is rebuilt
+from the two masks (``board_from_bits``: a shift and a mask per square; a select of the one changed square made XLA
+redo the per-game legality and result logic inside the [B, 9] loop, for every square). Functions that take a bare board (``winner``, ``is_terminal``) build the bit masks as
 a masked sum of powers of two.
 """
 
@@ -135,6 +136,12 @@ def board_code(board: chex.Array) -> jax.Array:
     return jnp.sum(board.astype(jnp.int32) * _POW3, dtype=jnp.int32)
 
 
+def board_from_bits(x_bits: chex.Array, o_bits: chex.Array) -> jax.Array:
+    """``int8 [9]`` board of the two stone masks (``int32 []`` each; disjoint)."""
+    shifts = jnp.arange(NUM_SQUARES, dtype=jnp.int32)
+    return (((x_bits >> shifts) & 1) | (((o_bits >> shifts) & 1) << 1)).astype(jnp.int8)
+
+
 def legal_moves(state: GameState) -> jax.Array:
     """``bool [9]``: empty squares, all False once the game is over."""
     _check_board(state.board)
@@ -150,9 +157,8 @@ def _play(state: GameState, square: jax.Array, play: jax.Array, bad: jax.Array) 
     # Only the mover can have completed a line with this stone.
     won = play & has_line(jnp.where(is_x, x_bits, o_bits))
     full = (x_bits | o_bits) == FULL_BITS
-    board = jnp.where(play & (jnp.arange(NUM_SQUARES) == square), state.to_move, state.board)
     return GameState(
-        board=board.astype(jnp.int8),
+        board=board_from_bits(x_bits, o_bits),
         to_move=jnp.where(play, jnp.int8(3) - state.to_move, state.to_move).astype(jnp.int8),
         done=state.done | bad | won | (play & full),
         winner=jnp.where(won, state.to_move, state.winner).astype(jnp.int8),
