@@ -123,6 +123,19 @@ def test_win_table_matches_lines_for_every_mask():
     assert np.asarray(got).tolist() == want
 
 
+def test_board_from_bits_inverts_player_bits_on_every_board():
+    # All 3**9 cell assignments (legal or not): the board step() rebuilds from the stone masks is the board.
+    codes = np.arange(ttt.NUM_CODES)
+    boards = jnp.asarray((codes[:, None] // 3 ** np.arange(9)) % 3, jnp.int8)
+
+    def roundtrip(board):
+        return ttt.board_from_bits(ttt.player_bits(board, ttt.X), ttt.player_bits(board, ttt.O))
+
+    got = jax.jit(jax.vmap(roundtrip))(boards)
+    chex.assert_trees_all_equal(got, boards)
+    assert got.dtype == jnp.int8
+
+
 def test_no_false_wins_on_non_lines():
     # Three stones that are not a line.
     for triple in [(0, 1, 3), (0, 4, 5), (2, 4, 7), (1, 3, 8)]:
