@@ -123,7 +123,7 @@ def on_device(tree, device):
 
 def memory_figures(compiled) -> dict:
     """XLA's memory plan of a compiled program. The estimated peak is arguments + temporaries + outputs not
-    aliased to a donated argument (all three are live at the end of the step)."""
+    aliased to a donated argument (all three are live at the end of the step) + the generated code."""
     m = compiled.memory_analysis()
     out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
            "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),

@@ -14,8 +14,8 @@ Speed notes: the state also carries each player's stones as a 9-bit integer (``x
 square index i). ``step`` then needs no reduction over the board: legality is one AND, a win is a lookup in a
 512-entry table (``WIN_BY_BITS[bits]``), a full board is ``x_bits | o_bits == 511``, and the int8 board is rebuilt
 from the two masks (``board_from_bits``: a shift and a mask per square; a select of the one changed square made XLA
-redo the per-game legality and result logic inside the [B, 9] loop, for every square). Functions that take a bare board (``winner``, ``is_terminal``) build the bit masks as
-a masked sum of powers of two.
+redo the per-game legality and result logic inside the [B, 9] loop, for every square). Functions that take a bare
+board (``winner``, ``is_terminal``) build the bit masks as a masked sum of powers of two.
 """
 
 from __future__ import annotations
