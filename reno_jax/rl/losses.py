@@ -4,7 +4,7 @@ Everything here is a pure function of arrays (jit-able, no globals, no host call
 ``jax``. All policy losses share one calling convention::
 
     loss, metrics = loss_fn(logp, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0,
-                            entropy=None, entropy_coef=0.0, **clip_hparams)
+                            entropy=None, entropy_coef=0.0, token_weight=None, **clip_hparams)
 
 with
 
@@ -18,6 +18,12 @@ with
                               ``exp(ref - logp) - (ref - logp) - 1`` (Schulman, "Approximating KL divergence").
 * ``entropy   [B, L]``        optional per-token policy entropy; ``entropy_coef`` > 0 *rewards* entropy
                               (the term ``- entropy_coef * H`` is added to the loss).
+* ``token_weight [B, L]``     optional non-negative per-token weight of the *policy* term, never differentiated
+                              (``None``: the unweighted loss, computed exactly as without the argument). The
+                              token-level losses multiply token t's surrogate by ``w_t``; GSPO and GSPO-token,
+                              whose importance ratio is a geometric mean over the sequence, multiply sequence i's
+                              surrogate by the geometric mean ``exp(mean_{t in y_i} log w_t)`` (see ``gspo_loss``).
+                              KL / entropy terms and the metrics are not weighted. ``with_tis`` builds it.
 
 Values at positions where ``mask`` is 0 are ignored completely: they never reach an ``exp`` (so garbage there
 cannot produce inf/NaN, in the value or the gradient).
@@ -48,6 +54,7 @@ can be compared between losses.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping
 
 import jax
@@ -133,6 +140,21 @@ def _ppo_surrogate(ratio, adv, eps_low, eps_high):
     return -jnp.where(clipped, clipped_obj, unclipped), clipped
 
 
+def _as_token_weight(name, token_weight, mask):
+    """``token_weight`` as float32 ``[B, L]``, gradient-free, 1 where ``mask`` is 0 (masked garbage is ignored)."""
+    if jnp.shape(token_weight) != mask.shape:
+        raise ValueError(f"{name}: token_weight must have the shape of logp {mask.shape}, got "
+                         f"{jnp.shape(token_weight)}")
+    return jnp.where(mask, jax.lax.stop_gradient(jnp.asarray(token_weight, jnp.float32)), 1.0)
+
+
+def _geometric_mean_per_sequence(weight, mask):
+    """``exp(mean_{t in mask_i} log w_t)`` per row (1 for an empty row; 0 when any policy token has weight 0)."""
+    lengths = jnp.sum(mask, axis=1)
+    log_w = jnp.sum(jnp.where(mask, jnp.log(weight), 0.0), axis=1) / jnp.maximum(lengths, 1)
+    return jnp.exp(log_w)
+
+
 def _k3(logp, ref_logp, mask):
     """Per-token k3 estimate of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (0 where masked)."""
     d = jnp.clip(jnp.where(mask, ref_logp - logp, 0.0), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -212,7 +234,7 @@ def _finish(policy_loss, agg, logp, old_logp, mask, ref_logp, kl_coef, entropy, 
 # GSPO (sequence level)
 # ----------------------------------------------------------------------------------------------------------------
 def gspo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
-              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0, token_weight=None):
     """GSPO: Group Sequence Policy Optimization (Zheng et al., 2025), sequence-level clipping.
 
     ``s_i = (pi(y_i) / pi_old(y_i)) ** (1/|y_i|) = exp(mean_{t in mask_i}(logp - old_logp))``,
@@ -224,6 +246,12 @@ def gspo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_hi
     zeroes the whole sequence). ``s_i`` itself is computed from the mean log-ratio, never as a product of
     per-token ratios, so long sequences cannot overflow. Sequences with an empty mask are excluded from the mean
     and contribute exactly 0 (value and gradient). Defaults ``eps_low=3e-4, eps_high=4e-4`` are the paper's.
+
+    ``token_weight`` (``w [B, L]``, gradient-free): sequence i's surrogate is multiplied by the geometric mean
+    ``w_i = exp(mean_t log w_{i,t})``. GSPO's importance weight is itself a geometric mean of token ratios
+    (``s_i = exp(mean_t log k_{i,t})``), so with TIS's factors ``w_t = min(k_t, C) / k_t`` the sequence's gradient
+    weight becomes ``w_i s_i = exp(mean_t log min(k_t, C))``: the GSPO ratio of the *truncated* token ratios.
+    Clipping is still decided on ``s_i``.
     """
     logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
         "gspo_loss", logp, old_logp, advantages, mask, ref_logp, entropy)
@@ -234,6 +262,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_hi
     s_value = jax.lax.stop_gradient(jnp.exp(log_s))
     s = s_value * jnp.exp(log_s - jax.lax.stop_gradient(log_s))  # stop-gradient form, see docstring
     per_seq, clipped = _ppo_surrogate(s, advantages, eps_low, eps_high)
+    if token_weight is not None:
+        per_seq = per_seq * _geometric_mean_per_sequence(_as_token_weight("gspo_loss", token_weight, mask), mask)
     n_valid = jnp.sum(valid)
     policy_loss = jnp.sum(jnp.where(valid, per_seq, 0.0)) / jnp.maximum(n_valid, 1)
     clip_frac = jnp.sum(clipped & valid) / jnp.maximum(n_valid, 1)
@@ -242,14 +272,17 @@ def gspo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_hi
 
 
 def gspo_token_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
-                    ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+                    ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0,
+                    token_weight=None):
     """GSPO-token: ``s_{i,t} = sg(s_i) * exp(logp_{i,t} - sg(logp_{i,t}))``, token-level advantages allowed.
 
     ``advantages`` may be ``[B]`` (then this equals ``gspo_loss`` in value and gradient) or ``[B, L]``.
     Per token: ``-min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})``; aggregated as a mean over each sequence's policy
     tokens, then a mean over sequences with at least one policy token (the GSPO objective's ``1/G sum_i 1/|y_i|
     sum_t``). Numerically ``s_{i,t} = s_i``, so clipping is still decided per sequence (for a shared advantage);
-    ratio metrics and ``clip_frac`` are over policy tokens.
+    ratio metrics and ``clip_frac`` are over policy tokens. ``token_weight`` acts as in ``gspo_loss`` (every
+    token of sequence i is multiplied by the sequence's geometric-mean weight), so that the two losses still agree
+    for sequence advantages.
     """
     logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
         "gspo_token_loss", logp, old_logp, advantages, mask, ref_logp, entropy, token_advantages=True)
@@ -261,6 +294,9 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, 
     safe_logp = jnp.where(mask, logp, 0.0)
     s_tok = s_seq[:, None] * jnp.exp(safe_logp - jax.lax.stop_gradient(safe_logp))
     per_tok, clipped = _ppo_surrogate(s_tok, adv, eps_low, eps_high)
+    if token_weight is not None:
+        seq_weight = _geometric_mean_per_sequence(_as_token_weight("gspo_token_loss", token_weight, mask), mask)
+        per_tok = per_tok * seq_weight[:, None]
     policy_loss, normalizer = _agg_sequence_mean(per_tok, mask)
     clip_frac = _token_mean(clipped.astype(jnp.float32), mask)
     return _finish(policy_loss, _agg_sequence_mean, logp, old_logp, mask, ref_logp, kl_coef, entropy,
@@ -271,12 +307,14 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, 
 # Token-level PPO-clip family: GRPO, Dr. GRPO, DAPO
 # ----------------------------------------------------------------------------------------------------------------
 def _token_ppo(name, agg, logp, old_logp, advantages, mask, eps_low, eps_high, ref_logp, kl_coef, entropy,
-               entropy_coef):
+               entropy_coef, token_weight):
     logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
         name, logp, old_logp, advantages, mask, ref_logp, entropy)
     log_r = jnp.clip(_masked_log_ratio(logp, old_logp, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = jnp.exp(log_r)
     per_tok, clipped = _ppo_surrogate(ratio, advantages[:, None], eps_low, eps_high)
+    if token_weight is not None:
+        per_tok = per_tok * _as_token_weight(name, token_weight, mask)
     policy_loss, normalizer = agg(per_tok, mask)
     clip_frac = _token_mean(clipped.astype(jnp.float32), mask)
     return _finish(policy_loss, agg, logp, old_logp, mask, ref_logp, kl_coef, entropy, entropy_coef, normalizer,
@@ -284,19 +322,19 @@ def _token_ppo(name, agg, logp, old_logp, advantages, mask, eps_low, eps_high, r
 
 
 def grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
-              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0, token_weight=None):
     """GRPO (Shao et al., 2024): token-level PPO clip ``r_t = exp(logp_t - old_t)``, symmetric eps 0.2.
 
     Aggregation as in GRPO: mean over each sequence's policy tokens, then mean over sequences with at least one
     policy token. Use with ``group_advantages(..., normalize_std=True)``.
     """
     return _token_ppo("grpo_loss", _agg_sequence_mean, logp, old_logp, advantages, mask, eps_low, eps_high,
-                      ref_logp, kl_coef, entropy, entropy_coef)
+                      ref_logp, kl_coef, entropy, entropy_coef, token_weight)
 
 
 def dr_grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
                  max_length: int | None = None, ref_logp=None, kl_coef: float = 0.0, entropy=None,
-                 entropy_coef: float = 0.0):
+                 entropy_coef: float = 0.0, token_weight=None):
     """Dr. GRPO ("GRPO done right", Liu et al., 2025): token-level PPO clip without the length and std biases.
 
     * Advantages must be computed WITHOUT std normalisation: ``group_advantages(r, G, normalize_std=False)``
@@ -306,15 +344,15 @@ def dr_grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_
       ``None`` uses the padded length L (fine when the padding length is fixed across steps).
     """
     return _token_ppo("dr_grpo_loss", _make_agg_constant(max_length), logp, old_logp, advantages, mask, eps_low,
-                      eps_high, ref_logp, kl_coef, entropy, entropy_coef)
+                      eps_high, ref_logp, kl_coef, entropy, entropy_coef, token_weight)
 
 
 def dapo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
-              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0):
+              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0, token_weight=None):
     """DAPO (Yu et al., 2025): token-level PPO with decoupled clip (eps_low 0.2, "clip-higher" eps_high 0.28)
     and token-level aggregation: the mean over ALL policy tokens of the batch (long sequences weigh more)."""
     return _token_ppo("dapo_loss", _agg_token_mean, logp, old_logp, advantages, mask, eps_low, eps_high,
-                      ref_logp, kl_coef, entropy, entropy_coef)
+                      ref_logp, kl_coef, entropy, entropy_coef, token_weight)
 
 
 def forking_token_mask(entropy, mask, top_k: int = 1, per_turn: bool = False):
@@ -396,6 +434,100 @@ def with_forking_kl(loss_fn: Callable, coef: float, top_k: int = 1) -> Callable:
         metrics = dict(metrics, forking_kl=jax.lax.stop_gradient(kl),
                        forking_kl_coef=jnp.asarray(coef * scale, jnp.float32))
         return loss + coef * scale * kl, metrics
+
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rollout / train mismatch corrections
+# ----------------------------------------------------------------------------------------------------------------
+# The rollout (decode step, bf16 cache, its own MoE dispatch) and the train forward (chunked prefill) are different
+# programs, so the train forward's log-prob of a sampled token is not the one it was sampled with. Here ``old_logp``
+# IS the rollout's behaviour log-prob, so the losses' ratio ``r_t = exp(logp_t - old_t)`` already carries the
+# mismatch ``k_t = pi_train(y_t) / pi_rollout(y_t) = exp(sg(logp_t) - old_t)`` as an *untruncated* importance
+# weight (at the first update of a step, r_t == k_t). The wrappers below bound or drop that weight per token.
+def _mismatch_log_ratio(logp, old_logp, mask):
+    """``log k_t = sg(logp_t) - old_t`` on policy tokens, 0 elsewhere (float32, never differentiated)."""
+    logp = jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
+    return _masked_log_ratio(logp, jnp.asarray(old_logp, jnp.float32), mask)
+
+
+def with_tis(loss_fn: Callable, cap: float) -> Callable:
+    """Wraps a loss with token-level truncated importance sampling (TIS): each token's importance weight
+    ``k_t = pi_train / pi_rollout`` is truncated to ``min(k_t, cap)``, with no gradient through the weight.
+
+    Because the wrapped loss's ratio already multiplies token t's policy gradient by ``k_t`` (see above), the
+    wrapper passes the gradient-free factor ``token_weight_t = min(k_t, cap) / k_t`` (1 when ``k_t <= cap``) into
+    the loss; multiplying by ``min(k_t, cap)`` itself would count the ratio twice (``k_t * min(k_t, cap)``).
+    Per loss, on the unclipped branch (``N`` the loss's normaliser):
+
+    * GRPO / Dr. GRPO / DAPO: ``d loss / d logp_t = -min(k_t, cap) * A_i / N``, the TIS policy gradient;
+    * GSPO / GSPO-token: the sequence ratio ``s_i = exp(mean_t log k_t)`` becomes
+      ``exp(mean_t log min(k_t, cap))``, GSPO's length-normalised ratio of the truncated token ratios, so every
+      token of sequence i gets ``-exp(mean_t log min(k_t, cap)) * A_i / (|y_i| N)`` (see ``gspo_loss``). A geometric
+      rather than an arithmetic mean of the factors keeps GSPO's own definition of a sequence's weight and its
+      damping of single outliers; clipping stays decided on the untruncated ratio.
+
+    ``cap`` must be >= 1 (a cap below 1 would down-weight tokens the two programs agree on); ``inf`` is the
+    identity. The KL / entropy terms are not weighted. An incoming ``token_weight`` is multiplied in, so TIS
+    composes with ``with_icepop`` (either order) and with the forking-token wrappers. Metrics, over the policy
+    tokens it sees: ``tis_weight_mean`` (mean of ``min(k_t, cap)``) and ``tis_clipped_frac`` (share with
+    ``k_t > cap``).
+    """
+    cap = float(cap)
+    if not cap >= 1.0:  # also rejects NaN
+        raise ValueError(f"with_tis: cap must be >= 1 (inf = no truncation), got {cap}")
+
+    def fn(logp, old_logp, advantages, mask, *, token_weight=None, **kwargs):
+        policy = jnp.asarray(mask).astype(bool)
+        log_k = jnp.clip(_mismatch_log_ratio(logp, old_logp, policy), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        k = jnp.exp(log_k)
+        truncated = policy & (k > cap)
+        # Exactly 1.0 wherever nothing is truncated (cap = inf included), so a neutral TIS is bit-identical.
+        factor = jnp.where(truncated, cap / k, 1.0)
+        weight = factor if token_weight is None else jnp.asarray(token_weight, jnp.float32) * factor
+        loss, metrics = loss_fn(logp, old_logp, advantages, mask, token_weight=weight, **kwargs)
+        metrics = dict(metrics,
+                       tis_weight_mean=jax.lax.stop_gradient(_token_mean(jnp.minimum(k, cap), policy)),
+                       tis_clipped_frac=_token_mean(truncated.astype(jnp.float32), policy))
+        return loss, metrics
+
+    return fn
+
+
+def with_icepop(loss_fn: Callable, low: float = 0.5, high: float = 2.0) -> Callable:
+    """Wraps a loss with IcePop's masking: policy tokens whose mismatch ratio ``k_t = exp(sg(logp_t) - old_t)``
+    lies outside ``[low, high]`` are removed from the loss's mask.
+
+    A removed token is treated exactly like a non-policy token by the wrapped loss: it leaves the policy term, the
+    ratio (GSPO: the sequence's geometric mean is over the kept tokens), the KL / entropy terms, the statistics and
+    the normaliser (so micro-batches still combine exactly); a sequence with no kept token drops out. The IcePop
+    objective (Ling team, 2025) weights kept tokens by ``k_t``: the wrapped loss's ratio already does, so masking
+    alone reproduces it, and ``with_tis`` on top also bounds the kept weights. Unlike the paper's
+    ``1 / |y_i|``, per-sequence means are over the kept tokens (a zero weight has no place in GSPO's geometric mean).
+
+    ``0 <= low < 1 < high`` (``high`` may be ``inf``); ``[0, inf]`` is the identity. Metrics, over the policy
+    tokens it sees: ``icepop_masked_frac`` and ``icepop_masked_count`` (a count: summed over micro-batches and
+    minibatches by ``reno_jax.rl.trainer``).
+    """
+    low, high = float(low), float(high)
+    if not (0.0 <= low < 1.0 < high):
+        raise ValueError(f"with_icepop: need 0 <= low < 1 < high so that on-policy tokens are kept, got "
+                         f"low={low}, high={high}")
+    # Compared in log space: no exp of an unbounded log-ratio, and low = 0 / high = inf are exact.
+    log_low = -jnp.inf if low == 0.0 else math.log(low)
+    log_high = math.log(high)
+
+    def fn(logp, old_logp, advantages, mask, **kwargs):
+        policy = jnp.asarray(mask).astype(bool)
+        log_k = _mismatch_log_ratio(logp, old_logp, policy)
+        kept = policy & (log_k >= log_low) & (log_k <= log_high)
+        dropped = policy & ~kept
+        loss, metrics = loss_fn(logp, old_logp, advantages, kept, **kwargs)
+        n_dropped = jnp.sum(dropped).astype(jnp.float32)
+        metrics = dict(metrics, icepop_masked_count=n_dropped,
+                       icepop_masked_frac=n_dropped / jnp.maximum(jnp.sum(policy), 1).astype(jnp.float32))
+        return loss, metrics
 
     return fn
 
