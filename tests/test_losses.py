@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reno_jax.rl import losses as L
 
@@ -410,3 +412,235 @@ def test_forking_token_mask_per_turn():
                                   np.asarray(L.forking_token_mask(e1, one, 1)))
     jitted = jax.jit(L.forking_token_mask, static_argnums=(2, 3))
     np.testing.assert_array_equal(np.asarray(jitted(ent, mask, 1, True)), top1.astype(bool))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollout / train mismatch corrections: TIS and IcePop
+# ---------------------------------------------------------------------------------------------------------------
+# name -> (eps_low, eps_high, aggregation of the NumPy reference; "gspo" = sequence-level ratio)
+_CLIP = {"gspo": (3e-4, 4e-4, "gspo"), "gspo_token": (3e-4, 4e-4, "gspo"), "grpo": (0.2, 0.2, "seq"),
+         "dr_grpo": (0.2, 0.2, "const"), "dapo": (0.2, 0.28, "tok")}
+
+
+def np_corrected(name, logp, old, adv, mask, cap=np.inf, window=(0.0, np.inf)):
+    """Loss value and d loss / d logp of a base loss under TIS (``cap``) and IcePop (``window``), from the papers.
+
+    k_t = pi_train / pi_rollout = exp(logp - old) (at the current params the loss's ratio r_t equals k_t).
+    IcePop keeps the policy tokens with k_t in the window; the loss is the base loss on the kept tokens.
+    TIS truncates the importance weight to min(k_t, C), held constant: token-level losses weight token t's
+    surrogate by min(k_t, C) / k_t (gradient -min(k_t, C) A / N when unclipped); GSPO's sequence weight becomes the
+    geometric mean of the truncated ratios, exp(mean_t log min(k_t, C)) (gradient -that * A / (|y| N) per token).
+    """
+    lo, hi, agg = _CLIP[name]
+    k = np.exp(logp.astype(np.float64) - old)
+    kept = mask & (k >= window[0]) & (k <= window[1])
+    rows = [i for i in range(B) if kept[i].any()]
+    grad = np.zeros((B, T))
+    terms = {}
+    for i in range(B):
+        idx = np.nonzero(kept[i])[0]
+        if agg == "gspo":
+            if len(idx) == 0:
+                continue
+            s = np.exp(np.mean(np.log(k[i, idx])))
+            s_trunc = np.exp(np.mean(np.log(np.minimum(k[i, idx], cap))))
+            terms[i] = [s_trunc / s * _np_ppo(s, adv[i], lo, hi)]
+            clipped = (adv[i] > 0 and s > 1 + hi) or (adv[i] < 0 and s < 1 - lo)
+            grad[i, idx] = 0.0 if clipped else -s_trunc * adv[i] / len(idx) / len(rows)
+            continue
+        terms[i] = []
+        for t in idx:
+            r = k[i, t]
+            terms[i].append(min(1.0, cap / r) * _np_ppo(r, adv[i], lo, hi))
+            clipped = (adv[i] > 0 and r > 1 + hi) or (adv[i] < 0 and r < 1 - lo)
+            norm = {"seq": len(idx) * len(rows), "tok": kept.sum(), "const": B * T}[agg]
+            grad[i, t] = 0.0 if clipped else -min(r, cap) * adv[i] / norm
+    if agg in ("gspo", "seq"):
+        value = np.mean([np.mean(terms[i]) for i in rows]) if rows else 0.0
+    else:
+        value = sum(sum(v) for v in terms.values()) / {"tok": max(kept.sum(), 1), "const": B * T}[agg]
+    return value, grad, kept
+
+
+_CAP, _WINDOW = 1.2, (0.7, 1.5)
+
+
+def _variants(name):
+    """Every correction of one base loss (and the neutral settings) as {variant: loss_fn}."""
+    base = L.LOSSES[name]
+    return {
+        "base": base,
+        "tis": L.with_tis(base, _CAP),
+        "icepop": L.with_icepop(base, *_WINDOW),
+        "both": L.with_tis(L.with_icepop(base, *_WINDOW), _CAP),
+        "tis_inf": L.with_tis(base, np.inf),
+        "icepop_all": L.with_icepop(base, 0.0, np.inf),
+        "both_inf": L.with_tis(L.with_icepop(base, 0.0, np.inf), np.inf),
+    }
+
+
+_COMPILED = {}
+
+
+def _evaluate_variants(name, logp, old, adv, mask):
+    """{variant: (loss, metrics, d loss / d logp)} from one jitted program per base loss (one compile each)."""
+    if name not in _COMPILED:
+        def all_variants(lp, o, a, m):
+            return {key: jax.value_and_grad(lambda x, fn=fn: fn(x, o, a, m), has_aux=True)(lp)
+                    for key, fn in _variants(name).items()}
+        _COMPILED[name] = jax.jit(all_variants)
+    out = jax.device_get(_COMPILED[name](logp, old, adv, mask))
+    return {key: (float(loss), metrics, np.asarray(grad)) for key, ((loss, metrics), grad) in out.items()}
+
+
+@pytest.mark.parametrize("correction", ["tis", "icepop", "both"])
+@pytest.mark.parametrize("name", sorted(_CLIP))
+def test_corrections_match_numpy(name, correction):
+    logp, old, adv, mask, _, _ = _inputs(13, spread=0.4)
+    cap, window = _CAP, _WINDOW
+    loss, m, grad = _evaluate_variants(name, logp, old, adv, mask)[correction]
+    want_value, want_grad, kept = np_corrected(name, logp, old, adv, mask,
+                                               cap=np.inf if correction == "icepop" else cap,
+                                               window=(0.0, np.inf) if correction == "tis" else window)
+    np.testing.assert_allclose(loss, want_value, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-7)
+    assert np.all(grad[~kept] == 0.0)
+    k = np.exp(logp.astype(np.float64) - old)
+    if correction != "icepop":
+        seen = mask  # with "both", TIS is outside IcePop: it sees every policy token
+        np.testing.assert_allclose(m["tis_weight_mean"], np.minimum(k[seen], cap).mean(), rtol=1e-5)
+        np.testing.assert_allclose(m["tis_clipped_frac"], (k[seen] > cap).mean(), atol=1e-6)
+        assert 0 < m["tis_clipped_frac"] < 1
+        # Tokens where truncation bites on the unclipped branch: a gradient through the weight C / k_t would cancel
+        # their gradient (d/dlogp of -(C / k) * k * A is 0), so the NumPy check above tells the two apart.
+        bites = kept & (k > cap) & (adv[:, None] < 0)
+        assert bites.any()
+    if correction != "tis":
+        dropped = mask & ~kept
+        assert m["icepop_masked_count"] == dropped.sum() > 0
+        np.testing.assert_allclose(m["icepop_masked_frac"], dropped.sum() / mask.sum(), rtol=1e-6)
+
+
+def test_tis_gradient_has_no_term_through_the_weight():
+    """GRPO + TIS == GRPO with the factor min(k, C) / k computed from a frozen copy of logp and held constant.
+
+    Through the factor, a truncated token on the unclipped branch would get no gradient at all (d/dlogp of
+    -(C / k) * k * A is 0); held constant it keeps -C * A / N."""
+    logp, old, adv, mask, _, _ = _inputs(14, spread=0.4)
+    cap = 1.2
+    frozen_k = np.exp(np.where(mask, logp - old, 0.0))
+    factor = np.where(frozen_k > cap, cap / frozen_k, 1.0).astype(np.float32)
+    g_wrapped, g_held = map(np.asarray, jax.jit(lambda lp: (
+        jax.grad(lambda x: L.with_tis(L.grpo_loss, cap)(x, old, adv, mask)[0])(lp),
+        jax.grad(lambda x: L.grpo_loss(x, old, adv, mask, token_weight=factor)[0])(lp)))(logp))
+    np.testing.assert_allclose(g_wrapped, g_held, rtol=1e-6, atol=1e-8)
+    bites = mask & (frozen_k > cap) & (adv[:, None] < 0)  # truncated and unclipped (negative advantage)
+    assert bites.any() and np.all(g_wrapped[bites] != 0.0)
+    lengths, n_valid = mask.sum(1), mask.any(1).sum()
+    rows, cols = np.nonzero(bites)
+    np.testing.assert_allclose(g_wrapped[bites], -cap * adv[rows] / lengths[rows] / n_valid, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(_CLIP))
+def test_neutral_corrections_equal_the_unwrapped_loss(name):
+    """cap = inf, window [0, inf], or ratio exactly 1: loss, gradient and metrics bit-identical to the base loss."""
+    logp, old, adv, mask, _, _ = _inputs(15, spread=0.4)
+    out = _evaluate_variants(name, logp, old, adv, mask)
+    want_loss, want_m, want_g = out["base"]
+    for key in ("tis_inf", "icepop_all", "both_inf"):
+        loss, m, g = out[key]
+        assert loss == want_loss, key
+        np.testing.assert_array_equal(g, want_g)
+        for k_, v in want_m.items():
+            assert m[k_] == v, (key, k_)
+    assert out["both_inf"][1]["tis_clipped_frac"] == 0 and out["both_inf"][1]["icepop_masked_count"] == 0
+    on_policy = _evaluate_variants(name, logp, logp, adv, mask)  # ratio exactly 1: any cap / window is neutral
+    loss, m, g = on_policy["both"]
+    assert loss == on_policy["base"][0] and m["tis_clipped_frac"] == 0 and m["icepop_masked_count"] == 0
+    assert m["tis_weight_mean"] == 1.0
+    np.testing.assert_array_equal(g, on_policy["base"][2])
+
+
+def test_corrections_compose_in_either_order_and_with_forking_wrappers():
+    logp, old, adv, mask, ref, ent = _inputs(16, spread=0.4)
+    extras = dict(entropy=ent, ref_logp=ref)
+
+    @jax.jit
+    def run(lp):
+        vg = lambda fn: jax.value_and_grad(lambda x: fn(x, old, adv, mask, **extras)[0])(lp)
+        tis = L.with_tis(L.gspo_loss, _CAP)
+        return dict(
+            tis_outside=vg(L.with_tis(L.with_icepop(L.dapo_loss, *_WINDOW), _CAP)),
+            icepop_outside=vg(L.with_icepop(L.with_tis(L.dapo_loss, _CAP), *_WINDOW)),
+            plain=tis(lp, old, adv, mask, entropy=ent),
+            bonus_out=L.with_forking_entropy_bonus(tis, 0.5)(lp, old, adv, mask, entropy=ent),
+            bonus_in=L.with_tis(L.with_forking_entropy_bonus(L.gspo_loss, 0.5), _CAP)(lp, old, adv, mask, entropy=ent),
+            kl=L.with_forking_kl(L.with_icepop(L.grpo_loss, *_WINDOW), 0.3)(lp, old, adv, mask, **extras))
+
+    out = jax.device_get(run(logp))
+    (v1, g1), (v2, g2) = out["tis_outside"], out["icepop_outside"]
+    np.testing.assert_allclose(v1, v2, rtol=1e-6)  # TIS factors of dropped tokens never reach the loss
+    np.testing.assert_allclose(g1, g2, rtol=1e-6, atol=1e-9)
+    # The forking bonus is added outside, whichever way round: the corrected policy term is unchanged.
+    (plain, _), (bonus_out, m_out), (bonus_in, m_in) = out["plain"], out["bonus_out"], out["bonus_in"]
+    want = plain - 0.5 * m_out["forking_entropy"]
+    np.testing.assert_allclose([bonus_out, bonus_in], [want, want], rtol=1e-6)
+    assert {"tis_weight_mean", "tis_clipped_frac", "forking_entropy"} <= set(m_out) & set(m_in)
+    kl_loss, m_kl = out["kl"]
+    assert np.isfinite(kl_loss) and {"icepop_masked_frac", "forking_kl"} <= set(m_kl)
+
+
+def test_corrections_jit_shapes_empty_mask_and_garbage():
+    logp, old, adv, mask, ref, ent = _inputs(17, spread=0.4)
+    wrapped = _variants("gspo")["both"]
+
+    @jax.jit
+    def run(lp, o, m):
+        return jax.value_and_grad(lambda x: wrapped(x, o, adv, m, ref_logp=ref, kl_coef=0.1, entropy=ent,
+                                                    entropy_coef=0.01), has_aux=True)(lp)
+
+    (loss, m), _ = run(logp, old, mask)
+    chex.assert_shape(loss, ())
+    chex.assert_type(loss, jnp.float32)
+    assert {"tis_weight_mean", "tis_clipped_frac", "icepop_masked_frac", "icepop_masked_count", "kl",
+            "entropy", "normalizer"} <= set(m)
+    for v in m.values():
+        chex.assert_shape(v, ())
+        chex.assert_type(v, jnp.float32)
+    (empty_loss, empty_m), g = jax.device_get(run(logp, old, np.zeros_like(mask)))
+    assert empty_loss == 0.0 and np.all(g == 0.0) and empty_m["icepop_masked_frac"] == 0.0
+    assert all(np.isfinite(v) for v in empty_m.values())
+    old2 = np.where(mask, old, 1e6).astype(np.float32)  # huge garbage off the mask reaches no exp
+    (loss2, _), g2 = jax.device_get(run(logp, old2, mask))
+    np.testing.assert_allclose(loss2, float(loss), rtol=1e-6)
+    assert np.all(np.isfinite(g2))
+
+
+def test_corrections_bad_arguments_raise():
+    for cap in (0.5, 0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="cap"):
+            L.with_tis(L.gspo_loss, cap)
+    for low, high in ((0.5, 0.5), (2.0, 0.5), (-0.1, 2.0), (0.5, 1.0), (1.0, 2.0)):
+        with pytest.raises(ValueError, match="low"):
+            L.with_icepop(L.gspo_loss, low, high)
+    logp, old, adv, mask, _, _ = _inputs(19)
+    with pytest.raises(ValueError, match="token_weight"):
+        L.dapo_loss(logp, old, adv, mask, token_weight=np.ones((B, T + 1), np.float32))
+
+
+_INVARIANT_FNS = {}
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), spread=st.floats(0.0, 3.0), cap=st.sampled_from([1.0, 1.3, 5.0]))
+def test_correction_metric_invariants(seed, spread, cap):
+    """Weights in (0, C], fractions in [0, 1], the masked count is NumPy's, the loss is finite."""
+    logp, old, adv, mask, _, _ = _inputs(seed % 1000, spread=spread)
+    if cap not in _INVARIANT_FNS:
+        _INVARIANT_FNS[cap] = jax.jit(L.with_tis(L.with_icepop(L.grpo_loss, 0.5, 2.0), cap))
+    loss, m = jax.device_get(_INVARIANT_FNS[cap](logp, old, adv, mask))
+    assert np.isfinite(loss)
+    assert 0.0 < m["tis_weight_mean"] <= cap * (1 + 1e-6)
+    assert 0.0 <= m["tis_clipped_frac"] <= 1.0 and 0.0 <= m["icepop_masked_frac"] <= 1.0
+    k = np.exp(logp.astype(np.float64) - old)
+    assert m["icepop_masked_count"] == (mask & ((k < 0.5) | (k > 2.0))).sum()
