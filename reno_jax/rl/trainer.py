@@ -289,6 +289,9 @@ REQUIRED_BATCH_KEYS = ("tokens", "loss_mask", "old_logp", "advantages")
 
 
 def _reduce_kind(name):
+    """How a loss metric combines over micro-batches and minibatches (see ``make_train_step``)."""
+    if name.endswith("_count"):
+        return "count"
     if name.endswith("_min"):
         return "min"
     if name.endswith("_max"):
@@ -332,9 +335,9 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     and increments ``state.skipped_updates``. ``state.step`` increments by one per call.
 
     Metrics (float32 scalars): the loss's metrics (weighted mean over micro-batches and mean over minibatches;
-    ``*_min`` / ``*_max`` reduce with min / max; ``normalizer`` is the minibatch total, averaged over
-    minibatches), ``loss``, ``grad_norm`` (global norm before clipping, mean over minibatches),
-    ``grad_norm_max``, ``skipped`` (updates skipped in this call) and ``skipped_updates`` (running total).
+    ``*_min`` / ``*_max`` reduce with min / max; ``*_count`` is summed over micro-batches and minibatches (the
+    step's total); ``normalizer`` is the minibatch total, averaged over minibatches), ``loss``, ``grad_norm``
+    (global norm before clipping, mean over minibatches), ``grad_norm_max``, ``skipped`` (updates skipped in this call) and ``skipped_updates`` (running total).
     """
     num_minibatches, num_microbatches = int(num_minibatches), int(num_microbatches)
     loss_batch_keys = tuple(loss_batch_keys)
@@ -372,7 +375,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         out = {}
         for k, v in mets.items():
             kind = _reduce_kind(k)
-            if kind == "sum":
+            if kind in ("sum", "count"):
                 out[k] = jnp.sum(v)
             elif kind == "min":
                 out[k] = jnp.where(jnp.any(has_w), jnp.min(jnp.where(has_w, v, jnp.inf)), jnp.min(v))
@@ -422,7 +425,8 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         metrics = {}
         for k, v in mets.items():
             kind = _reduce_kind(k)
-            metrics[k] = jnp.min(v) if kind == "min" else jnp.max(v) if kind == "max" else jnp.mean(v)
+            reduce = {"min": jnp.min, "max": jnp.max, "count": jnp.sum}.get(kind, jnp.mean)
+            metrics[k] = reduce(v)
         metrics["grad_norm_max"] = jnp.max(mets["grad_norm"])
         new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                                   skipped_updates=state.skipped_updates + skipped, rng=rng)
