@@ -89,6 +89,11 @@ def get_config() -> ml_collections.ConfigDict:
                                    # out the plausible squares instead of pushing mass onto the vocabulary's tail
   c.rl.forking_entropy_hold = 0.5  # full bonus / KL until this fraction of the run, then linearly to 0 at `end`
   c.rl.forking_entropy_end = 0.8
+  # Rollout / train mismatch corrections (the train forward's log-prob of a sampled token differs from the
+  # rollout's); k = pi_train / pi_rollout per token. 0 = off (the default run is unchanged).
+  c.rl.tis_cap = 0.0               # truncated importance sampling: token importance weight min(k, cap), cap >= 1
+  c.rl.icepop_low = 0.0            # IcePop: drop tokens with k < icepop_low (0: no lower bound), must be < 1
+  c.rl.icepop_high = 0.0           # ... or k > icepop_high (0: no upper bound), must be > 1
   c.rl.learning_rate = 3e-3
   c.rl.end_learning_rate = 3e-4
   c.rl.warmup_steps = 10

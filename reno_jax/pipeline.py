@@ -202,6 +202,27 @@ def make_optimizer(config):
         state_dtype=None if r.optimizer_state_dtype == "float32" else r.optimizer_state_dtype)
 
 
+def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:
+    """``(tis_cap or 0.0, (icepop_low, icepop_high) or None)`` from `config.rl`, validated.
+
+    `rl.tis_cap`: 0 = off, else >= 1 (``inf`` allowed). `rl.icepop_low` / `rl.icepop_high`: both 0 = off; a 0 bound
+    is open on that side (low 0, high ``inf``); otherwise ``0 < low < 1 < high`` so that on-policy tokens are kept.
+    """
+    r = config.rl
+    cap = float(r.get("tis_cap", 0.0))
+    if cap != 0.0 and not cap >= 1.0:  # "not >=" also rejects NaN
+        raise ValueError(f"rl.tis_cap must be 0 (off) or >= 1 (a cap below 1 down-weights on-policy tokens), "
+                         f"got {cap}")
+    low, high = float(r.get("icepop_low", 0.0)), float(r.get("icepop_high", 0.0))
+    if low == 0.0 and high == 0.0:
+        return cap, None
+    if not (0.0 <= low < 1.0):
+        raise ValueError(f"rl.icepop_low must be 0 (no lower bound) or in (0, 1), got {low}")
+    if high != 0.0 and not high > 1.0:
+        raise ValueError(f"rl.icepop_high must be 0 (no upper bound) or > 1, got {high}")
+    return cap, (low, high if high else math.inf)
+
+
 def make_loss_fn(config):
     r = config.rl
     kwargs = {}
@@ -212,6 +233,13 @@ def make_loss_fn(config):
     if r.entropy_coef:
         kwargs["entropy_coef"] = r.entropy_coef
     loss_fn = functools.partial(losses.get_loss(r.loss), **kwargs)
+    # Mismatch corrections wrap the policy loss only (the forking regularisers go outside). TIS goes outside IcePop,
+    # so its metrics cover every policy token.
+    tis_cap, icepop_window = mismatch_corrections(config)
+    if icepop_window is not None:
+        loss_fn = losses.with_icepop(loss_fn, *icepop_window)
+    if tis_cap:
+        loss_fn = losses.with_tis(loss_fn, tis_cap)
     if r.get("forking_entropy_coef", 0.0) and r.get("forking_kl_coef", 0.0):
         raise ValueError("rl.forking_entropy_coef and rl.forking_kl_coef are alternatives: set one of them to 0")
     if r.get("forking_entropy_coef", 0.0):
