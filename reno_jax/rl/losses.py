@@ -446,6 +446,9 @@ def with_forking_kl(loss_fn: Callable, coef: float, top_k: int = 1) -> Callable:
 # IS the rollout's behaviour log-prob, so the losses' ratio ``r_t = exp(logp_t - old_t)`` already carries the
 # mismatch ``k_t = pi_train(y_t) / pi_rollout(y_t) = exp(sg(logp_t) - old_t)`` as an *untruncated* importance
 # weight (at the first update of a step, r_t == k_t). The wrappers below bound or drop that weight per token.
+# At later minibatches of a step (``num_minibatches`` > 1), ``k_t`` also holds the policy's own change since the
+# rollout: they then bound the whole importance weight the loss applies. Clipping keeps acting on ``r_t`` (a
+# separately recomputed train-forward ``old_logp`` would be needed to clip the update alone).
 def _mismatch_log_ratio(logp, old_logp, mask):
     """``log k_t = sg(logp_t) - old_t`` on policy tokens, 0 elsewhere (float32, never differentiated)."""
     logp = jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
@@ -503,8 +506,9 @@ def with_icepop(loss_fn: Callable, low: float = 0.5, high: float = 2.0) -> Calla
     ratio (GSPO: the sequence's geometric mean is over the kept tokens), the KL / entropy terms, the statistics and
     the normaliser (so micro-batches still combine exactly); a sequence with no kept token drops out. The IcePop
     objective (Ling team, 2025) weights kept tokens by ``k_t``: the wrapped loss's ratio already does, so masking
-    alone reproduces it, and ``with_tis`` on top also bounds the kept weights. Unlike the paper's
-    ``1 / |y_i|``, per-sequence means are over the kept tokens (a zero weight has no place in GSPO's geometric mean).
+    alone gives its gradient on the unclipped branch (its clip acts on the train-vs-train ratio, here on ``r_t``),
+    and ``with_tis`` on top also bounds the kept weights. Unlike the paper's ``1 / |y_i|``, per-sequence means are
+    over the kept tokens (a zero weight has no place in GSPO's geometric mean).
 
     ``0 <= low < 1 < high`` (``high`` may be ``inf``); ``[0, inf]`` is the identity. Metrics, over the policy
     tokens it sees: ``icepop_masked_frac`` and ``icepop_masked_count`` (a count: summed over micro-batches and
