@@ -72,6 +72,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.temperature = 1.0
   c.rollout.top_k = 0
   c.rollout.top_p = 1.0
+  c.rollout.prefill_chunk = 64        # tokens per model call when feeding prompts and tool responses
+  c.rollout.stop_at_tool_call = True  # end a turn as soon as "</tool_call>" is complete
+  c.rollout.cache_dtype = "float32"   # "bfloat16" halves the MLA/conv caches (behaviour log-probs then drift)
+  c.rollout.parse_max_bytes = 0       # 0: the parser scans the whole turn
+  c.rollout.share_prompt_prefill = True  # prefill each group's prompt once and copy its caches
 
   # --- RL ---------------------------------------------------------------------------------------
   c.rl = ml_collections.ConfigDict()

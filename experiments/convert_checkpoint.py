@@ -17,8 +17,9 @@ from typing import Any
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from absl import app, flags, logging
+from absl import flags, logging
 
+from experiments import cli
 from reno_jax.models import conversion
 
 ORBAX_ITEM = "state"
@@ -68,9 +69,9 @@ def orbax_to_hf(
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        raise cli.UserError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS.hf_dir or not FLAGS.orbax_dir:
-        raise app.UsageError("--hf_dir and --orbax_dir are both required")
+        raise cli.UserError("--hf_dir and --orbax_dir are both required")
     dtype = _DTYPES[FLAGS.dtype]
     if FLAGS.direction == "hf_to_orbax":
         item = hf_to_orbax(FLAGS.hf_dir, FLAGS.orbax_dir, dtype=dtype, overwrite=FLAGS.overwrite)
@@ -82,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -14,21 +14,17 @@ one JSON line of figures.
 from __future__ import annotations
 
 import json
-import math
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 import jax
-import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import tqdm
 
+from experiments import cli
 from reno_jax import pipeline
-from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import tokenizer as tokenizer_lib
-from reno_jax.rl import trainer
 from reno_jax.rollout import rollout as rollout_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.json and checkpoints).",
@@ -48,20 +44,7 @@ _TRANSCRIPTS = flags.DEFINE_integer("transcripts", 3, "Rendered transcripts to w
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 
 
-def load_run(workdir: str, step: int | None = None):
-    """(config, tokenizer, model_config, params, step) of the checkpoint in `workdir`."""
-    with open(os.path.join(workdir, "config.json")) as f:
-        config = ml_collections.ConfigDict(json.load(f))
-    tokenizer = pipeline.build_tokenizer(config)
-    model_config, params = pipeline.build_model(config, jax.random.PRNGKey(0), tokenizer)
-    optimizer = pipeline.make_optimizer(config)
-    abstract = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, 0), params)
-    with ckpt_lib.Checkpointer(workdir, async_save=False) as ckpt:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint under {workdir}/{ckpt_lib.CHECKPOINT_SUBDIR}")
-        state = ckpt.restore(abstract, step=step)
-    return config, tokenizer, model_config, state.params, step
+load_run = pipeline.load_run  # kept here too: the evaluation CLI's own entry point for scripts
 
 
 def _batches(total: int, size: int):
@@ -146,7 +129,7 @@ def write_transcripts(path: str, tokenizer, traj, count: int) -> None:
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+        raise cli.UserError(f"unexpected arguments: {argv[1:]}")
     workdir = _WORKDIR.value
     config, tokenizer, model_config, params, step = load_run(workdir, _STEP.value)
     logging.info("Evaluating %s at step %s", workdir, step)
@@ -155,7 +138,10 @@ def main(argv):
     key = jax.random.PRNGKey(_SEED.value)
     greedy = not _SAMPLED.value
     if task == "move":
-        boards = pipeline.eval_boards(_BOARDS.value, config)
+        try:
+            boards = pipeline.eval_boards(_BOARDS.value, config)
+        except ValueError as error:
+            raise cli.UserError(f"--boards={_BOARDS.value}: {error}") from None
         if _NUM_EPISODES.value:
             boards = boards[:_NUM_EPISODES.value]
         summary, traj = evaluate_move(params, model_config, env, config, boards, greedy, _BATCH.value, key)
@@ -172,4 +158,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 import jax
@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tqdm
 
+from experiments import cli
 from reno_jax import pipeline
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
@@ -172,7 +173,13 @@ def select_groups(batch: dict, reward, group_size: int, num_groups: int):
 # ---------------------------------------------------------------------------------------------- training
 
 def train(config, workdir: str) -> list[dict]:
-    """Runs (or resumes) the experiment; returns the metric rows written in this call."""
+    """Runs (or resumes) the experiment; returns the metric rows written in this call.
+
+    Raises `pipeline.ConfigError` (naming the flag) for a config that cannot run, before anything is written.
+    """
+    pipeline.validate_config(config)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise pipeline.ConfigError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
@@ -257,8 +264,8 @@ def train(config, workdir: str) -> list[dict]:
         row = {}
         row.update(pipeline.rollout_summary(traj, config.env.task))
         train_metrics = jax.device_get(train_metrics)
-        for k, v in train_metrics.items():
-            row[f"train/{'policy_loss' if k == 'loss' else k}"] = float(v)
+        for k, v in train_metrics.items():  # `loss`: the total minimised; `policy_loss`: its policy term
+            row[f"train/{k}"] = float(v)
         if "train/ratio_mean" not in row and "train/seq_ratio_mean" in row:
             row["train/ratio_mean"] = row["train/seq_ratio_mean"]
         dt = time.time() - t0
@@ -280,7 +287,8 @@ def train(config, workdir: str) -> list[dict]:
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+        raise cli.UserError(f"unexpected arguments: {argv[1:]}")
+    cli.check_workdir_for_writing(_WORKDIR.value)
     # Orbax logs every checkpoint step at INFO; keep the console to the progress bars and our own lines.
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
@@ -296,4 +304,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -8,14 +8,16 @@ with exactly the model, tokenizer and environment it was trained with.
 from __future__ import annotations
 
 import functools
-import math
+import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
+from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import boards as boards_lib
 from reno_jax.envs import tasks
 from reno_jax.envs import tokenizer as tokenizer_lib
@@ -27,11 +29,115 @@ from reno_jax.rollout import rollout as rollout_lib
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
+class ConfigError(ValueError):
+    """A config value a user set on the command line (or in a config file) that cannot work.
+
+    The message names the field as its command-line flag (``--config.num_steps``) and what is expected, so the
+    experiments can end with that one line instead of a traceback from deep inside the library.
+    """
+
+
 def dtype_of(name: str):
     try:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+class RunError(ValueError):
+    """A training workdir that does not hold what was asked of it (no run, no checkpoint yet, no such step)."""
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+def _field(config, path: str):
+    node = config
+    for part in path.split("."):
+        if part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+_MISSING = object()
+
+# (field, test, what is expected). Fields a config does not have are skipped (older run configs lack some).
+_CHECKS = (
+    ("num_steps", lambda v: v >= 1, "an integer >= 1"),
+    ("checkpoint_every", lambda v: v >= 1, "an integer >= 1"),
+    ("keep_checkpoints", lambda v: v >= 1, "an integer >= 1"),
+    ("plot_every", lambda v: v >= 0, "an integer >= 0 (0: never)"),
+    ("model.dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
+    ("env.task", lambda v: v in rollout_lib.TASKS, f"one of {list(rollout_lib.TASKS)}"),
+    ("env.num_boards", lambda v: v >= 1, "an integer >= 1"),
+    ("env.heldout_fraction", lambda v: 0.0 <= v < 1.0, "a fraction in [0, 1)"),
+    ("env.agent_player", lambda v: v in ("x", "o", "alternate"), "one of ['x', 'o', 'alternate']"),
+    ("env.opponent", lambda v: v in tuple(tasks.OPPONENT_KINDS), f"one of {list(tasks.OPPONENT_KINDS)}"),
+    ("env.opponent_epsilon", lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]"),
+    ("sft.num_steps", lambda v: v >= 0, "an integer >= 0 (0: no warm start)"),
+    ("sft.batch_size", lambda v: v >= 1, "an integer >= 1"),
+    ("sft.learning_rate", lambda v: v > 0, "a number > 0"),
+    ("sft.warmup_steps", lambda v: v >= 0, "an integer >= 0"),
+    ("rollout.boards_per_step", lambda v: v >= 1, "an integer >= 1"),
+    ("rollout.group_size", lambda v: v >= 1, "an integer >= 1"),
+    ("rollout.max_new_tokens", lambda v: v >= 1, "an integer >= 1"),
+    ("rollout.max_turns", lambda v: v >= 1, "an integer >= 1"),
+    ("rollout.max_length", lambda v: v >= 0, "an integer >= 0 (0: the length every episode needs)"),
+    ("rollout.temperature", lambda v: v > 0, "a number > 0"),
+    ("rollout.top_k", lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    ("rollout.top_p", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
+    ("rollout.prefill_chunk", lambda v: v >= 1, "an integer >= 1"),
+    ("rollout.cache_dtype", lambda v: v in ("float32", "bfloat16"), "'float32' or 'bfloat16'"),
+    ("rollout.parse_max_bytes", lambda v: v >= 0, "an integer >= 0 (0: no cap)"),
+    ("rl.loss", lambda v: v in losses.LOSSES, f"one of {sorted(losses.LOSSES)}"),
+    ("rl.eps_low", lambda v: v >= 0, "a number >= 0"),
+    ("rl.eps_high", lambda v: v >= 0, "a number >= 0"),
+    ("rl.learning_rate", lambda v: v > 0, "a number > 0"),
+    ("rl.end_learning_rate", lambda v: v >= 0, "a number >= 0"),
+    ("rl.warmup_steps", lambda v: v >= 0, "an integer >= 0"),
+    ("rl.weight_decay", lambda v: v >= 0, "a number >= 0"),
+    ("rl.clip_norm", lambda v: v >= 0, "a number >= 0 (0: no clipping)"),
+    ("rl.num_minibatches", lambda v: v >= 1, "an integer >= 1"),
+    ("rl.num_microbatches", lambda v: v >= 1, "an integer >= 1"),
+    ("rl.train_groups", lambda v: v >= 0, "an integer >= 0 (0: every group)"),
+    ("rl.optimizer_state_dtype", lambda v: v in ("float32", "bfloat16", "int8"),
+     "one of ['float32', 'bfloat16', 'int8']"),
+    ("rl.forking_top_k", lambda v: v >= 1, "an integer >= 1"),
+    ("rl.entropy_top_k", lambda v: v >= 0, "an integer >= 0 (0: the full vocabulary)"),
+)
+
+
+def validate_config(config) -> None:
+    """Checks the fields a user sets against what the pipeline can run; raises `ConfigError` naming the flag.
+
+    Cross-field rules too: `rl.train_groups` at most `rollout.boards_per_step`, trained rows divisible by
+    `num_minibatches * num_microbatches`, a `model.path` / `env.boards_path` that exists.
+    """
+    for name, ok, expected in _CHECKS:
+        value = _field(config, name)
+        if value is _MISSING:
+            continue
+        try:
+            good = bool(ok(value))
+        except TypeError:
+            good = False
+        if not good:
+            raise ConfigError(f"--config.{name} must be {expected}, got {value!r}")
+    for name in ("model.path", "model.tokenizer_path", "env.boards_path"):
+        value = _field(config, name)
+        if value is not _MISSING and value and not os.path.exists(value):
+            raise ConfigError(f"--config.{name}={value} does not exist")
+    groups = int(config.rollout.boards_per_step)
+    trained = int(config.rl.get("train_groups", 0)) or groups
+    if trained > groups:
+        raise ConfigError(f"--config.rl.train_groups={trained} is more than the "
+                          f"--config.rollout.boards_per_step={groups} groups rolled out per step")
+    splits = int(config.rl.num_minibatches) * int(config.rl.num_microbatches)
+    rows = trained * int(config.rollout.group_size)
+    if rows % splits:
+        raise ConfigError(f"the {rows} trained rows per step (groups {trained} x --config.rollout.group_size="
+                          f"{config.rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
+                          f"--config.rl.num_microbatches = {splits}")
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, model
@@ -48,6 +154,20 @@ def tiny_model_config(config, vocab_size: int) -> Ling3Config:
     fields.setdefault("vocab_size", vocab_size)
     fields["vocab_size"] = max(int(fields["vocab_size"]), vocab_size)
     return Ling3Config(**fields)
+
+
+def abstract_model(config, tokenizer) -> tuple[Ling3Config, Any]:
+    """(model_config, params as `jax.ShapeDtypeStruct`s) of `build_model`, without reading or drawing weights.
+
+    A restore target for checkpoints: `evaluate` and resumed runs need the tree's shapes and dtypes only.
+    """
+    dtype = dtype_of(config.model.dtype)
+    if config.model.get("path", ""):
+        from reno_jax.models import conversion
+        model_config = conversion.as_config(conversion.read_config_dict(config.model.path))
+        return model_config, conversion.abstract_params(model_config, dtype)
+    model_config = tiny_model_config(config, len(tokenizer))
+    return model_config, jax.eval_shape(lambda k: ling3.init_params(model_config, k, dtype), jax.random.PRNGKey(0))
 
 
 def build_model(config, key: jax.Array, tokenizer) -> tuple[Ling3Config, Any]:
@@ -146,7 +266,14 @@ def eval_boards(name: str, config) -> np.ndarray:
 
 def rollout_config(config, *, greedy: bool = False, task: str | None = None,
                    group_size: int | None = None) -> rollout_lib.RolloutConfig:
+    """The static `RolloutConfig` of `config.rollout` (every field it sets; RolloutConfig's defaults otherwise).
+
+    `greedy`, `task` and `group_size` override the config (evaluation decodes greedily, one episode per start).
+    `rollout.parse_max_bytes` 0 means no cap.
+    """
     r = config.rollout
+    defaults = rollout_lib.RolloutConfig()
+    parse_max_bytes = int(r.get("parse_max_bytes", 0) or 0)
     return rollout_lib.RolloutConfig(
         task=task or config.env.task,
         max_new_tokens=int(r.max_new_tokens),
@@ -157,6 +284,11 @@ def rollout_config(config, *, greedy: bool = False, task: str | None = None,
         top_p=float(r.top_p),
         greedy=bool(greedy),
         group_size=int(group_size or r.group_size),
+        prefill_chunk=int(r.get("prefill_chunk", defaults.prefill_chunk)),
+        stop_at_tool_call=bool(r.get("stop_at_tool_call", defaults.stop_at_tool_call)),
+        cache_dtype=str(r.get("cache_dtype", defaults.cache_dtype)),
+        parse_max_bytes=parse_max_bytes or None,
+        share_prompt_prefill=bool(r.get("share_prompt_prefill", defaults.share_prompt_prefill)),
     )
 
 
@@ -248,3 +380,36 @@ def make_loss_fn(config):
     elif r.get("forking_kl_coef", 0.0):
         loss_fn = losses.with_forking_kl(loss_fn, r.forking_kl_coef, r.get("forking_top_k", 1))
     return loss_fn
+
+
+# ---------------------------------------------------------------------------------------------- saved runs
+
+def load_run(workdir: str, step: int | None = None):
+    """(config, tokenizer, model_config, params, step) of a checkpoint of the training run in `workdir`.
+
+    The restore target is built from shapes alone (`abstract_model`): no weights are drawn or read before the
+    checkpoint's. Raises `RunError` for a workdir without a run, a run without a checkpoint yet, or a `step`
+    that has none (the message lists the saved steps).
+    """
+    if not os.path.isdir(workdir):
+        raise RunError(f"--workdir={workdir} does not exist; expected the workdir of a training run")
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(config_path):
+        raise RunError(f"--workdir={workdir} holds no training run (no config.json); train one with "
+                       f"python -m experiments.train_tictactoe --workdir={workdir}")
+    with open(config_path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    tokenizer = build_tokenizer(config)
+    model_config, abstract_params = abstract_model(config, tokenizer)
+    optimizer = make_optimizer(config)
+    abstract = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, 0), abstract_params)
+    with ckpt_lib.Checkpointer(workdir, async_save=False) as ckpt:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise RunError(f"--workdir={workdir} has no checkpoint yet under {ckpt_lib.CHECKPOINT_SUBDIR}/ "
+                           f"(a run saves one every checkpoint_every steps)")
+        if step is not None and step not in steps:
+            raise RunError(f"--step={step} has no checkpoint in {workdir}; saved steps: {steps}")
+        step = steps[-1] if step is None else step
+        state = ckpt.restore(abstract, step=step)
+    return config, tokenizer, model_config, state.params, step

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_METRICS = (
     "step", "rollout/rewards_mean", "rollout/rewards_std", "rollout/rewards_min", "rollout/rewards_max",
     "rollout/accuracy", "rollout/response_len_mean", "rollout/prompt_len_mean", "rollout/tool_call_valid_rate",
-    "rollout/optimal_move_rate", "train/policy_loss", "train/ratio_mean", "train/clip_frac", "train/grad_norm",
+    "rollout/optimal_move_rate", "train/loss", "train/policy_loss", "train/ratio_mean", "train/clip_frac", "train/grad_norm",
     "train/entropy", "perf/step_seconds", "perf/rollout_tokens_per_s")
 
 
@@ -61,6 +62,10 @@ def test_short_default_run_writes_everything(run_dir):
         assert -1.0 <= row["rollout/rewards_mean"] <= 1.0
         assert 0.0 <= row["rollout/tool_call_valid_rate"] <= 1.0
         assert row["rollout/prompt_len_mean"] > 10
+        # The total minimised (policy term - forking-entropy bonus) and the policy term are logged apart.
+        np.testing.assert_allclose(row["train/loss"], row["train/policy_loss"] - row["train/forking_entropy_coef"]
+                                   * row["train/forking_entropy"], rtol=1e-5, atol=1e-6)
+        assert row["train/loss"] != row["train/policy_loss"]
     assert os.path.getsize(os.path.join(run_dir, "learning_curves.png")) > 1000
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
     assert os.path.isdir(os.path.join(run_dir, "warmstart"))
@@ -151,3 +156,88 @@ def test_short_game_run_with_game_warm_start(tmp_path):
     for key in ("rollout/win_rate", "rollout/loss_rate", "rollout/draw_rate", "rollout/illegal_rate"):
         assert 0.0 <= rows[0][key] <= 1.0
     assert os.path.isdir(tmp_path / "warmstart") and os.path.isfile(tmp_path / "learning_curves.png")
+
+
+# ---------------------------------------------------------------------------------------------- user errors
+
+def _cli(args, tmp_path):
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def _one_line_error(out, *needles):
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    for needle in needles:
+        assert needle in last, last
+    return last
+
+
+def test_train_cli_names_the_bad_flag(tmp_path):
+    out = _cli(["experiments.train_tictactoe", f"--workdir={tmp_path / 'w'}", "--config.num_steps=-3"], tmp_path)
+    _one_line_error(out, "--config.num_steps", ">= 1", "-3")
+    assert not os.path.exists(tmp_path / "w"), "nothing is written for a config that cannot run"
+
+
+def test_train_cli_rejects_a_workdir_that_is_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("keep me")
+    out = _cli(["experiments.train_tictactoe", f"--workdir={path}"], tmp_path)
+    _one_line_error(out, f"--workdir={path}", "is a file")
+    assert path.read_text() == "keep me"
+
+
+def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
+    out = _cli(["experiments.evaluate", f"--workdir={tmp_path}"], tmp_path)
+    _one_line_error(out, f"--workdir={tmp_path}", "no training run")
+    out = _cli(["experiments.evaluate", f"--workdir={tmp_path / 'missing'}"], tmp_path)
+    _one_line_error(out, "does not exist")
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("rollout.group_size", 0, "--config.rollout.group_size must be an integer >= 1, got 0"),
+    ("rl.loss", "ppo", "--config.rl.loss must be one of"),
+    ("rollout.top_p", 1.5, "--config.rollout.top_p must be a number in (0, 1]"),
+    ("env.opponent", "perfect", "--config.env.opponent must be one of"),
+    ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
+    ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
+    ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
+])
+def test_config_errors_name_the_flag(field, value, needle, tmp_path):
+    from reno_jax import pipeline
+    c = short_config(2)
+    section, name = field.split(".")
+    c[section][name] = value
+    with pytest.raises(pipeline.ConfigError) as info:
+        train_tictactoe.train(c, str(tmp_path / "w"))
+    assert needle in str(info.value)
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_load_run_errors_and_abstract_restore_target(run_dir, tmp_path):
+    from reno_jax import pipeline
+    import shutil
+    empty = tmp_path / "no_checkpoint"
+    empty.mkdir()
+    shutil.copy(os.path.join(run_dir, "config.json"), empty / "config.json")
+    with pytest.raises(pipeline.RunError, match="no checkpoint yet"):
+        pipeline.load_run(str(empty))
+    with pytest.raises(pipeline.RunError, match=r"--step=7 has no checkpoint .* saved steps: \[1, 2\]"):
+        pipeline.load_run(run_dir, step=7)
+    _, _, _, params, step = pipeline.load_run(run_dir, step=1)
+    assert step == 1 and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
+
+
+def test_rollout_config_keeps_every_rollout_field():
+    from reno_jax import pipeline
+    c = short_config(1)
+    c.rollout.cache_dtype = "bfloat16"
+    c.rollout.prefill_chunk = 16
+    c.rollout.stop_at_tool_call = False
+    c.rollout.share_prompt_prefill = False
+    c.rollout.parse_max_bytes = 96
+    rc = pipeline.rollout_config(c)
+    assert (rc.cache_dtype, rc.prefill_chunk, rc.stop_at_tool_call, rc.share_prompt_prefill,
+            rc.parse_max_bytes) == ("bfloat16", 16, False, False, 96)
+    c.rollout.parse_max_bytes = 0
+    assert pipeline.rollout_config(c).parse_max_bytes is None

@@ -1,0 +1,37 @@
+"""What the absl entry points share: user errors end in one line naming the flag or path, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from absl import app
+
+from reno_jax import pipeline
+from reno_jax.models.conversion import CheckpointError
+
+
+class UserError(app.UsageError):
+    """A flag or path the user gave that cannot work; the message names it and says what is expected."""
+
+
+def run(main: Callable) -> None:
+    """`absl.app.run(main)`, with `UserError`, `pipeline.ConfigError`, `pipeline.RunError` (a workdir without
+    the run or checkpoint asked for) and `CheckpointError` (a bad model directory) printed as one line, exit
+    status 2."""
+
+    def guarded(argv):
+        try:
+            return main(argv)
+        except (UserError, pipeline.ConfigError, pipeline.RunError, CheckpointError) as error:
+            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+            sys.exit(2)
+
+    app.run(guarded)
+
+
+def check_workdir_for_writing(workdir: str) -> None:
+    """A training workdir must be a directory or not exist yet (it is created)."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise UserError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
