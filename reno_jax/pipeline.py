@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from typing import Any
 
@@ -138,6 +139,7 @@ def validate_config(config) -> None:
         raise ConfigError(f"the {rows} trained rows per step (groups {trained} x --config.rollout.group_size="
                           f"{config.rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
                           f"--config.rl.num_microbatches = {splits}")
+    make_loss_fn(config)  # the loss's own cross-field rules (corrections, regularisers), before anything is written
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, model
@@ -343,15 +345,15 @@ def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:
     r = config.rl
     cap = float(r.get("tis_cap", 0.0))
     if cap != 0.0 and not cap >= 1.0:  # "not >=" also rejects NaN
-        raise ValueError(f"rl.tis_cap must be 0 (off) or >= 1 (a cap below 1 down-weights on-policy tokens), "
+        raise ConfigError(f"--config.rl.tis_cap must be 0 (off) or >= 1 (a cap below 1 down-weights on-policy tokens), "
                          f"got {cap}")
     low, high = float(r.get("icepop_low", 0.0)), float(r.get("icepop_high", 0.0))
     if low == 0.0 and high == 0.0:
         return cap, None
     if not (0.0 <= low < 1.0):
-        raise ValueError(f"rl.icepop_low must be 0 (no lower bound) or in (0, 1), got {low}")
+        raise ConfigError(f"--config.rl.icepop_low must be 0 (no lower bound) or in (0, 1), got {low}")
     if high != 0.0 and not high > 1.0:
-        raise ValueError(f"rl.icepop_high must be 0 (no upper bound) or > 1, got {high}")
+        raise ConfigError(f"--config.rl.icepop_high must be 0 (no upper bound) or > 1, got {high}")
     return cap, (low, high if high else math.inf)
 
 
@@ -373,7 +375,8 @@ def make_loss_fn(config):
     if tis_cap:
         loss_fn = losses.with_tis(loss_fn, tis_cap)
     if r.get("forking_entropy_coef", 0.0) and r.get("forking_kl_coef", 0.0):
-        raise ValueError("rl.forking_entropy_coef and rl.forking_kl_coef are alternatives: set one of them to 0")
+        raise ConfigError("--config.rl.forking_entropy_coef and --config.rl.forking_kl_coef are alternatives: "
+                          "set one of them to 0")
     if r.get("forking_entropy_coef", 0.0):
         loss_fn = losses.with_forking_entropy_bonus(loss_fn, r.forking_entropy_coef, r.get("forking_top_k", 1),
                                                     per_turn=bool(r.get("forking_per_turn", False)))
