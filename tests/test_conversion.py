@@ -534,3 +534,32 @@ def test_export_logits_equal_transformers_native_class(tmp_path):
     assert figures["layer_types"] == ["linear_attention", "full_attention", "full_attention"]
     assert figures["max_abs_logit"] > 0.5
     assert figures["max_abs_logit_diff"] <= 1e-4, figures
+
+
+def test_orbax_to_hf_exports_a_training_checkpoint(tmp_path):
+    """A training run's checkpoints (TrainState + run config, as the trainer writes them) export directly."""
+    from configs import tictactoe_tiny
+    from experiments import convert_checkpoint as cc
+    from reno_jax.checkpoint.orbax import Checkpointer
+    from reno_jax.rl import trainer
+
+    run_config = tictactoe_tiny.get_config()
+    model_config = ling3.Ling3Config(vocab_size=80, **dict(run_config.model.tiny))
+    params = ling3.init_params(model_config, jax.random.key(5))
+    state = trainer.create_train_state(params, trainer.make_optimizer(1e-3), 0)
+    with Checkpointer(str(tmp_path / "run"), async_save=False) as ckpt:
+        ckpt.save(state, run_config, step=10, force=True)
+        ckpt.save(state.replace(params=jax.tree.map(lambda x: x + 1, params)), run_config, step=20, force=True)
+    # The workdir means its newest step; a step directory means that step.
+    for source, want, step in ((tmp_path / "run", jax.tree.map(lambda x: x + 1, params), "20"),
+                               (tmp_path / "run" / "checkpoints" / "10", params, "10")):
+        out = tmp_path / f"hf_{step}"
+        item = cc.orbax_to_hf(source, out)
+        assert item == tmp_path / "run" / "checkpoints" / step / "state"
+        config, loaded = conv.from_pretrained(out)
+        assert config == model_config and config.layer_kinds == ("kda", "mla", "mla")
+        a, b = flat(want), flat(loaded)
+        assert sorted(a) == sorted(b) and all(a[p].tobytes() == b[p].tobytes() for p in a)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds neither"):
+        cc.orbax_to_hf(tmp_path / "empty", tmp_path / "x")
