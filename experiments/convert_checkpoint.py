@@ -114,7 +114,8 @@ def orbax_to_hf(
     docstring). Returns the orbax item that was exported.
     """
     orbax_dir = Path(orbax_dir).absolute()
-    if (orbax_dir / conversion.CONFIG_NAME).is_file():
+    # A training run's workdir has a config.json too (the run configuration), but no state item beside it.
+    if (orbax_dir / conversion.CONFIG_NAME).is_file() and (orbax_dir / ORBAX_ITEM).is_dir():
         config = conversion.as_config(conversion.read_config_dict(orbax_dir))
         item = orbax_dir / ORBAX_ITEM
         params = _restore_params(item)

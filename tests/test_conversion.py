@@ -550,6 +550,7 @@ def test_orbax_to_hf_exports_a_training_checkpoint(tmp_path):
     with Checkpointer(str(tmp_path / "run"), async_save=False) as ckpt:
         ckpt.save(state, run_config, step=10, force=True)
         ckpt.save(state.replace(params=jax.tree.map(lambda x: x + 1, params)), run_config, step=20, force=True)
+    (tmp_path / "run" / "config.json").write_text(run_config.to_json_best_effort())  # as the trainer writes
     # The workdir means its newest step; a step directory means that step.
     for source, want, step in ((tmp_path / "run", jax.tree.map(lambda x: x + 1, params), "20"),
                                (tmp_path / "run" / "checkpoints" / "10", params, "10")):
