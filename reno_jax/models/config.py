@@ -14,7 +14,7 @@ when ``(i + 1) % layer_group_size == 0`` or when it falls in a trailing group th
 (``i >= (L // layer_group_size) * layer_group_size``), KDA otherwise; layers ``i < first_k_dense_replace`` are
 dense, the others MoE. transformers derives missing lists without that tail rule, so the two engines disagree on
 a model whose layer count is not a multiple of ``layer_group_size`` unless the lists are written out:
-`to_dict` of a directly built config (and so ``save_pretrained``) always writes both.
+`to_dict` of a directly built config, and ``save_pretrained`` for any config, write both.
 
 An explicit list equal to the rule above is stored as ``None``, so a config read from a file that spells the
 schedule out equals (and hashes like) the same config built without it; `to_dict` writes it back.
