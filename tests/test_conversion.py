@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,7 +164,8 @@ def test_round_trip_single_file_bit_exact(golden_loaded, golden_tensors, golden_
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
     assert_bit_exact(read_dir(tmp_path / "out"), golden_tensors)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert saved == golden_config  # model_type, architectures and every original field
+    # model_type, architectures and every original field, plus the schedule's MLP list written out.
+    assert saved == dict(golden_config, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="numpy") as f:
         assert f.metadata() == {"format": "pt"}
 
@@ -378,7 +380,8 @@ def test_hf_to_orbax_to_hf_bit_exact(golden_tensors, golden_config, tmp_path):
     assert item.is_dir() and (tmp_path / "orbax" / "config.json").is_file()
     cc.orbax_to_hf(tmp_path / "orbax", tmp_path / "hf")
     assert_bit_exact(read_dir(tmp_path / "hf"), golden_tensors)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == golden_config
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved == dict(golden_config, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
 
 
 def test_convert_checkpoint_cli(golden_tensors, tmp_path):
@@ -395,3 +398,169 @@ def test_convert_checkpoint_cli(golden_tensors, tmp_path):
     for name, x in golden_tensors.items():
         want = x if table[name].float32 else x.astype(ml_dtypes.bfloat16).astype(np.float32)
         assert out[name].dtype == np.float32 and out[name].tobytes() == want.tobytes(), name
+
+
+# ------------------------------------------------------------------------------------------------- schedule lists
+# transformers' native BailingHybridForCausalLM builds its layers from config.json's `layer_types` and
+# `mlp_layer_types` and, when they are missing, derives them without the Ling tail rule; these tests pin that
+# every export spells both out so that the native class builds the model we built.
+
+NATIVE_KIND = {"kda": "linear_attention", "mla": "full_attention"}
+
+
+def zero_params(config) -> dict:
+    params: dict = {}
+    for entry in conv.param_table(config):
+        conv._set_leaf(params, entry.flax_path, jnp.zeros(entry.flax_shape, jnp.float32))
+    return params
+
+
+def native_config_class():
+    """transformers' BailingHybridConfig (a configuration class: importing it needs no torch)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "BailingHybridConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no BailingHybridConfig")
+    return transformers.BailingHybridConfig
+
+
+@pytest.mark.parametrize(
+    "layers, group, dense",
+    [(3, 2, 1), (4, 2, 1), (5, 2, 1), (5, 3, 2), (7, 4, 0), (4, 4, 1)],
+    ids=["default-tiny", "4x2", "5x2", "5x3", "7x4", "4x4"],
+)
+def test_saved_schedule_is_the_one_transformers_builds(tmp_path, layers, group, dense):
+    native = native_config_class()
+    config = ling3.tiny_test_config(num_hidden_layers=layers, layer_group_size=group, first_k_dense_replace=dense)
+    conv.save_pretrained(zero_params(config), config, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / conv.CONFIG_NAME).read_text())
+    want_layers = [NATIVE_KIND[k] for k in config.layer_kinds]
+    want_mlp = ["sparse" if config.is_moe_layer(i) else "dense" for i in range(layers)]
+    assert saved["layer_types"] == want_layers and saved["mlp_layer_types"] == want_mlp
+    theirs = native.from_pretrained(str(tmp_path / "out"))
+    assert list(theirs.layer_types) == want_layers and list(theirs.mlp_layer_types) == want_mlp
+    # Back here: the same (hashable, jit-static) config, and the same schedule.
+    loaded, _ = conv.from_pretrained(tmp_path / "out")
+    assert loaded == config and hash(loaded) == hash(config)
+    assert loaded.layer_kinds == config.layer_kinds
+    assert ling3.Ling3Config.from_dict(loaded.to_dict()) == loaded
+    if (layers, group) == (3, 2):
+        # The default run's model: its last layer fills no group and is MLA by the Ling tail rule, which
+        # transformers' own derivation (used when the lists are missing) does not know.
+        assert want_layers == ["linear_attention", "full_attention", "full_attention"]
+        del saved["layer_types"], saved["mlp_layer_types"]
+        (tmp_path / "out" / conv.CONFIG_NAME).write_text(json.dumps(saved))
+        assert list(native.from_pretrained(str(tmp_path / "out")).layer_types)[-1] == "linear_attention"
+        assert conv.from_pretrained(tmp_path / "out")[0].layer_kinds == ("kda", "mla", "mla")
+
+
+def test_explicit_schedule_lists_are_honoured(golden_config, tmp_path):
+    # 3 layers in groups of 2, spelled out the way transformers derives it (no tail rule), and a second dense layer.
+    raw = dict(variant(golden_config, num_hidden_layers=3),
+               layer_types=["linear_attention", "full_attention", "linear_attention"],
+               mlp_layer_types=["dense", "dense", "sparse"])
+    with pytest.warns(UserWarning) as warned:
+        config = conv.as_config(raw)
+    messages = sorted(str(w.message) for w in warned)
+    assert len(messages) == 2
+    assert messages[0].startswith("config layer_types ['linear_attention', 'full_attention', 'linear_attention'] "
+                                  "differ from the Ling remote code's schedule")
+    assert messages[1].startswith("config mlp_layer_types ['dense', 'dense', 'sparse'] differ")
+    assert config.layer_kinds == ("kda", "mla", "kda")
+    assert [config.is_moe_layer(i) for i in range(3)] == [False, False, True]
+    assert config != conv.as_config(variant(golden_config, num_hidden_layers=3))  # a different model
+    with pytest.warns(UserWarning):
+        assert ling3.Ling3Config.from_dict(config.to_dict()) == config
+    assert config.to_dict()["layer_types"] == raw["layer_types"]
+    hash(config)
+    table = {e.hf_name: e.hf_shape for e in conv.param_table(config)}
+    assert table["model.layers.2.attention.q_proj.weight"] == (64, 64)
+    assert table["model.layers.1.mlp.gate_proj.weight"] == (96, 64)
+    assert {p: s for p, (s, _) in ling3.param_shapes(config).items()} == {
+        e.flax_path: e.flax_shape for e in conv.param_table(config)}
+    rng = np.random.default_rng(2)
+    params: dict = {}
+    for entry in {e.flax_path: e for e in conv.param_table(config)}.values():
+        conv._set_leaf(params, entry.flax_path, jnp.asarray(rng.standard_normal(entry.flax_shape), jnp.float32))
+    conv.save_pretrained(params, config, tmp_path / "a")
+    saved = json.loads((tmp_path / "a" / conv.CONFIG_NAME).read_text())
+    assert saved["layer_types"] == raw["layer_types"] and saved["mlp_layer_types"] == raw["mlp_layer_types"]
+    with pytest.warns(UserWarning):
+        config2, params2 = conv.from_pretrained(tmp_path / "a")
+    assert config2 == config
+    a, b = flat(params), flat(params2)
+    assert sorted(a) == sorted(b) and all(a[p].tobytes() == b[p].tobytes() for p in a)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(layer_types=["linear_attention", "full_attention"] * 2 + ["full_attention"]),
+         "layer_types has 5 entries but num_hidden_layers is 4"),
+        (dict(layer_types=["linear_attention", "mla", "linear_attention", "full_attention"]),
+         "layer_types entries must be one of ('linear_attention', 'full_attention'), got layer_types[1] = 'mla'"),
+        (dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]),
+         "mlp_layer_types entries must be one of ('dense', 'sparse'), got mlp_layer_types[1] = 'moe'"),
+        (dict(mlp_layer_types=["dense", "sparse", "sparse"]), "mlp_layer_types has 3 entries"),
+        (dict(layer_types="full_attention"), "layer_types must be a list of strings, got 'full_attention'"),
+    ],
+    ids=["long", "unknown-attention", "unknown-mlp", "short-mlp", "string"],
+)
+def test_bad_schedule_lists_are_rejected(golden_tensors, golden_config, tmp_path, overrides, message):
+    msg = load_error(write_ckpt(tmp_path / "c", golden_tensors, dict(golden_config, **overrides)))
+    assert message in msg
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ling3.Ling3Config.from_dict(dict(golden_config, **overrides))
+
+
+def test_export_logits_equal_transformers_native_class(tmp_path):
+    """A random model in the default run's architecture (3 layers, incomplete last group), exported and run by
+    transformers' PyTorch BailingHybridForCausalLM: same logits."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "BailingHybridForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no BailingHybridForCausalLM")
+    from configs import tictactoe_tiny
+    from reno_jax.models import hf_native
+
+    config = ling3.Ling3Config(vocab_size=96, **dict(tictactoe_tiny.get_config().model.tiny))
+    assert config.layer_kinds == ("kda", "mla", "mla")
+    params = ling3.init_params(config, jax.random.key(3))
+    # Larger-than-init weights so that the logits are O(1) and a wrong layer would show.
+    params = jax.tree.map(lambda x: x * 4 if x.ndim >= 2 else x, params)
+    conv.save_pretrained(params, config, tmp_path / "hf")
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 20), dtype=np.int32)
+    figures = hf_native.compare_logits(tmp_path / "hf", tokens)
+    assert figures["schedule_matches"]
+    assert figures["layer_types"] == ["linear_attention", "full_attention", "full_attention"]
+    assert figures["max_abs_logit"] > 0.5
+    assert figures["max_abs_logit_diff"] <= 1e-4, figures
+
+
+def test_orbax_to_hf_exports_a_training_checkpoint(tmp_path):
+    """A training run's checkpoints (TrainState + run config, as the trainer writes them) export directly."""
+    from configs import tictactoe_tiny
+    from experiments import convert_checkpoint as cc
+    from reno_jax.checkpoint.orbax import Checkpointer
+    from reno_jax.rl import trainer
+
+    run_config = tictactoe_tiny.get_config()
+    model_config = ling3.Ling3Config(vocab_size=80, **dict(run_config.model.tiny))
+    params = ling3.init_params(model_config, jax.random.key(5))
+    state = trainer.create_train_state(params, trainer.make_optimizer(1e-3), 0)
+    with Checkpointer(str(tmp_path / "run"), async_save=False) as ckpt:
+        ckpt.save(state, run_config, step=10, force=True)
+        ckpt.save(state.replace(params=jax.tree.map(lambda x: x + 1, params)), run_config, step=20, force=True)
+    (tmp_path / "run" / "config.json").write_text(run_config.to_json_best_effort())  # as the trainer writes
+    # The workdir means its newest step; a step directory means that step.
+    for source, want, step in ((tmp_path / "run", jax.tree.map(lambda x: x + 1, params), "20"),
+                               (tmp_path / "run" / "checkpoints" / "10", params, "10")):
+        out = tmp_path / f"hf_{step}"
+        item = cc.orbax_to_hf(source, out)
+        assert item == tmp_path / "run" / "checkpoints" / step / "state"
+        config, loaded = conv.from_pretrained(out)
+        assert config == model_config and config.layer_kinds == ("kda", "mla", "mla")
+        a, b = flat(want), flat(loaded)
+        assert sorted(a) == sorted(b) and all(a[p].tobytes() == b[p].tobytes() for p in a)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds neither"):
+        cc.orbax_to_hf(tmp_path / "empty", tmp_path / "x")

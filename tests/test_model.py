@@ -118,10 +118,13 @@ def test_config_roundtrip_schedule_and_errors():
         tiny_test_config(n_group=3)
     with pytest.raises(ValueError, match="granularity"):
         tiny_test_config(gated_attention_proj_granularity_type="per_token")
+    # An explicit schedule that departs from the Ling rule is used (as transformers' native class does), with a
+    # warning that the original remote code, which ignores it, would build another model.
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        Ling3Config.from_dict({**raw, "layer_types": ["linear_attention"] * 4})
+        all_kda = Ling3Config.from_dict({**raw, "layer_types": ["linear_attention"] * 4})
     assert any("layer_types" in str(x.message) for x in w)
+    assert all_kda.layer_kinds == ("kda",) * 4 and all_kda != cfg
 
 
 def test_real_shape_parameter_counts():

@@ -6,10 +6,18 @@ Field names are exactly the HF ``config.json`` keys. Keys of a config.json that 
 ``Ling3Config.from_dict(d).to_dict() == d``; `extra` does not take part in equality / hashing, so two configs
 that only differ in bookkeeping keys share compiled functions.
 
-Layer schedule (see tests/data golden README): layer ``i`` uses MLA when ``(i + 1) % layer_group_size == 0`` or
-when it falls in a trailing group that is not complete (``i >= (L // layer_group_size) * layer_group_size``);
-every other layer uses Kimi Delta Attention (KDA). Layers ``i < first_k_dense_replace`` use a dense SwiGLU MLP,
-the others a DeepSeek-V3 style MoE.
+Layer schedule. When the config spells out ``layer_types`` ("linear_attention" = Kimi Delta Attention (KDA),
+"full_attention" = gated MLA) and ``mlp_layer_types`` ("dense" = SwiGLU MLP, "sparse" = DeepSeek-V3 style MoE),
+one entry per layer, those lists decide, as they do for transformers' native ``BailingHybridForCausalLM``.
+Without them the original Ling remote code's rule applies (see tests/data golden README): layer ``i`` uses MLA
+when ``(i + 1) % layer_group_size == 0`` or when it falls in a trailing group that is not complete
+(``i >= (L // layer_group_size) * layer_group_size``), KDA otherwise; layers ``i < first_k_dense_replace`` are
+dense, the others MoE. transformers derives missing lists without that tail rule, so the two engines disagree on
+a model whose layer count is not a multiple of ``layer_group_size`` unless the lists are written out:
+`to_dict` of a directly built config, and ``save_pretrained`` for any config, write both.
+
+An explicit list equal to the rule above is stored as ``None``, so a config read from a file that spells the
+schedule out equals (and hashes like) the same config built without it; `to_dict` writes it back.
 """
 
 from __future__ import annotations
@@ -21,6 +29,10 @@ from typing import Any, Mapping, Optional
 
 MODEL_TYPE = "bailing_hybrid"
 GATE_KINDS = ("head_wise", "element_wise")
+# HF `layer_types` value of each attention kind, and the `mlp_layer_types` values (dense MLP, MoE).
+LAYER_TYPE_OF_KIND = {"kda": "linear_attention", "mla": "full_attention"}
+KIND_OF_LAYER_TYPE = {v: k for k, v in LAYER_TYPE_OF_KIND.items()}
+MLP_LAYER_TYPES = ("dense", "sparse")
 
 # Keys that must be present in a config.json: everything that fixes a tensor shape, or the layer schedule.
 _REQUIRED = (
@@ -87,6 +99,9 @@ class Ling3Config:
     pad_token_id: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None  # int, or a tuple of ints
+    # Explicit per-layer schedule (HF names, see the module docstring); None: derived from the fields above.
+    layer_types: Optional[tuple] = None
+    mlp_layer_types: Optional[tuple] = None
     # Unused config.json keys, as sorted (key, json text) pairs: only for the to_dict round trip.
     extra: tuple = dataclasses.field(default=(), compare=False, hash=False, repr=False)
     # Field names present in the dict given to from_dict (None: built directly, to_dict writes every field).
@@ -98,6 +113,7 @@ class Ling3Config:
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         errors = []
+        self._check_schedule_lists(errors)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "head_dim", "layer_group_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                      "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "short_conv_kernel_size", "n_group",
@@ -126,6 +142,49 @@ class Ling3Config:
         if errors:
             raise ValueError("invalid Ling3Config: " + "; ".join(errors))
 
+    def _check_schedule_lists(self, errors: list) -> None:
+        """Validates `layer_types` / `mlp_layer_types` (as tuples) and stores None for a list equal to the rule."""
+        if not (self.layer_group_size > 0 and self.num_hidden_layers > 0):
+            return  # no rule to compare with; the field checks report these
+        allowed = {"layer_types": tuple(KIND_OF_LAYER_TYPE), "mlp_layer_types": MLP_LAYER_TYPES}
+        derived = {"layer_types": self.rule_layer_types(), "mlp_layer_types": self.rule_mlp_layer_types()}
+        for name, values in allowed.items():
+            given = getattr(self, name)
+            if given is None:
+                continue
+            if isinstance(given, (str, bytes)) or not isinstance(given, (list, tuple)):
+                errors.append(f"{name} must be a list of strings, got {given!r}")
+                continue
+            given = tuple(given)
+            bad = [f"{name}[{i}] = {v!r}" for i, v in enumerate(given) if v not in values]
+            if bad:
+                errors.append(f"{name} entries must be one of {values}, got " + ", ".join(bad))
+            elif len(given) != self.num_hidden_layers:
+                errors.append(f"{name} has {len(given)} entries but num_hidden_layers is {self.num_hidden_layers}")
+            else:
+                object.__setattr__(self, name, None if given == derived[name] else given)
+
+    def rule_layer_types(self) -> tuple:
+        """HF `layer_types` by the Ling remote code's rule: the last layer of each group, and every layer of an
+        incomplete trailing group, is full attention (MLA); the others are linear attention (KDA)."""
+        g, n = self.layer_group_size, self.num_hidden_layers
+        full = (n // g) * g
+        return tuple(LAYER_TYPE_OF_KIND["mla" if ((i + 1) % g == 0 or i >= full) else "kda"] for i in range(n))
+
+    def rule_mlp_layer_types(self) -> tuple:
+        """HF `mlp_layer_types` by the Ling remote code's rule: dense below first_k_dense_replace, then MoE."""
+        return tuple("dense" if i < self.first_k_dense_replace else "sparse" for i in range(self.num_hidden_layers))
+
+    @property
+    def resolved_layer_types(self) -> tuple:
+        """HF `layer_types` of this model: the explicit list, or the rule's."""
+        return self.layer_types if self.layer_types is not None else self.rule_layer_types()
+
+    @property
+    def resolved_mlp_layer_types(self) -> tuple:
+        """HF `mlp_layer_types` of this model: the explicit list, or the rule's."""
+        return self.mlp_layer_types if self.mlp_layer_types is not None else self.rule_mlp_layer_types()
+
     # ------------------------------------------------------------------ derived sizes
     @property
     def kda_dim(self) -> int:
@@ -146,15 +205,13 @@ class Ling3Config:
 
     @property
     def layer_kinds(self) -> tuple:
-        """("kda" | "mla") per decoder layer, following the golden README schedule incl. the tail rule."""
-        g, n = self.layer_group_size, self.num_hidden_layers
-        full = (n // g) * g
-        return tuple("mla" if ((i + 1) % g == 0 or i >= full) else "kda" for i in range(n))
+        """("kda" | "mla") per decoder layer: `layer_types` when given, else the rule with its tail (module doc)."""
+        return tuple(KIND_OF_LAYER_TYPE[t] for t in self.resolved_layer_types)
 
     def is_moe_layer(self, i: int) -> bool:
         if not 0 <= i < self.num_hidden_layers:
             raise IndexError(f"layer {i} out of range [0, {self.num_hidden_layers})")
-        return i >= self.first_k_dense_replace
+        return self.resolved_mlp_layer_types[i] == "sparse"
 
     def replace(self, **kw) -> "Ling3Config":
         return dataclasses.replace(self, **kw)
@@ -184,14 +241,18 @@ class Ling3Config:
         known = {k: v for k, v in d.items() if k in names}
         if isinstance(known.get("eos_token_id"), list):
             known["eos_token_id"] = tuple(known["eos_token_id"])
+        for name in ("layer_types", "mlp_layer_types"):
+            if isinstance(known.get(name), list):
+                known[name] = tuple(known[name])
         extra = tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in d.items() if k not in names))
         cfg = cls(**known, extra=extra, source_keys=tuple(sorted(known)))
-        layer_types = d.get("layer_types")
-        if layer_types is not None:
-            expect = ["full_attention" if k == "mla" else "linear_attention" for k in cfg.layer_kinds]
-            if list(layer_types) != expect:
-                warnings.warn(f"config layer_types {list(layer_types)} disagree with the Ling-3.0 schedule "
-                              f"{expect}; the schedule (layer_group_size + tail rule) is used")
+        # The original Ling remote code ignores both lists, so a file whose lists depart from its rule loads
+        # differently there (we and transformers' native class follow the lists).
+        for name in ("layer_types", "mlp_layer_types"):
+            if getattr(cfg, name) is not None:
+                rule = cfg.rule_layer_types() if name == "layer_types" else cfg.rule_mlp_layer_types()
+                warnings.warn(f"config {name} {list(getattr(cfg, name))} differ from the Ling remote code's "
+                              f"schedule {list(rule)}; the config's {name} are used")
         return cfg
 
     def to_dict(self) -> dict:
@@ -201,6 +262,12 @@ class Ling3Config:
             if f.name in ("extra", "source_keys"):
                 continue
             v = getattr(self, f.name)
+            if f.name in ("layer_types", "mlp_layer_types"):
+                # Written out (resolved) unless the source dict left it out: other engines derive a missing
+                # list by their own rule, which for layer_types has no tail rule.
+                if self.source_keys is None or f.name in self.source_keys:
+                    out[f.name] = list(getattr(self, "resolved_" + f.name))
+                continue
             # A default that the source dict did not spell out stays out, so from_dict(d).to_dict() == d.
             if self.source_keys is not None and f.name not in self.source_keys and v == f.default:
                 continue

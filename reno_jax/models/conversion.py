@@ -339,10 +339,18 @@ def read_config_dict(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def config_to_json_dict(config: Any) -> dict[str, Any]:
-    """The config.json content for `config`: its fields plus model_type and architectures."""
-    raw = dict(config) if isinstance(config, Mapping) else as_config(config).to_dict()
+    """The config.json content for `config`: its fields plus model_type, architectures and the explicit schedule.
+
+    `layer_types` and `mlp_layer_types` are always written (the schedule this library builds): transformers'
+    native `BailingHybridForCausalLM` derives missing lists without the Ling tail rule, so without them a model
+    whose layer count is not a multiple of layer_group_size would load there with a different last layer.
+    """
+    resolved = as_config(config)
+    raw = dict(config) if isinstance(config, Mapping) else resolved.to_dict()
     raw["model_type"] = MODEL_TYPE
     raw.setdefault("architectures", list(ARCHITECTURES))
+    raw["layer_types"] = list(resolved.resolved_layer_types)
+    raw["mlp_layer_types"] = list(resolved.resolved_mlp_layer_types)
     return raw
 
 
