@@ -105,3 +105,21 @@ def test_sharded_train_steps_equal_one_device(eight_devices):
     for run in (sgd, int8):
         assert run["moments_follow"], run
     assert int8["sharded_quantized_moments"] > 0  # int8 codes split along their blocks like their parameter
+
+
+def test_a_mesh_the_devices_cannot_hold_is_a_config_error(tmp_path):
+    from configs import tictactoe_tiny
+    from experiments import train_tictactoe
+    from reno_jax import pipeline
+    c = tictactoe_tiny.get_config()
+    c.mesh.data = 2 * jax.device_count()
+    with pytest.raises(pipeline.ConfigError, match=r"--config.mesh: mesh \(data=\d+, .*\) has \d+ devices but \d+ are"):
+        train_tictactoe.train(c, str(tmp_path / "w"))
+    c.mesh.data, c.mesh.preset = 1, "zero3"
+    with pytest.raises(pipeline.ConfigError, match="unknown sharding preset 'zero3'"):
+        train_tictactoe.train(c, str(tmp_path / "w"))
+    assert not os.path.exists(tmp_path / "w"), "a config that cannot run writes nothing"
+    layout = pipeline.make_layout(tictactoe_tiny.get_config(), ling3.tiny_test_config())
+    assert layout.single_device and layout.batch_ways == 1
+    params = {"x": np.ones(3)}
+    assert layout.place_params(params) is params and layout.place_batch(params) is params

@@ -5,3 +5,4 @@ from reno_jax.parallel.mesh import (BATCH_AXES, MESH_AXES, MeshConfig, MeshError
 from reno_jax.parallel.rules import (PRESETS, ShardingError, batch_sharding, fit_spec, follow_params,  # noqa: F401
                                      logical_to_spec, param_logical_axes, param_partition_specs, param_shardings,
                                      preset_rules, specs_to_json)
+from reno_jax.parallel.layout import Layout  # noqa: F401

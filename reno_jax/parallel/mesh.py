@@ -77,7 +77,8 @@ class MeshConfig:
 
 
 def make_mesh(mesh_config: MeshConfig | None = None, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
-    """The `jax.sharding.Mesh` of `mesh_config` over `devices` (default: all devices of all processes).
+    """The `jax.sharding.Mesh` of `mesh_config` over `devices` (default: all devices of all processes; the
+    all-ones default mesh takes the first device only, any other mesh must use every device).
 
     Devices are laid out by `jax.make_mesh` (topology-aware on TPU/GPU), so neighbouring `tensor` / `expert`
     shards land on the best-connected devices. The axes are `Auto` (GSPMD): the programs are written for one
@@ -86,6 +87,8 @@ def make_mesh(mesh_config: MeshConfig | None = None, devices: Sequence[Any] | No
     """
     mesh_config = mesh_config or MeshConfig()
     devices = list(jax.devices() if devices is None else devices)
+    if all(v == 1 for v in mesh_config.sizes().values()):
+        devices = devices[:1]  # the default: one device, as every program ran before meshes existed
     sizes = mesh_config.resolve(len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
     try:
