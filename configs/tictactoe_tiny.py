@@ -113,6 +113,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.train_groups = 0          # 0: train on every group; N: only the N groups with the largest reward spread
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
 
+  # --- device mesh (reno_jax.parallel; all 1: one device) -----------------------------------------
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1                # batch split, parameters replicated
+  c.mesh.fsdp = 1                # batch split, parameters and optimizer state sharded
+  c.mesh.expert = 1              # routed experts split
+  c.mesh.tensor = 1              # heads / MLP width split
+  c.mesh.preset = "dp"           # sharding rules: dp, fsdp, fsdp_ep, fsdp_tp (reno_jax/parallel/rules.py)
+
   # --- bookkeeping ------------------------------------------------------------------------------
   c.checkpoint_every = 50
   c.keep_checkpoints = 2

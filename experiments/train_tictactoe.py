@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 import tqdm
 
 from experiments import cli
-from reno_jax import pipeline
+from reno_jax import parallel, pipeline
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.rl import losses, sft, shared_prefix, trainer
@@ -188,6 +188,8 @@ def train(config, workdir: str) -> list[dict]:
     key_model, key_sft, key_rl = jax.random.split(key, 3)
     tokenizer = pipeline.build_tokenizer(config)
     model_config, params = pipeline.build_model(config, key_model, tokenizer)
+    layout = pipeline.make_layout(config, model_config)
+    params = layout.place_params(params)
     env = rollout_lib.make_env(tokenizer, vocab_size=model_config.vocab_size)
     train_boards, _ = pipeline.load_boards(config)
     rc = pipeline.rollout_config(config)
@@ -198,7 +200,8 @@ def train(config, workdir: str) -> list[dict]:
 
     ckpt = ckpt_lib.Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
                                  max_to_keep=config.keep_checkpoints)
-    abstract = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, key_rl), params)
+    abstract = layout.abstract_state(jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, key_rl),
+                                                    params))
     state = ckpt.restore(abstract)
     anchored = bool(r.get("forking_kl_coef", 0.0))
     warm = not config.model.get("path", "") and config.sft.num_steps > 0
@@ -207,7 +210,7 @@ def train(config, workdir: str) -> list[dict]:
             params, _ = warm_start(config, workdir, model_config, params, tokenizer, env, key_sft)
     ref_params = jax.tree.map(jnp.copy, params) if anchored else None
     if state is None:
-        state = trainer.create_train_state(params, optimizer, key_rl)
+        state = layout.place_state(trainer.create_train_state(params, optimizer, key_rl))
         start = 0
     else:
         start = int(state.step)
@@ -241,7 +244,7 @@ def train(config, workdir: str) -> list[dict]:
         t0 = time.time()
         state, step_key = trainer.split_rng(state)
         k_starts, k_rollout = jax.random.split(step_key)
-        starts = sample_starts(config, k_starts, train_boards, num_groups)
+        starts = layout.place_batch(sample_starts(config, k_starts, train_boards, num_groups))
         traj = rollout_fn(state.params, k_rollout, starts, env=env)
         jax.block_until_ready(traj.reward)
         t_rollout = time.time() - t0

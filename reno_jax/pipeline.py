@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from reno_jax import parallel
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import boards as boards_lib
 from reno_jax.envs import tasks
@@ -140,6 +141,18 @@ def validate_config(config) -> None:
                           f"{config.rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
                           f"--config.rl.num_microbatches = {splits}")
     make_loss_fn(config)  # the loss's own cross-field rules (corrections, regularisers), before anything is written
+    if "mesh" in config:
+        mesh_config = parallel.MeshConfig.from_config(config.mesh)
+        try:
+            parallel.preset_rules(mesh_config.preset)
+            sizes = mesh_config.resolve(1 if all(v == 1 for v in mesh_config.sizes().values())
+                                        else jax.device_count())
+        except (parallel.MeshError, parallel.ShardingError) as error:
+            raise ConfigError(f"--config.mesh: {error}") from None
+        ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        if groups % ways:
+            raise ConfigError(f"--config.rollout.boards_per_step={groups} groups do not split over the mesh's batch "
+                              f"axes (data {sizes['data']} x fsdp {sizes['fsdp']} x expert {sizes['expert']} = {ways})")
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, model
@@ -179,6 +192,18 @@ def build_model(config, key: jax.Array, tokenizer) -> tuple[Ling3Config, Any]:
         return ling3.from_pretrained(config.model.path, dtype=dtype)
     model_config = tiny_model_config(config, len(tokenizer))
     return model_config, ling3.init_params(model_config, key, dtype)
+
+
+def make_layout(config, model_config: Ling3Config) -> parallel.Layout:
+    """The run's device layout from `config.mesh` (absent: one device); errors name the flags and numbers."""
+    mesh_config = parallel.MeshConfig.from_config(config.get("mesh"))
+    try:
+        layout = parallel.Layout.create(model_config, mesh_config)
+        rows = int(config.rollout.boards_per_step)
+        parallel.check_batch_divides(rows, layout.mesh, what="--config.rollout.boards_per_step")
+    except (parallel.MeshError, parallel.ShardingError) as error:
+        raise ConfigError(f"--config.mesh: {error}") from None
+    return layout
 
 
 def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None,
@@ -387,11 +412,12 @@ def make_loss_fn(config):
 
 # ---------------------------------------------------------------------------------------------- saved runs
 
-def load_run(workdir: str, step: int | None = None):
+def load_run(workdir: str, step: int | None = None, mesh_config: parallel.MeshConfig | None = None):
     """(config, tokenizer, model_config, params, step) of a checkpoint of the training run in `workdir`.
 
     The restore target is built from shapes alone (`abstract_model`): no weights are drawn or read before the
-    checkpoint's. Raises `RunError` for a workdir without a run, a run without a checkpoint yet, or a `step`
+    checkpoint's. The params land on `mesh_config`'s mesh (default: one device), whatever mesh or number of
+    processes wrote the checkpoint. Raises `RunError` for a workdir without a run, a run without a checkpoint yet, or a `step`
     that has none (the message lists the saved steps).
     """
     if not os.path.isdir(workdir):
@@ -405,7 +431,9 @@ def load_run(workdir: str, step: int | None = None):
     tokenizer = build_tokenizer(config)
     model_config, abstract_params = abstract_model(config, tokenizer)
     optimizer = make_optimizer(config)
-    abstract = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, 0), abstract_params)
+    layout = parallel.Layout.create(model_config, mesh_config)
+    abstract = layout.abstract_state(
+        jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, 0), abstract_params))
     with ckpt_lib.Checkpointer(workdir, async_save=False) as ckpt:
         steps = ckpt.all_steps()
         if not steps:

@@ -93,6 +93,21 @@ CONV = "conv"  # HF [P, 1, W] <-> Flax [W, P]
 EXPERT = "expert"  # HF [out, in] <-> slot `expert` of the stacked Flax leaf [E, in, out]
 
 
+# Logical axes of the parameter dimensions (see `Entry.axes`; mapped to mesh axes by `reno_jax.parallel`):
+LOGICAL_AXES = (
+    "vocab",      # V: embedding rows, lm_head outputs
+    "embed",      # D: the residual stream
+    "heads",      # head-major attention dims (H, or H * a head width): q/k/v/o, gates, conv channels, A_log
+    "head_dim",   # one head's width (KDA's o_norm)
+    "lora",       # low-rank bottlenecks shared by all heads (q_lora_rank, kv_lora_rank + rope, KDA f/g rank)
+    "mlp",        # dense / expert / shared-expert intermediate width
+    "expert",     # E: routed experts
+    "router",     # the router's E outputs (kept whole: routing needs every score)
+    "conv",       # short-conv window W
+    "norm",       # RMSNorm scales
+)
+
+
 class CheckpointError(ValueError):
     """A checkpoint, config or params tree that cannot be converted; the message names the problem."""
 
@@ -110,6 +125,8 @@ class Entry:
     stacked shape [E, in, out] and `expert` is this tensor's index along axis 0. `float32` marks the small
     precision-sensitive leaves (A_log, dt_bias, short-conv kernels, router kernel and expert_bias) that the
     model keeps in float32 (as `ling3.init_params` does): loading with a narrower `dtype` leaves them float32.
+    `axes` names each dimension of the Flax leaf with a logical axis (`LOGICAL_AXES`); `reno_jax.parallel` maps
+    those names onto mesh axes, so this table is also the one place that says how every parameter is sharded.
     """
 
     hf_name: str
@@ -119,6 +136,15 @@ class Entry:
     transform: str
     expert: int | None = None
     float32: bool = False
+    axes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if len(self.axes) != len(self.flax_shape):
+            raise AssertionError(f"{self.hf_name}: axes {self.axes} do not name the {len(self.flax_shape)} "
+                                 f"dimensions of {self.flax_shape}")
+        unknown = [a for a in self.axes if a not in LOGICAL_AXES]
+        if unknown:
+            raise AssertionError(f"{self.hf_name}: unknown logical axes {unknown}")
 
     def hf_to_flax(self, x: np.ndarray) -> np.ndarray:
         """HF tensor -> Flax leaf (for EXPERT: the [in, out] slice that goes into slot `expert`)."""
@@ -146,7 +172,8 @@ class Entry:
 
     def describe(self) -> str:
         flax = "/".join(self.flax_path) + ("" if self.expert is None else f"[{self.expert}]")
-        return f"{self.hf_name} {list(self.hf_shape)} <-{self.transform}-> {flax} {list(self.flax_shape)}"
+        return (f"{self.hf_name} {list(self.hf_shape)} <-{self.transform}-> {flax} {list(self.flax_shape)} "
+                f"({', '.join(self.axes)})")
 
 
 def check_config_dict(raw: Mapping[str, Any]) -> None:
@@ -189,18 +216,21 @@ def param_table(config: Any) -> list[Entry]:
     P = H * Dk
     table: list[Entry] = []
 
-    def ident(hf: str, path: tuple[str, ...], shape: tuple[int, ...], float32: bool = False) -> None:
-        table.append(Entry(hf, path, shape, shape, IDENTITY, float32=float32))
+    def ident(hf: str, path: tuple[str, ...], shape: tuple[int, ...], axes: tuple[str, ...],
+              float32: bool = False) -> None:
+        table.append(Entry(hf, path, shape, shape, IDENTITY, float32=float32, axes=axes))
 
-    def linear(hf: str, path: tuple[str, ...], out_dim: int, in_dim: int, float32: bool = False) -> None:
-        table.append(
-            Entry(hf + ".weight", path + ("kernel",), (out_dim, in_dim), (in_dim, out_dim), TRANSPOSE, float32=float32)
-        )
+    def linear(hf: str, path: tuple[str, ...], out_dim: int, in_dim: int, axes: tuple[str, str],
+               float32: bool = False) -> None:
+        """`axes` = (input axis, output axis) of the Flax kernel [in, out]."""
+        table.append(Entry(hf + ".weight", path + ("kernel",), (out_dim, in_dim), (in_dim, out_dim), TRANSPOSE,
+                           float32=float32, axes=axes))
 
     def norm(hf: str, path: tuple[str, ...], dim: int) -> None:
-        ident(hf + ".weight", path + ("scale",), (dim,))
+        ident(hf + ".weight", path + ("scale",), (dim,), ("norm",))
 
-    ident("model.word_embeddings.weight", ("model", "word_embeddings", "embedding"), (c.vocab_size, D))
+    ident("model.word_embeddings.weight", ("model", "word_embeddings", "embedding"), (c.vocab_size, D),
+          ("vocab", "embed"))
     for i, kind in enumerate(c.layer_kinds):
         hp, fp = f"model.layers.{i}.", ("model", f"layers_{i}")
         norm(hp + "input_layernorm", fp + ("input_layernorm",), D)
@@ -209,64 +239,67 @@ def param_table(config: Any) -> list[Entry]:
         ha, fa = hp + "attention.", fp + ("attention",)
         if kind == "kda":
             for name in ("q", "k", "v"):
-                linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D)
+                linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D, ("embed", "heads"))
             for name in ("q", "k", "v"):
                 table.append(
                     Entry(ha + f"{name}_conv1d.weight", fa + (f"{name}_conv1d", "kernel"), (P, 1, W), (W, P), CONV,
-                          float32=True)
+                          float32=True, axes=("conv", "heads"))
                 )
-            ident(ha + "A_log", fa + ("A_log",), (H,), float32=True)
-            ident(ha + "dt_bias", fa + ("dt_bias",), (P,), float32=True)
-            linear(ha + "b_proj", fa + ("b_proj",), H, D)
+            ident(ha + "A_log", fa + ("A_log",), (H,), ("heads",), float32=True)
+            ident(ha + "dt_bias", fa + ("dt_bias",), (P,), ("heads",), float32=True)
+            linear(ha + "b_proj", fa + ("b_proj",), H, D, ("embed", "heads"))
             for name in ("f", "g"):
                 if c.no_kda_lora:
-                    linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D)
+                    linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D, ("embed", "heads"))
                 else:
-                    linear(ha + f"{name}_a_proj", fa + (f"{name}_a_proj",), Dk, D)
-                    linear(ha + f"{name}_b_proj", fa + (f"{name}_b_proj",), P, Dk)
+                    linear(ha + f"{name}_a_proj", fa + (f"{name}_a_proj",), Dk, D, ("embed", "lora"))
+                    linear(ha + f"{name}_b_proj", fa + (f"{name}_b_proj",), P, Dk, ("lora", "heads"))
             norm(ha + "o_norm", fa + ("o_norm",), Dk)
-            linear(ha + "o_proj", fa + ("o_proj",), D, P)
+            linear(ha + "o_proj", fa + ("o_proj",), D, P, ("heads", "embed"))
         elif kind == "mla":
             dn, dr, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
             if c.q_lora_rank is None:
-                linear(ha + "q_proj", fa + ("q_proj",), H * (dn + dr), D)
+                linear(ha + "q_proj", fa + ("q_proj",), H * (dn + dr), D, ("embed", "heads"))
             else:
-                linear(ha + "q_a_proj", fa + ("q_a_proj",), c.q_lora_rank, D)
+                linear(ha + "q_a_proj", fa + ("q_a_proj",), c.q_lora_rank, D, ("embed", "lora"))
                 norm(ha + "q_a_layernorm", fa + ("q_a_layernorm",), c.q_lora_rank)
-                linear(ha + "q_b_proj", fa + ("q_b_proj",), H * (dn + dr), c.q_lora_rank)
-            linear(ha + "kv_a_proj_with_mqa", fa + ("kv_a_proj_with_mqa",), r + dr, D)
+                linear(ha + "q_b_proj", fa + ("q_b_proj",), H * (dn + dr), c.q_lora_rank, ("lora", "heads"))
+            # The latent and the rope key are shared by every head: kept whole on the head side.
+            linear(ha + "kv_a_proj_with_mqa", fa + ("kv_a_proj_with_mqa",), r + dr, D, ("embed", "lora"))
             norm(ha + "kv_a_layernorm", fa + ("kv_a_layernorm",), r)
-            linear(ha + "kv_b_proj", fa + ("kv_b_proj",), H * (dn + dv), r)
+            linear(ha + "kv_b_proj", fa + ("kv_b_proj",), H * (dn + dv), r, ("lora", "heads"))
             element_wise = c.gated_attention_proj_granularity_type == "element_wise"
-            linear(ha + "g_proj", fa + ("g_proj",), H * dv if element_wise else H, D)
-            linear(ha + "dense", fa + ("dense",), D, H * dv)
+            linear(ha + "g_proj", fa + ("g_proj",), H * dv if element_wise else H, D, ("embed", "heads"))
+            linear(ha + "dense", fa + ("dense",), D, H * dv, ("heads", "embed"))
         else:
             raise CheckpointError(f"layer {i} has unknown attention kind {kind!r}")
 
         hm, fm = hp + "mlp.", fp + ("mlp",)
         if not c.is_moe_layer(i):
             I = c.intermediate_size
-            linear(hm + "gate_proj", fm + ("gate_proj",), I, D)
-            linear(hm + "up_proj", fm + ("up_proj",), I, D)
-            linear(hm + "down_proj", fm + ("down_proj",), D, I)
+            linear(hm + "gate_proj", fm + ("gate_proj",), I, D, ("embed", "mlp"))
+            linear(hm + "up_proj", fm + ("up_proj",), I, D, ("embed", "mlp"))
+            linear(hm + "down_proj", fm + ("down_proj",), D, I, ("mlp", "embed"))
         else:
             E, Im = c.num_experts, c.moe_intermediate_size
-            linear(hm + "gate", fm + ("gate",), E, D, float32=True)
-            ident(hm + "gate.expert_bias", fm + ("gate", "expert_bias"), (E,), float32=True)
+            linear(hm + "gate", fm + ("gate",), E, D, ("embed", "router"), float32=True)
+            ident(hm + "gate.expert_bias", fm + ("gate", "expert_bias"), (E,), ("router",), float32=True)
             for e in range(E):
-                for name, out_dim, in_dim in (("gate_proj", Im, D), ("up_proj", Im, D), ("down_proj", D, Im)):
+                for name, out_dim, in_dim, axes in (("gate_proj", Im, D, ("expert", "embed", "mlp")),
+                                                    ("up_proj", Im, D, ("expert", "embed", "mlp")),
+                                                    ("down_proj", D, Im, ("expert", "mlp", "embed"))):
                     table.append(
                         Entry(hm + f"experts.{e}.{name}.weight", fm + ("experts", name), (out_dim, in_dim),
-                              (E, in_dim, out_dim), EXPERT, expert=e)
+                              (E, in_dim, out_dim), EXPERT, expert=e, axes=axes)
                     )
             Is = c.shared_intermediate_size
             if Is:
-                linear(hm + "shared_experts.gate_proj", fm + ("shared_experts", "gate_proj"), Is, D)
-                linear(hm + "shared_experts.up_proj", fm + ("shared_experts", "up_proj"), Is, D)
-                linear(hm + "shared_experts.down_proj", fm + ("shared_experts", "down_proj"), D, Is)
+                linear(hm + "shared_experts.gate_proj", fm + ("shared_experts", "gate_proj"), Is, D, ("embed", "mlp"))
+                linear(hm + "shared_experts.up_proj", fm + ("shared_experts", "up_proj"), Is, D, ("embed", "mlp"))
+                linear(hm + "shared_experts.down_proj", fm + ("shared_experts", "down_proj"), D, Is, ("mlp", "embed"))
     norm("model.norm", ("model", "norm"), D)
     if not c.tie_word_embeddings:
-        linear("lm_head", ("lm_head",), c.vocab_size, D)
+        linear("lm_head", ("lm_head",), c.vocab_size, D, ("embed", "vocab"))
     return table
 
 

@@ -1,0 +1,70 @@
+"""Where a run's arrays live: the mesh, the parameters' shardings, and how states and batches follow them.
+
+The programs themselves (rollout, train step) are written for one device and jitted as they are: given inputs
+placed here, GSPMD partitions them and inserts the collectives (parameter all-gathers, gradient reduce-scatters).
+On a one-device mesh every method returns its input unchanged, so the default run is bit-for-bit what it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from reno_jax.parallel import mesh as mesh_lib
+from reno_jax.parallel import rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh, the preset's parameter shardings on it, and the placement of states and batches."""
+
+    mesh: jax.sharding.Mesh
+    preset: str
+    param_shardings: Any
+
+    @classmethod
+    def create(cls, model_config, mesh_config: mesh_lib.MeshConfig | None = None, devices=None) -> "Layout":
+        mesh_config = mesh_config or mesh_lib.MeshConfig()
+        mesh = mesh_lib.make_mesh(mesh_config, devices)
+        return cls(mesh, mesh_config.preset, rules.param_shardings(model_config, mesh, mesh_config.preset))
+
+    @property
+    def single_device(self) -> bool:
+        return self.mesh.size == 1
+
+    @property
+    def batch_ways(self) -> int:
+        return mesh_lib.batch_axes_size(self.mesh)
+
+    def place_params(self, params):
+        return params if self.single_device else jax.device_put(params, self.param_shardings)
+
+    def state_shardings(self, state):
+        """Shardings of a train state (or its abstract skeleton): every leaf follows its parameter."""
+        return rules.follow_params(state, self.param_shardings, self.mesh)
+
+    def place_state(self, state):
+        return state if self.single_device else jax.device_put(state, self.state_shardings(state))
+
+    def abstract_state(self, abstract):
+        """`jax.ShapeDtypeStruct` leaves with this layout's shardings: a checkpoint restored into it lands on
+        this mesh, whatever mesh or process count wrote it (also on one device: Orbax needs a target sharding
+        to restore a checkpoint that another topology wrote)."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+                            self.state_shardings(abstract))
+
+    def place_batch(self, tree):
+        """Every array's leading (row) dimension split over the batch axes; raises `MeshError` if it does not
+        divide."""
+        if self.single_device:
+            return tree
+
+        def put(x):
+            if not jax.numpy.ndim(x):
+                return x
+            mesh_lib.check_batch_divides(x.shape[0], self.mesh)
+            return jax.device_put(x, rules.batch_sharding(self.mesh, jax.numpy.ndim(x)))
+
+        return jax.tree.map(put, tree)

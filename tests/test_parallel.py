@@ -1,0 +1,125 @@
+"""Mesh and sharding rules: the presets' layout of the real Ling-3.0-tiny (golden file), bad meshes, and
+sharded forward / decode / train steps on 8 CPU devices against one device (in a fresh process)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from reno_jax import parallel
+from reno_jax.models import config as config_lib
+from reno_jax.models import conversion, ling3
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(REPO, "tests", "data", "partition_specs_ling3_tiny_real.json")
+
+
+def test_real_shape_layout_matches_the_golden_file():
+    """A layout change of any preset is a visible diff of tests/data/partition_specs_ling3_tiny_real.json."""
+    with open(GOLDEN) as f:
+        golden = json.load(f)
+    real = config_lib.ling3_tiny_real()
+    assert sorted(golden) == sorted(parallel.PRESETS)
+    for preset in parallel.PRESETS:
+        assert parallel.specs_to_json(parallel.param_partition_specs(real, preset)) == golden[preset], preset
+    fsdp_ep = golden["fsdp_ep"]
+    assert fsdp_ep["model/layers_1/mlp/experts/gate_proj"] == ["expert", "fsdp", None]
+    assert fsdp_ep["model/layers_1/mlp/gate/kernel"] == ["fsdp", None]  # the router sees every expert's score
+    assert golden["fsdp_tp"]["model/layers_3/attention/dense/kernel"] == ["tensor", "fsdp"]
+    assert all(all(p is None for p in spec) for spec in golden["dp"].values())
+
+
+@pytest.mark.parametrize("config", [config_lib.ling3_tiny_real(), ling3.tiny_test_config(),
+                                    ling3.tiny_test_config(num_hidden_layers=3, tie_word_embeddings=True)])
+def test_every_parameter_has_logical_axes_of_its_rank(config):
+    axes = parallel.param_logical_axes(config)
+    abstract = conversion.abstract_params(config)
+    assert jax.tree.structure(abstract) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple))
+    for a, leaf in zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(abstract)):
+        assert len(a) == leaf.ndim and set(a) <= set(conversion.LOGICAL_AXES)
+    for preset in parallel.PRESETS:
+        for spec in jax.tree.leaves(parallel.param_partition_specs(config, preset),
+                                    is_leaf=lambda x: isinstance(x, PartitionSpec)):
+            used = [n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)]
+            assert len(used) == len(set(used)) and set(used) <= set(parallel.MESH_AXES)
+
+
+def test_mesh_sizes_resolve_and_bad_meshes_name_the_numbers():
+    assert parallel.MeshConfig(data=2, fsdp=-1).resolve(8) == dict(data=2, fsdp=4, expert=1, tensor=1)
+    assert parallel.MeshConfig().resolve(1) == dict(data=1, fsdp=1, expert=1, tensor=1)
+    with pytest.raises(parallel.MeshError, match=r"has 6 devices but 8 are available"):
+        parallel.MeshConfig(data=3, fsdp=2).resolve(8)
+    with pytest.raises(parallel.MeshError, match=r"multiple of 3"):
+        parallel.MeshConfig(data=3, fsdp=-1).resolve(8)
+    with pytest.raises(parallel.MeshError, match=r"at most one mesh axis may be -1"):
+        parallel.MeshConfig(data=-1, fsdp=-1).resolve(8)
+    with pytest.raises(parallel.MeshError, match=r">= 1 or -1"):
+        parallel.MeshConfig(expert=0).resolve(8)
+    with pytest.raises(parallel.ShardingError, match=r"unknown sharding preset 'zero3'.*fsdp_ep"):
+        parallel.param_partition_specs(ling3.tiny_test_config(), "zero3")
+    mesh = parallel.make_mesh()  # the default: one device, every axis 1
+    assert dict(mesh.shape) == dict(data=1, fsdp=1, expert=1, tensor=1)
+    parallel.check_batch_divides(5, mesh)
+    assert parallel.MeshConfig.from_config({"data": 2, "preset": "fsdp"}) == parallel.MeshConfig(data=2, preset="fsdp")
+
+
+def test_fit_spec_replicates_what_the_mesh_does_not_divide():
+    devices = np.array(jax.devices() * 1)
+    mesh = jax.sharding.Mesh(devices.reshape(1, 1, 1, 1), parallel.MESH_AXES)
+    assert parallel.fit_spec(PartitionSpec("fsdp", None), (6, 4), mesh) == PartitionSpec(None, None)
+    assert parallel.logical_to_spec(("embed", "embed"), {"embed": ("fsdp",)}) == PartitionSpec("fsdp", None)
+    abstract_mesh = jax.sharding.AbstractMesh((2, 4, 1, 1), parallel.MESH_AXES)
+    assert parallel.fit_spec(PartitionSpec("fsdp", ("data", "fsdp")), (8, 6), abstract_mesh) == \
+        PartitionSpec("fsdp", None)
+    assert parallel.fit_spec(PartitionSpec(("data", "fsdp"), None), (16, 3), abstract_mesh) == \
+        PartitionSpec(("data", "fsdp"), None)
+
+
+@pytest.fixture(scope="module")
+def eight_devices():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_multidevice_forward.py")], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_sharded_forward_and_decode_equal_one_device(eight_devices):
+    assert len(eight_devices["forward"]) == 3
+    for row in eight_devices["forward"]:
+        assert row["placed"], row
+        assert row["forward_max_abs"] <= 1e-5 and row["decode_max_abs"] <= 1e-5, row
+        assert row["sharded_leaves"] > 0, row
+
+
+def test_sharded_train_steps_equal_one_device(eight_devices):
+    sgd, int8 = (eight_devices[f"train_{n}"] for n in ("sgd", "adam_int8"))
+    assert sgd["params_moved"] > 1e-2  # the steps did move the parameters
+    assert sgd["params_max_rel_diff"] <= 1e-5, sgd
+    assert int8["params_max_rel_diff"] <= 1e-2, int8
+    for run in (sgd, int8):
+        assert run["moments_follow"], run
+    assert int8["sharded_quantized_moments"] > 0  # int8 codes split along their blocks like their parameter
+
+
+def test_a_mesh_the_devices_cannot_hold_is_a_config_error(tmp_path):
+    from configs import tictactoe_tiny
+    from experiments import train_tictactoe
+    from reno_jax import pipeline
+    c = tictactoe_tiny.get_config()
+    c.mesh.data = 2 * jax.device_count()
+    with pytest.raises(pipeline.ConfigError, match=r"--config.mesh: mesh \(data=\d+, .*\) has \d+ devices but \d+ are"):
+        train_tictactoe.train(c, str(tmp_path / "w"))
+    c.mesh.data, c.mesh.preset = 1, "zero3"
+    with pytest.raises(pipeline.ConfigError, match="unknown sharding preset 'zero3'"):
+        train_tictactoe.train(c, str(tmp_path / "w"))
+    assert not os.path.exists(tmp_path / "w"), "a config that cannot run writes nothing"
+    layout = pipeline.make_layout(tictactoe_tiny.get_config(), ling3.tiny_test_config())
+    assert layout.single_device and layout.batch_ways == 1
+    params = {"x": np.ones(3)}
+    assert layout.place_params(params) is params and layout.place_batch(params) is params
