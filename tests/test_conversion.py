@@ -97,9 +97,9 @@ def test_table_names_and_shapes_match_golden_file(golden_tensors, golden_config)
     text = conv.format_table(table)
     lines = text.splitlines()
     assert ("model.layers.1.mlp.experts.7.down_proj.weight [64, 32] <-expert-> "
-            "model/layers_1/mlp/experts/down_proj[7] [8, 32, 64]") in lines
+            "model/layers_1/mlp/experts/down_proj[7] [8, 32, 64] (expert, mlp, embed)") in lines
     assert ("model.layers.0.attention.q_conv1d.weight [64, 1, 4] <-conv-> "
-            "model/layers_0/attention/q_conv1d/kernel [4, 64]") in lines
+            "model/layers_0/attention/q_conv1d/kernel [4, 64] (conv, heads)") in lines
 
 
 VARIANT = dict(
