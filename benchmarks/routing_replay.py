@@ -11,7 +11,9 @@ supervised warm start (cached under --workdir).
    the replayed upstream layers, the experts actually used agree by construction), |train logp - behaviour logp|
    mean / max over the policy tokens, the k3 estimate of KL(behaviour || train) and the largest token ratio.
    Also split: policy tokens whose scoring position is itself routed differently (directly affected) vs the
-   rest. A float32 copy of the same model and caches is scored too, as the no-drift reference.
+   rest. The same batches are then scored inside a jitted GSPO train step (`train_step_*` rows: the program the
+   training loop's `train/rollout_*` metrics come from), which XLA compiles, and rounds, differently. A float32
+   copy of the same model and caches is scored too, as the no-drift reference.
 2. Training: two GSPO runs of --steps steps from the same warm start and seed, `rl.routing_replay` off and on;
    per-step reward, mismatch and agreement from their metrics.jsonl.
 
@@ -34,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,7 +44,7 @@ from configs import moe_drift_tiny  # noqa: E402
 from experiments import train_tictactoe  # noqa: E402
 from reno_jax import pipeline  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
-from reno_jax.rl import trainer  # noqa: E402
+from reno_jax.rl import losses, trainer  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
 
 
@@ -53,9 +56,8 @@ def score(model_config, params, traj, replay: bool) -> dict:
     least one MoE layer (`flipped_*`), and over the other policy tokens (`clean_*`, which still see flips at
     earlier positions through attention).
     """
-    fn = jax.jit(pipeline.make_logp_fn(model_config, with_entropy=False, routing_replay=replay))
     batch = {"tokens": traj.tokens, "valid": traj.valid, "routing": traj.routing}
-    logp, _, stats = fn(params, batch)
+    logp, _, stats = _logp_fn(model_config, replay)(params, batch)
     sums = trainer.mismatch_sums(logp, traj.behaviour_logp, traj.loss_mask)
     out = {k: float(v) for k, v in trainer.mismatch_metrics(sums, stats).items()}
     out["tokens"] = float(sums["count"])
@@ -71,6 +73,32 @@ def score(model_config, params, traj, replay: bool) -> dict:
         out[f"{name}_abs_diff_sum"] = float(d[m].sum())
         out[f"{name}_abs_diff_max"] = float(d[m].max()) if m.any() else 0.0
     return out
+
+
+def score_in_train_step(model_config, params, traj, replay: bool) -> dict:
+    """The same figures as the training loop reports them: from a jitted GSPO train step (micro-batch scan,
+    value_and_grad), whose compiled forward rounds differently from the standalone one in `score`."""
+    opt = optax.sgd(0.0)
+    step = _train_step(model_config, replay)
+    batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
+             "old_logp": traj.behaviour_logp, "advantages": jnp.ones(traj.reward.shape), "routing": traj.routing}
+    _, m = step(trainer.create_train_state(params, opt, 0), batch)
+    out = {k: float(m[k]) for k in ("rollout_logp_abs_diff_mean", "rollout_logp_abs_diff_max", "rollout_k3_kl",
+                                    "rollout_ratio_max", "routing_agreement")}
+    out["tokens"] = float(np.asarray(traj.loss_mask).sum())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _logp_fn(model_config, replay: bool):  # one compile per setting, reused for every batch
+    return jax.jit(pipeline.make_logp_fn(model_config, with_entropy=False, routing_replay=replay))
+
+
+@functools.lru_cache(maxsize=None)
+def _train_step(model_config, replay: bool):
+    return trainer.make_train_step(pipeline.make_logp_fn(model_config, routing_replay=replay),
+                                   functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4),
+                                   optax.sgd(0.0), donate=False, rollout_metrics=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,13 +127,14 @@ def scoring(config, workdir: str, num_batches: int) -> dict:
     results = {}
     for name, (p, r) in variants.items():
         rollout_fn = rollout_lib.make_rollout_fn(model_config, r)
-        rows = {"no_replay": [], "replay": []}
+        rows = {"no_replay": [], "replay": [], "train_step_no_replay": [], "train_step_replay": []}
         for i in range(num_batches):
             k_starts, k_roll = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(100), i))
             starts = train_tictactoe.sample_starts(config, k_starts, train_boards, config.rollout.boards_per_step)
             traj = rollout_fn(p, k_roll, starts, env=env)
             for setting in rows:
-                rows[setting].append(score(model_config, p, traj, replay=setting == "replay"))
+                fn = score_in_train_step if setting.startswith("train_step") else score
+                rows[setting].append(fn(model_config, p, traj, replay=setting in ("replay", "train_step_replay")))
         results[name] = {}
         for setting, per_batch in rows.items():
             tokens = np.array([b["tokens"] for b in per_batch])
@@ -114,6 +143,9 @@ def scoring(config, workdir: str, num_batches: int) -> dict:
             agg["rollout_logp_abs_diff_max"] = max(b["rollout_logp_abs_diff_max"] for b in per_batch)
             agg["rollout_ratio_max"] = max(b["rollout_ratio_max"] for b in per_batch)
             agg["policy_tokens"] = int(tokens.sum())
+            if setting.startswith("train_step"):
+                results[name][setting] = agg
+                continue
             agg["flipped_tokens"] = int(sum(b["flipped_tokens"] for b in per_batch))
             for part in ("flipped", "clean"):
                 n = sum(b[f"{part}_tokens"] for b in per_batch)
@@ -165,6 +197,11 @@ def main():
           f"{'clean mean':>10} {'clean max':>9}")
     for name, per in scores.items():
         for setting, s in per.items():
+            if setting.startswith("train_step"):
+                print(f"{name:>13} {setting:>9} {s['routing_agreement']:9.4f} "
+                      f"{s['rollout_logp_abs_diff_mean']:12.2e} {s['rollout_logp_abs_diff_max']:11.2e} "
+                      f"{s['rollout_k3_kl']:9.2e} {s['rollout_ratio_max']:9.4f}")
+                continue
             print(f"{name:>13} {setting:>9} {s['routing_agreement']:9.4f} {s['rollout_logp_abs_diff_mean']:12.2e} "
                   f"{s['rollout_logp_abs_diff_max']:11.2e} {s['rollout_k3_kl']:9.2e} {s['rollout_ratio_max']:9.4f} "
                   f"{s['flipped_tokens']:>11d} {s['flipped_abs_diff_mean']:12.2e} "
