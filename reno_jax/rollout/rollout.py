@@ -328,6 +328,8 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
                          f"got {forced_tokens.shape}")
     if forced_tokens is not None:
         forced_tokens = jnp.asarray(forced_tokens, jnp.int32)
+    if rc.record_routing and mc.num_experts > np.iinfo(np.int16).max:
+        raise ValueError(f"record_routing stores expert ids as int16; {mc.num_experts} experts do not fit")
     cache_dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
     table = env.table
     rows = jnp.arange(b, dtype=jnp.int32)
