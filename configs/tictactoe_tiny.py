@@ -112,6 +112,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.share_prompt_prefix = True  # encode each group's prompt once in the backward pass (exact, much cheaper)
   c.rl.train_groups = 0          # 0: train on every group; N: only the N groups with the largest reward spread
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
+  c.rl.routing_replay = False    # R3: the train forward replays the rollout's MoE expert choices (arXiv:2510.11370)
+  c.rl.routing_metrics = False   # record the rollout's routing for train/routing_agreement even without replay
 
   # --- device mesh (reno_jax.parallel; all 1: one device) -----------------------------------------
   c.mesh = ml_collections.ConfigDict()

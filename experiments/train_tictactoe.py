@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 import tqdm
 
 from experiments import cli
-from reno_jax import parallel, pipeline
+from reno_jax import pipeline
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.rl import losses, sft, shared_prefix, trainer
@@ -230,12 +230,16 @@ def train(config, workdir: str) -> list[dict]:
             raise ValueError("rl.share_prompt_prefix needs whole groups in every minibatch / micro-batch: "
                              f"{train_rows // rc.group_size} trained groups per step are not divisible by "
                              f"num_minibatches * num_microbatches = {r.num_minibatches * r.num_microbatches}")
+    # Every step also reports how far the train forward is from the rollout (train/rollout_*, and with a recorded
+    # routing train/routing_agreement), from the first minibatch, which is scored before any update.
     train_step = trainer.make_train_step(pipeline.make_logp_fn(model_config, group_size=rc.group_size,
                                                                remat=bool(r.get("remat", False)),
-                                                               entropy_top_k=int(r.get("entropy_top_k", 0))),
+                                                               entropy_top_k=int(r.get("entropy_top_k", 0)),
+                                                               routing_replay=bool(r.get("routing_replay", False))),
                                          pipeline.make_loss_fn(config), optimizer,
                                          num_minibatches=r.num_minibatches, num_microbatches=r.num_microbatches,
-                                         loss_batch_keys=("entropy_scale",) if forking else ())
+                                         loss_batch_keys=("entropy_scale",) if forking else (),
+                                         rollout_metrics=True)
     prefix_len = None  # shared-prefix cut: the shortest prompt seen so far (recompiles only when it shrinks)
     rows = []
     bar = tqdm.trange(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO",
@@ -251,6 +255,8 @@ def train(config, workdir: str) -> list[dict]:
         advantages = losses.group_advantages(traj.reward, rc.group_size, normalize_std=r.normalize_adv_std)
         batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
                  "old_logp": traj.behaviour_logp, "advantages": advantages}
+        if traj.routing is not None:  # rollout routing [B, L, n_moe, K]: replayed and/or compared in the train step
+            batch["routing"] = traj.routing
         batch, informative = select_groups(batch, traj.reward, rc.group_size, r.get("train_groups", 0))
         if forking:
             scale = forking_entropy_scale(step=int(state.step), num_steps=config.num_steps,

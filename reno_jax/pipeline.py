@@ -206,8 +206,22 @@ def make_layout(config, model_config: Ling3Config) -> parallel.Layout:
     return layout
 
 
+def routing_stats(own: jax.Array, recorded: jax.Array) -> trainer.RoutingStats:
+    """Agreement of a train forward's own top-k with the rollout's recorded routing.
+
+    own: `int [B, T, n_moe, K]` (`ling3.Routing.own`, -1 on invalid tokens); recorded: the rollout's ids, same
+    shape (-1: nothing recorded). Counts the (token, MoE layer) pairs where both exist and whether the two
+    top-k SETS are equal (order within the top-k does not matter for the MoE output).
+    """
+    recorded = recorded.astype(jnp.int32)
+    present = (own[..., 0] >= 0) & (recorded[..., 0] >= 0)
+    same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(recorded, axis=-1), axis=-1)
+    return trainer.RoutingStats(agree=jnp.sum(same & present).astype(jnp.float32),
+                                total=jnp.sum(present).astype(jnp.float32))
+
+
 def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None,
-                 remat: bool = False, entropy_top_k: int = 0):
+                 remat: bool = False, entropy_top_k: int = 0, routing_replay: bool = False):
     """`logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)` for `trainer.make_train_step`.
 
     `logp[:, t]` is `log p(tokens[t] | tokens[:t])` in float32; the entropy is that of the full next-token
@@ -222,22 +236,39 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
     ``soft_target_weights float32 [B, L, K]``; where a position's weights sum to more than 0, ``logp[:, t]`` is
     ``sum_k w[t, k] * log p(ids[k] | tokens[:t])`` (the expected log-likelihood under that target) instead of the
     log-prob of ``tokens[t]``.
+
+    Routing replay: a batch carrying the rollout's ``routing int [B, L, n_moe, K]`` (``Trajectory.routing``; with a
+    shared prefix also ``prefix_routing``) makes ``logp_fn`` return a third element, ``trainer.RoutingStats`` (how
+    many (token, MoE layer) pairs the train forward's own top-k agrees with the rollout on); with
+    ``routing_replay=True`` the forward also uses those ids instead of its own top-k (``ling3.forward``'s
+    ``replay_experts``; -1 entries route normally).
     """
 
     def logp_fn(params, batch):
         tokens = batch["tokens"]
         valid = batch.get("valid")
+        recorded = "routing" in batch
+        routing = None
         if "prefix_tokens" in batch:
             if "soft_target_weights" in batch:
                 raise ValueError("soft targets are not supported with a shared-prefix batch")
             if group_size is None:
                 raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
-            logits = shared_prefix.shared_prefix_logits(params, model_config, batch["prefix_tokens"], tokens,
-                                                        valid, group_size, remat=remat)
+            replay = dict(prefix_replay=batch["prefix_routing"], replay=batch["routing"]) if (
+                recorded and routing_replay) else {}
+            out = shared_prefix.shared_prefix_logits(params, model_config, batch["prefix_tokens"], tokens,
+                                                     valid, group_size, remat=remat, return_routing=recorded,
+                                                     **replay)
+            logits, routing = out if recorded else (out, None)
+            if recorded:
+                full_recorded = jnp.concatenate([batch["prefix_routing"], batch["routing"]], axis=1)
             targets, pad = tokens, 0
         else:
-            logits, _ = ling3.forward(params, model_config, tokens, valid=valid, remat=remat)
-            logits = logits[:, :-1].astype(jnp.float32)
+            out = ling3.forward(params, model_config, tokens, valid=valid, remat=remat, return_routing=recorded,
+                                replay_experts=batch["routing"] if recorded and routing_replay else None)
+            logits = out[0][:, :-1].astype(jnp.float32)
+            if recorded:
+                routing, full_recorded = out[-1], batch["routing"]
             targets, pad = tokens[:, 1:], 1
         logz = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -257,6 +288,8 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
             probs = jax.nn.softmax(ent_logits, axis=-1)
             ent = ent_logz - jnp.sum(probs * ent_logits, axis=-1)
             entropy = jnp.pad(ent, ((0, 0), (pad, 0)))
+        if recorded:
+            return logp, entropy, routing_stats(jax.lax.stop_gradient(routing.own), full_recorded)
         return logp, entropy
 
     return logp_fn
@@ -316,7 +349,14 @@ def rollout_config(config, *, greedy: bool = False, task: str | None = None,
         cache_dtype=str(r.get("cache_dtype", defaults.cache_dtype)),
         parse_max_bytes=parse_max_bytes or None,
         share_prompt_prefill=bool(r.get("share_prompt_prefill", defaults.share_prompt_prefill)),
+        record_routing=records_routing(config),
     )
+
+
+def records_routing(config) -> bool:
+    """Whether the rollout records its MoE routing: for routing replay (`rl.routing_replay`) or only for the
+    `train/routing_agreement` metric (`rl.routing_metrics`)."""
+    return bool(config.rl.get("routing_replay", False) or config.rl.get("routing_metrics", False))
 
 
 def rollout_summary(traj, task: str) -> dict[str, float]:

@@ -17,8 +17,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_METRICS = (
     "step", "rollout/rewards_mean", "rollout/rewards_std", "rollout/rewards_min", "rollout/rewards_max",
     "rollout/accuracy", "rollout/response_len_mean", "rollout/prompt_len_mean", "rollout/tool_call_valid_rate",
-    "rollout/optimal_move_rate", "train/loss", "train/policy_loss", "train/ratio_mean", "train/clip_frac", "train/grad_norm",
-    "train/entropy", "perf/step_seconds", "perf/rollout_tokens_per_s")
+    "rollout/optimal_move_rate", "train/loss", "train/policy_loss", "train/ratio_mean", "train/clip_frac",
+    "train/grad_norm", "train/entropy", "perf/step_seconds", "perf/rollout_tokens_per_s",
+    "train/rollout_logp_abs_diff_mean", "train/rollout_logp_abs_diff_max", "train/rollout_k3_kl",
+    "train/rollout_ratio_max")
 
 
 def short_config(num_steps: int):
@@ -241,3 +243,17 @@ def test_rollout_config_keeps_every_rollout_field():
             rc.parse_max_bytes) == ("bfloat16", 16, False, False, 96)
     c.rollout.parse_max_bytes = 0
     assert pipeline.rollout_config(c).parse_max_bytes is None
+
+
+def test_short_run_with_routing_replay(tmp_path):
+    """rl.routing_replay end to end (rollout records, shared-prefix train step replays, 2 micro-batches): the
+    mismatch metrics are written; in float32 the train forward routes like the rollout and scores its tokens."""
+    c = short_config(1)
+    c.rl.routing_replay = True
+    c.rl.num_microbatches = 2
+    rows = train_tictactoe.train(c, str(tmp_path))
+    assert [r["step"] for r in rows] == [1]
+    row = rows[0]
+    assert row["train/routing_agreement"] > 0.99
+    assert 0.0 <= row["train/rollout_logp_abs_diff_mean"] <= row["train/rollout_logp_abs_diff_max"] < 1e-3
+    assert 0.0 <= row["train/rollout_k3_kl"] < 1e-6 and abs(row["train/rollout_ratio_max"] - 1.0) < 1e-3

@@ -76,13 +76,22 @@ def swiglu_mlp(p: dict, x: jax.Array) -> jax.Array:
     return linear(h, p["down_proj"]["kernel"])
 
 
-def route(p_gate: dict, x: jax.Array, config: Ling3Config):
+def route(p_gate: dict, x: jax.Array, config: Ling3Config, replay: jax.Array | None = None,
+          return_own: bool = False):
     """noaux_tc router, all in float32.
 
     x: [N, D]. Returns (weights [N, K] float32, experts [N, K] int32).
     scores = sigmoid(x @ W); selection uses scores + expert_bias with group-limited top-k (a group's score is the
     sum of its two best biased scores); the combine weights are the unbiased scores of the chosen experts,
     renormalised when norm_topk_prob, times routed_scaling_factor.
+
+    Routing replay (R3): `replay` int [N, K] gives the experts to use for each token instead of the router's own
+    top-k; a row with any entry < 0 (-1: nothing recorded) is routed normally. The weights of a replayed row are
+    computed from the current router's unbiased scores gathered at the replayed ids, renormalised and scaled
+    exactly as above, so the router kernel still gets gradients; group limits are not re-applied (the replayed
+    choice already satisfied them when it was made). Replaying a token's own ids, in their order, gives the same
+    bits as normal routing. With `return_own=True` a third output is the router's own top-k [N, K] int32 (what it
+    would have chosen), for the routing-agreement metric.
     """
     n, e = x.shape[0], config.num_experts
     g, kg, k = config.n_group, config.topk_group, config.num_experts_per_tok
@@ -98,12 +107,22 @@ def route(p_gate: dict, x: jax.Array, config: Ling3Config):
         group_mask = jax.nn.one_hot(top_groups, g, dtype=jnp.bool_).any(axis=1)  # [N, G]
         expert_mask = jnp.repeat(group_mask, e // g, axis=1)  # [N, E]
         biased = jnp.where(expert_mask, biased, -jnp.inf)
-    _, experts = jax.lax.top_k(biased, k)
+    _, own = jax.lax.top_k(biased, k)
+    own = own.astype(jnp.int32)
+    experts = own
+    if replay is not None:
+        if replay.shape != (n, k):
+            raise ValueError(f"replay ids must be [N={n}, K={k}], got {replay.shape}")
+        replay = replay.astype(jnp.int32)
+        use = jnp.all(replay >= 0, axis=-1, keepdims=True)  # [N, 1]
+        experts = jnp.where(use, replay, own)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if config.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     weights = weights * config.routed_scaling_factor
-    return weights, experts.astype(jnp.int32)
+    if return_own:
+        return weights, experts, own
+    return weights, experts
 
 
 def _expert_weights(p_experts: dict, dtype):
@@ -195,19 +214,29 @@ def moe_dense_reference(p_experts: dict, x: jax.Array, weights: jax.Array, exper
     return jnp.einsum("end,ne->nd", y, combine).astype(x.dtype)
 
 
-def moe(p: dict, x: jax.Array, config: Ling3Config, *, dense_reference: bool = False) -> jax.Array:
-    """MoE block. p: {'gate', 'experts', 'shared_experts'}; x: [B, T, D] -> [B, T, D]."""
+def moe(p: dict, x: jax.Array, config: Ling3Config, *, dense_reference: bool = False,
+        replay: jax.Array | None = None, return_routing: bool = False):
+    """MoE block. p: {'gate', 'experts', 'shared_experts'}; x: [B, T, D] -> [B, T, D].
+
+    replay: optional int [B, T, K] experts to use per token (-1 rows: route normally; see `route`).
+    return_routing: also return (experts used [B, T, K] int32, the router's own top-k [B, T, K] int32).
+    """
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    weights, experts = route(p["gate"], flat, config)
+    k = config.num_experts_per_tok
+    flat_replay = None if replay is None else replay.reshape(-1, k)
+    weights, experts, own = route(p["gate"], flat, config, flat_replay, return_own=True)
     cpu_small = jax.default_backend() == "cpu" and config.num_experts <= DENSE_DISPATCH_MAX_EXPERTS
     if dense_reference or cpu_small:
         fn = moe_dense_reference
-    elif blocked_dispatch_pays(flat.shape[0] * config.num_experts_per_tok, config.num_experts):
+    elif blocked_dispatch_pays(flat.shape[0] * k, config.num_experts):
         fn = moe_experts_blocked
     else:
         fn = moe_experts
     out = fn(p["experts"], flat, weights, experts)
     if config.num_shared_experts > 0:
         out = out + swiglu_mlp(p["shared_experts"], flat)
-    return out.reshape(shape)
+    out = out.reshape(shape)
+    if return_routing:
+        return out, experts.reshape(shape[:-1] + (k,)), own.reshape(shape[:-1] + (k,))
+    return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from reno_jax.models.layers import einsum_f32, moe, rms_norm, swiglu_mlp
 from reno_jax.models.mla import mla_attention
 
 __all__ = ["Ling3Config", "ling3_tiny_real", "tiny_test_config", "init_params", "init_cache", "forward",
-           "token_logprobs", "from_pretrained", "save_pretrained", "count_params", "param_shapes"]
+           "token_logprobs", "Routing", "moe_layer_indices", "from_pretrained", "save_pretrained", "count_params", "param_shapes"]
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -228,8 +229,28 @@ def _check_inputs(params, config, input_ids, cache, valid):
         raise ValueError(f"params lack decoder layers {missing}")
 
 
-def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, *, config: Ling3Config, index: int):
-    """One pre-norm decoder layer: x -> (x + attention, + MLP) and the layer's new cache."""
+def moe_layer_indices(config: Ling3Config) -> tuple:
+    """Decoder-layer indices of the MoE layers, in order; axis 2 of routing arrays follows this order."""
+    return tuple(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+
+
+class Routing(NamedTuple):
+    """Expert choices of a forward, int32 [B, T, n_moe, K] (n_moe = len(moe_layer_indices), K = experts per
+    token); -1 at positions where `valid` is False.
+
+    experts: the experts each token was sent to (the replayed ids where replay applied, else the router's own).
+    own: the router's own top-k, whatever was replayed (what normal routing would have picked given this
+      forward's hidden states).
+    """
+
+    experts: jax.Array
+    own: jax.Array
+
+
+def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, replay=None, *, config: Ling3Config,
+                   index: int, return_routing: bool = False):
+    """One pre-norm decoder layer: x -> (x + attention, + MLP), the layer's new cache, and for MoE layers with
+    `return_routing` the (used, own) expert ids [B, T, K] (else None). replay: int [B, T, K] or None."""
     eps = config.rms_norm_eps
     hn = rms_norm(x, p["input_layernorm"]["scale"], eps)
     if config.layer_kinds[index] == "kda":
@@ -238,12 +259,20 @@ def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, *, confi
         a, lc = mla_attention(p["attention"], hn, config, valid, positions, lc, length)
     x = x + a
     hn = rms_norm(x, p["post_attention_layernorm"]["scale"], eps)
-    x = x + (moe(p["mlp"], hn, config) if config.is_moe_layer(index) else swiglu_mlp(p["mlp"], hn))
-    return x, lc
+    routing = None
+    if not config.is_moe_layer(index):
+        y = swiglu_mlp(p["mlp"], hn)
+    elif return_routing:
+        y, used, own = moe(p["mlp"], hn, config, replay=replay, return_routing=True)
+        routing = (used, own)
+    else:
+        y = moe(p["mlp"], hn, config, replay=replay)
+    return x + y, lc, routing
 
 
 def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict | None = None, *,
-            valid: jax.Array | None = None, return_hidden: bool = False, remat: bool = False):
+            valid: jax.Array | None = None, return_hidden: bool = False, remat: bool = False,
+            replay_experts: jax.Array | None = None, return_routing: bool = False):
     """Causal LM forward.
 
     input_ids: [B, T] int; valid: [B, T] bool, a left-aligned prefix of real tokens per row (default all True).
@@ -253,10 +282,21 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     hidden [L+1, B, T, D]: index 0 the embeddings, index i+1 the residual stream after layer i (before the final norm).
     remat=True wraps each decoder layer in `jax.checkpoint`: under autodiff only the layers' inputs are kept and
     the rest is recomputed in the backward pass (activation memory of one layer instead of all; same values).
+
+    Routing replay: replay_experts int [B, T, n_moe, K] (any int dtype) makes token t of MoE layer j use the
+    experts replay_experts[:, t, j] instead of its own top-k, with gate weights recomputed from the current
+    router (see `layers.route`); a (token, layer) with a negative entry (-1) is routed normally.
+    return_routing=True appends a `Routing` (used and own expert ids per token and MoE layer) as the last
+    element of the returned tuple. Without replay the computation is exactly the plain forward.
     """
     input_ids = jnp.asarray(input_ids)
     _check_inputs(params, config, input_ids, cache, valid)
     b, t = input_ids.shape
+    moe_layers = moe_layer_indices(config)
+    k = config.num_experts_per_tok
+    if replay_experts is not None and replay_experts.shape != (b, t, len(moe_layers), k):
+        raise ValueError(f"replay_experts must be [B={b}, T={t}, n_moe={len(moe_layers)}, K={k}], "
+                         f"got {replay_experts.shape}")
     valid = jnp.ones((b, t), jnp.bool_) if valid is None else jnp.asarray(valid, jnp.bool_)
     length = None if cache is None else cache["length"].astype(jnp.int32)
     positions = jnp.arange(t, dtype=jnp.int32)[None, :] + (0 if length is None else length[:, None])
@@ -267,12 +307,19 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     eps = config.rms_norm_eps
     hidden = [x]
     new_layers = []
+    used, own = [], []
     for i in range(config.num_hidden_layers):
-        layer = functools.partial(_decoder_layer, config=config, index=i)
+        layer = functools.partial(_decoder_layer, config=config, index=i, return_routing=return_routing)
         if remat:  # keep only each layer's input for the backward pass; recompute the rest
             layer = jax.checkpoint(layer)
         lc = None if cache is None else cache["layers"][i]
-        x, lc = layer(m[f"layers_{i}"], x, lc, valid, positions, length)
+        replay = None
+        if replay_experts is not None and config.is_moe_layer(i):
+            replay = replay_experts[:, :, moe_layers.index(i)]
+        x, lc, routing = layer(m[f"layers_{i}"], x, lc, valid, positions, length, replay)
+        if routing is not None:
+            used.append(routing[0])
+            own.append(routing[1])
         new_layers.append(lc)
         hidden.append(x)
 
@@ -286,15 +333,23 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     new_cache = None
     if cache is not None:
         new_cache = {"length": length + valid.sum(axis=1).astype(jnp.int32), "layers": tuple(new_layers)}
+    out = (logits, new_cache)
     if return_hidden:
-        return logits, new_cache, jnp.stack(hidden)
-    return logits, new_cache
+        out += (jnp.stack(hidden),)
+    if return_routing:
+        def stack(ids):  # n_moe x [B, T, K] -> [B, T, n_moe, K], -1 on invalid tokens
+            if not ids:
+                return jnp.zeros((b, t, 0, k), jnp.int32)
+            return jnp.where(valid[:, :, None, None], jnp.stack(ids, axis=2), -1)
+        out += (Routing(experts=stack(used), own=stack(own)),)
+    return out
 
 
-def token_logprobs(params: dict, config: Ling3Config, tokens: jax.Array, valid: jax.Array | None = None):
+def token_logprobs(params: dict, config: Ling3Config, tokens: jax.Array, valid: jax.Array | None = None,
+                   replay_experts: jax.Array | None = None):
     """logp [B, L] float32 with logp[:, t] = log p(tokens[:, t] | tokens[:, :t]); logp[:, 0] = 0 and 0 wherever
-    `valid` is False."""
-    logits, _ = forward(params, config, tokens, valid=valid)
+    `valid` is False. replay_experts: optional int [B, L, n_moe, K] routing to replay (see `forward`)."""
+    logits, _ = forward(params, config, tokens, valid=valid, replay_experts=replay_experts)
     logits = logits[:, :-1].astype(jnp.float32)
     target = tokens[:, 1:]
     picked = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]

@@ -11,7 +11,8 @@ Layout: `split_shared_prefix(batch, prefix_len)` cuts a row-wise batch (`tokens 
 `prefix_len`: `prefix_tokens [B, S]` and every other `[B, L]` entry becomes its continuation `[B, L - S]`.
 Rows `g*G .. g*G + G-1` must be one group and agree on their first S tokens, all of them real (S <= every
 row's prompt length). `B` stays the leading dimension of every entry, so the trainer's minibatch / micro-batch
-split applies unchanged as long as each piece holds whole groups.
+split applies unchanged as long as each piece holds whole groups. A recorded rollout routing (`routing [B, L,
+n_moe, K]`, routing replay) is cut the same way: `prefix_routing [B, S, n_moe, K]` and `routing [B, L - S, ...]`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 from reno_jax.models import ling3
 
-ROW_KEYS = ("tokens", "valid", "loss_mask", "old_logp", "ref_logp")
+ROW_KEYS = ("tokens", "valid", "loss_mask", "old_logp", "ref_logp", "routing")
 
 
 def split_shared_prefix(batch: dict, prefix_len: int) -> dict:
@@ -32,6 +33,8 @@ def split_shared_prefix(batch: dict, prefix_len: int) -> dict:
         raise ValueError(f"prefix_len must be in 1..{length - 1}, got {s}")
     out = dict(batch)
     out["prefix_tokens"] = batch["tokens"][:, :s]
+    if "routing" in batch:
+        out["prefix_routing"] = batch["routing"][:, :s]
     for k in ROW_KEYS:
         if k in batch:
             out[k] = batch[k][:, s:]
@@ -39,7 +42,9 @@ def split_shared_prefix(batch: dict, prefix_len: int) -> dict:
 
 
 def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.Array, tokens: jax.Array,
-                         valid: jax.Array | None, group_size: int, remat: bool = False) -> jax.Array:
+                         valid: jax.Array | None, group_size: int, remat: bool = False,
+                         prefix_replay: jax.Array | None = None, replay: jax.Array | None = None,
+                         return_routing: bool = False):
     """Next-token logits for a shared-prefix batch.
 
     Args:
@@ -47,6 +52,10 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
       tokens: `int [B, C]` continuations; `valid [B, C]` a left-aligned prefix of real tokens per row.
       group_size: G (static); B must be a multiple of G.
       remat: recompute each decoder layer in the backward pass (`ling3.forward(remat=True)`).
+      prefix_replay / replay: optional routing to replay (`ling3.forward(replay_experts=...)`), `int [B, S, n_moe,
+        K]` (every G-th row is read, like the prefix) and `int [B, C, n_moe, K]`.
+      return_routing: also return the `ling3.Routing` of the whole rows, `[B, S + C, n_moe, K]` (the prefix's
+        routing repeated over its group).
 
     Returns:
       `float32 [B, C, V]`: `logits[:, t]` scores `tokens[:, t]` given the prefix and `tokens[:, :t]`.
@@ -58,8 +67,16 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
     prefix = prefix_tokens[::g]  # [N, S]
     n, s = prefix.shape
     cache = ling3.init_cache(config, n, s + c, dtype=params["model"]["word_embeddings"]["embedding"].dtype)
-    prefix_logits, cache = ling3.forward(params, config, prefix, cache, remat=remat)
+    kw = dict(remat=remat, return_routing=return_routing)
+    prefix_out = ling3.forward(params, config, prefix, cache, replay_experts=None if prefix_replay is None
+                               else prefix_replay[::g], **kw)
+    prefix_logits, cache = prefix_out[:2]
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
-    cont_logits, _ = ling3.forward(params, config, tokens, cache, valid=valid, remat=remat)
+    cont_out = ling3.forward(params, config, tokens, cache, valid=valid, replay_experts=replay, **kw)
     first = jnp.repeat(prefix_logits[:, -1:], g, axis=0)  # [B, 1, V] scores tokens[:, 0]
-    return jnp.concatenate([first, cont_logits[:, :-1]], axis=1).astype(jnp.float32)
+    logits = jnp.concatenate([first, cont_out[0][:, :-1]], axis=1).astype(jnp.float32)
+    if not return_routing:
+        return logits
+    routing = jax.tree.map(lambda p, q: jnp.concatenate([jnp.repeat(p, g, axis=0), q], axis=1),
+                           prefix_out[-1], cont_out[-1])
+    return logits, routing

@@ -288,6 +288,38 @@ def split_rng(state: TrainState) -> tuple[TrainState, Array]:
 REQUIRED_BATCH_KEYS = ("tokens", "loss_mask", "old_logp", "advantages")
 
 
+class RoutingStats(NamedTuple):
+    """Routing agreement counts of one (micro-)batch, float32 scalars, over the (token, MoE layer) pairs with a
+    recorded rollout routing: ``agree`` those whose train-forward top-k set equals the rollout's, ``total`` all."""
+    agree: Array
+    total: Array
+
+
+def mismatch_sums(logp: Array, behaviour_logp: Array, mask: Array) -> dict:
+    """Sums behind the rollout/train mismatch metrics over the policy tokens (``mask``) of a (micro-)batch.
+
+    d = logp - behaviour_logp (train forward minus the log-prob the token was sampled with); the k3 estimator
+    exp(d) - 1 - d estimates KL(behaviour || train) from the behaviour's own samples (unbiased, >= 0).
+    Returns float32 scalars: count, abs_sum, abs_max, k3_sum, ratio_max (max exp(d); 0 when nothing is masked).
+    """
+    m = mask.astype(jnp.bool_)
+    d = jnp.where(m, logp.astype(jnp.float32) - behaviour_logp.astype(jnp.float32), 0.0)
+    return dict(count=jnp.sum(m).astype(jnp.float32), abs_sum=jnp.sum(jnp.abs(d)),
+                abs_max=jnp.max(jnp.where(m, jnp.abs(d), 0.0)), k3_sum=jnp.sum(jnp.expm1(d) - d),
+                ratio_max=jnp.max(jnp.where(m, jnp.exp(d), 0.0)))
+
+
+def mismatch_metrics(sums: dict, routing: RoutingStats | None) -> dict:
+    """``rollout_*`` metrics (and ``routing_agreement`` when the routing was recorded) from summed
+    ``mismatch_sums`` / ``RoutingStats``."""
+    count = jnp.maximum(sums["count"], 1.0)
+    out = {"rollout_logp_abs_diff_mean": sums["abs_sum"] / count, "rollout_logp_abs_diff_max": sums["abs_max"],
+           "rollout_k3_kl": sums["k3_sum"] / count, "rollout_ratio_max": sums["ratio_max"]}
+    if routing is not None:
+        out["routing_agreement"] = routing.agree / jnp.maximum(routing.total, 1.0)
+    return out
+
+
 def _reduce_kind(name):
     """How a loss metric combines over micro-batches and minibatches (see ``make_train_step``)."""
     if name.endswith("_count"):
@@ -303,7 +335,7 @@ def _reduce_kind(name):
 
 def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.GradientTransformation,
                     num_minibatches: int = 1, num_microbatches: int = 1, *, shuffle: bool = False,
-                    donate: bool = True, loss_batch_keys: Sequence[str] = ()
+                    donate: bool = True, loss_batch_keys: Sequence[str] = (), rollout_metrics: bool = False
                     ) -> Callable[[TrainState, Mapping[str, Array]], tuple[TrainState, dict]]:
     """Builds ``train_step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
 
@@ -312,7 +344,8 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         dict; it receives every key of ``batch``.
       loss_fn: ``loss_fn(logp, old_logp, advantages, mask, **kw) -> (loss, metrics)`` with hparams bound (e.g.
         ``functools.partial(losses.gspo_loss, eps_high=4e-4)``). Called with ``entropy=`` when ``logp_fn``
-        returns one and ``ref_logp=`` when the batch has ``"ref_logp"``. If its metrics contain
+        returns one and ``ref_logp=`` when the batch has ``"ref_logp"``; ``logp_fn`` may return a third
+        element, a ``RoutingStats`` (see ``rollout_metrics``). If its metrics contain
         ``"normalizer"`` (all losses of ``reno_jax.rl.losses`` do), micro-batch gradients are combined with
         those weights, which reproduces the full-minibatch gradient exactly for every aggregation (sequence
         mean, token mean, constant); otherwise micro-batches are weighted equally.
@@ -326,6 +359,13 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
       donate: donate ``state`` to the jitted function (its buffers are reused; do not touch the old state).
       loss_batch_keys: batch entries passed on to ``loss_fn`` as keyword arguments of the same name (per-row
         arrays, split like the rest of the batch), e.g. a scheduled coefficient broadcast to ``[B]``.
+      rollout_metrics: also report how far the train forward is from the rollout that sampled the batch, with
+        ``old_logp`` taken as the behaviour log-probs: ``rollout_logp_abs_diff_mean`` / ``_max`` (|logp -
+        old_logp| over policy tokens), ``rollout_k3_kl`` (k3 estimate of KL(behaviour || train)),
+        ``rollout_ratio_max`` (max token ratio) and, when ``logp_fn`` returns ``RoutingStats``,
+        ``routing_agreement``. They come from the FIRST minibatch only, whose micro-batches all run before any
+        update (later minibatches mix in the policy's own change); no extra forward: they reuse the logp the
+        loss sees.
 
     ``batch``: dict of arrays with leading dimension B (divisible by M*K), at least ``tokens [B, L]``,
     ``loss_mask [B, L]``, ``old_logp [B, L]``, ``advantages [B]`` (optional ``ref_logp [B, L]`` and anything
@@ -345,7 +385,9 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         raise ValueError("num_minibatches and num_microbatches must be >= 1")
 
     def loss_and_metrics(params, mb):
-        logp, entropy = logp_fn(params, mb)
+        out = logp_fn(params, mb)
+        logp, entropy = out[0], out[1]
+        routing = out[2] if len(out) > 2 else None
         kw = {}
         if entropy is not None:
             kw["entropy"] = entropy
@@ -354,21 +396,30 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         for k in loss_batch_keys:
             kw[k] = mb[k]
         loss, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], **kw)
-        return loss, dict(metrics)
+        extra = {}
+        if rollout_metrics:
+            extra = dict(mismatch_sums(jax.lax.stop_gradient(logp), mb["old_logp"], mb["loss_mask"]))
+            if routing is not None:
+                extra["routing"] = routing
+        return loss, (dict(metrics), extra)
 
     grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
 
     def minibatch_grads(params, micro):
         """Weighted accumulation over the leading (micro-batch) axis of ``micro``."""
         def body(acc, mb):
-            (loss, metrics), grads = grad_fn(params, mb)
+            (loss, (metrics, extra)), grads = grad_fn(params, mb)
             w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
             g_acc, l_acc, w_acc = acc
             g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
-            return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w)
+            return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w, extra)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (g_sum, l_sum, w_sum), (mets, ws) = jax.lax.scan(body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
+        (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(
+            body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
+        # Mismatch sums over the micro-batches (plain sums / maxima: token-level, not loss-weighted).
+        extra = {k: (jnp.max(v) if k.endswith("_max") else jnp.sum(v)) if k != "routing"
+                 else jax.tree.map(jnp.sum, v) for k, v in extras.items()}
         denom = jnp.maximum(w_sum, 1e-30)  # w_sum == 0 only when every loss sum is 0 too
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
         has_w = ws > 0
@@ -383,7 +434,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
                 out[k] = jnp.where(jnp.any(has_w), jnp.max(jnp.where(has_w, v, -jnp.inf)), jnp.max(v))
             else:
                 out[k] = jnp.where(w_sum > 0, jnp.sum(v * ws) / denom, jnp.mean(v))
-        return l_sum / denom, grads, out
+        return l_sum / denom, grads, out, extra
 
     def train_step(state: TrainState, batch: Mapping[str, Array]):
         missing = [k for k in REQUIRED_BATCH_KEYS if k not in batch]
@@ -409,7 +460,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
 
         def update(carry, micro):
             params, opt_state, skipped = carry
-            loss, grads, metrics = minibatch_grads(params, micro)
+            loss, grads, metrics, extra = minibatch_grads(params, micro)
             grad_norm = optax.tree.norm(grads)
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -418,9 +469,9 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             carry = (keep(new_params, params), keep(new_opt_state, opt_state), skipped + (~ok).astype(jnp.int32))
             metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
-            return carry, metrics
+            return carry, (metrics, extra)
 
-        (params, opt_state, skipped), mets = jax.lax.scan(
+        (params, opt_state, skipped), (mets, extras) = jax.lax.scan(
             update, (state.params, state.opt_state, jnp.zeros([], jnp.int32)), mbs)
         metrics = {}
         for k, v in mets.items():
@@ -428,6 +479,9 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
             reduce = {"min": jnp.min, "max": jnp.max, "count": jnp.sum}.get(kind, jnp.mean)
             metrics[k] = reduce(v)
         metrics["grad_norm_max"] = jnp.max(mets["grad_norm"])
+        if rollout_metrics:  # minibatch 0: scored with the params that generated the rollout
+            first = jax.tree.map(lambda v: v[0], extras)
+            metrics.update(mismatch_metrics(first, first.pop("routing", None)))
         new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                                   skipped_updates=state.skipped_updates + skipped, rng=rng)
         metrics["skipped"] = skipped

@@ -135,8 +135,18 @@ def step_keys(keys: jax.Array, position: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, position)
 
 
+def write_routing(buf: jax.Array, start: jax.Array, routing: jax.Array, valid: jax.Array) -> jax.Array:
+    """buf[b, start[b] + t] = routing[b, t] where valid[b, t] (others dropped).
+
+    buf: `[B, L, n_moe, K]` (int16 in the rollout); start: `int32 [B]`; routing: `[B, T, n_moe, K]`; valid: `[B, T]`.
+    """
+    b, t = valid.shape
+    idx = jnp.where(valid, start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], buf.shape[1])
+    return buf.at[jnp.arange(b)[:, None], idx].set(routing.astype(buf.dtype), mode="drop")
+
+
 def prefill_chunked(params, model_config: ling3.Ling3Config, cache: dict, ids: jax.Array, n: jax.Array,
-                    last_logits: jax.Array, chunk: int):
+                    last_logits: jax.Array, chunk: int, routing: jax.Array | None = None):
     """Feeds each row's `n[b]` tokens of `ids` into the cache, `chunk` tokens per model call.
 
     Args:
@@ -146,28 +156,39 @@ def prefill_chunked(params, model_config: ling3.Ling3Config, cache: dict, ids: j
       n: `int32 [B]` tokens to feed per row (0 leaves the row's state and `last_logits` untouched).
       last_logits: `float32 [B, V]`; for rows with n > 0 replaced by the logits of their last fed token.
       chunk: static chunk size C.
+      routing: optional `[B, L, n_moe, K]` buffer (routing replay): the experts chosen for each fed token are
+        written at the token's position (`cache['length']` + offset); other entries are kept.
     Returns:
-      `(cache, last_logits)`.
+      `(cache, last_logits)`, plus the updated `routing` buffer when one is given.
     """
     b, p = ids.shape
     if p % chunk:
         raise ValueError(f"prefill block length {p} is not a multiple of the chunk size {chunk}")
     num_chunks = (jnp.max(n) + chunk - 1) // chunk  # only as many model calls as the longest row needs
     offs = jnp.arange(chunk, dtype=jnp.int32)
+    record = routing is not None
 
     def body(carry):
-        c, cache, last = carry
+        c, cache, last, buf = carry
         start = c * chunk
         seg = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
         valid = (start + offs)[None, :] < n[:, None]
-        logits, cache = ling3.forward(params, model_config, seg, cache, valid=valid)
+        if record:
+            logits, new_cache, used = ling3.forward(params, model_config, seg, cache, valid=valid,
+                                                    return_routing=True)
+            buf = write_routing(buf, cache["length"], used.experts, valid)
+        else:
+            logits, new_cache = ling3.forward(params, model_config, seg, cache, valid=valid)
         idx = n - 1 - start  # index of the row's last token inside this chunk, if it is there
         here = (idx >= 0) & (idx < chunk)
         picked = jnp.take_along_axis(logits, jnp.clip(idx, 0, chunk - 1)[:, None, None], axis=1)[:, 0]
         last = jnp.where(here[:, None], picked.astype(jnp.float32), last)
-        return c + 1, cache, last
+        return c + 1, new_cache, last, buf
 
-    _, cache, last_logits = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, (jnp.int32(0), cache, last_logits))
+    _, cache, last_logits, routing = jax.lax.while_loop(lambda c: c[0] < num_chunks, body,
+                                                        (jnp.int32(0), cache, last_logits, routing))
+    if record:
+        return cache, last_logits, routing
     return cache, last_logits
 
 
@@ -182,19 +203,26 @@ class SamplingConfig:
 
 
 def decode_step(params, model_config: ling3.Ling3Config, sconf: SamplingConfig, cache: dict, last_logits: jax.Array,
-                keys: jax.Array, active: jax.Array, forced: jax.Array | None = None):
+                keys: jax.Array, active: jax.Array, forced: jax.Array | None = None, return_routing: bool = False):
     """Samples one token per row from `last_logits` and feeds it to the model.
 
     Args:
       cache: model cache; `last_logits [B, V] float32`; keys: `[B]` per-row keys (folded with the row's position);
       active: `bool [B]` rows that advance (others are fed with valid=False: their state does not change);
       forced: optional `int32 [B]` teacher-forced tokens (< 0: sample).
+      return_routing: static; also return the experts that routed the fed token.
     Returns:
       `(token [B] int32, logp [B] float32, cache, logits [B, V] float32)`; `logits` are the new next-token logits
-      (garbage for inactive rows).
+      (garbage for inactive rows). With `return_routing`, a fifth element `int32 [B, n_moe, K]`: the experts of
+      the fed token (the token at position `cache['length']` of the input cache) per MoE layer, -1 for inactive
+      rows.
     """
     token, logp = sampling.sample(step_keys(keys, cache["length"]), last_logits, sconf.temperature, sconf.top_k,
                                   sconf.top_p, sconf.greedy, forced=forced)
+    if return_routing:
+        logits, cache, routing = ling3.forward(params, model_config, token[:, None], cache, valid=active[:, None],
+                                               return_routing=True)
+        return token, logp, cache, logits[:, 0], routing.experts[:, 0]
     logits, cache = ling3.forward(params, model_config, token[:, None], cache, valid=active[:, None])
     return token, logp, cache, logits[:, 0]
 

@@ -30,6 +30,12 @@ Trajectory layout (`Trajectory`, B = num_groups * group_size episodes, L = `conv
                                   the model's log-softmax, i.e. `ling3.token_logprobs` of the same conversation
   turn_id [B, L] int32            k for turn k's prefilled text (prompt for k = 0, tool response before turn k
                                   otherwise) and turn k's policy tokens; -1 on padding
+  routing [B, L, n_moe, K] int16  only with `record_routing` (else None): the experts each MoE layer (in
+                                  `ling3.moe_layer_indices` order) sent token t to when token t was the model's
+                                  INPUT during the rollout (prefill for prompt / tool-response tokens, the decode
+                                  step that sampled it for a policy token). The train forward replays row t to
+                                  compute the hidden state at t, which scores token t + 1. -1 where nothing was
+                                  routed, i.e. on padding (every real token is fed once, so it has ids).
   prompt_length [B] int32, reward [B] float32, group_id [B] int32 (episode b is in group b // G)
   info: dict of [B] arrays, see `rollout`.
 """
@@ -85,6 +91,8 @@ class RolloutConfig:
       parse_max_bytes: cap on the bytes of a turn the tool-call parser scans (None: all of them, always exact).
       share_prompt_prefill: feed each group's prompt once (N rows instead of N * G) and copy the caches to the
         group's episodes. Rows are computed independently, so this only saves work.
+      record_routing: record the top-k expert ids of every fed token in every MoE layer (`Trajectory.routing`,
+        for routing replay and the routing-agreement metric). Off: the rollout program is the plain one.
     """
 
     task: str = "move"
@@ -101,6 +109,7 @@ class RolloutConfig:
     cache_dtype: str = "float32"
     parse_max_bytes: int | None = None
     share_prompt_prefill: bool = True
+    record_routing: bool = False
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -250,6 +259,7 @@ class Trajectory:
     reward: jax.Array
     group_id: jax.Array
     info: dict
+    routing: Any = None
 
 
 # ---------------------------------------------------------------------------------------------- the rollout
@@ -318,6 +328,8 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
                          f"got {forced_tokens.shape}")
     if forced_tokens is not None:
         forced_tokens = jnp.asarray(forced_tokens, jnp.int32)
+    if rc.record_routing and mc.num_experts > np.iinfo(np.int16).max:
+        raise ValueError(f"record_routing stores expert ids as int16; {mc.num_experts} experts do not fit")
     cache_dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
     table = env.table
     rows = jnp.arange(b, dtype=jnp.int32)
@@ -345,9 +357,17 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
     rows_fed = fed_ids.shape[0]
     cache = ling3.init_cache(mc, rows_fed, big_l, cache_dtype)
     last = jnp.zeros((rows_fed, mc.vocab_size), jnp.float32)
-    cache, last = gen.prefill_chunked(params, mc, cache, fed_ids, fed_len.astype(jnp.int32), last, pchunk)
+    record = rc.record_routing
+    routing = None
+    if record:  # int16 holds any expert id (< 32768) at half the bytes of int32; -1 = nothing routed
+        routing = jnp.full((rows_fed, big_l, len(ling3.moe_layer_indices(mc)), mc.num_experts_per_tok), -1,
+                           jnp.int16)
+        cache, last, routing = gen.prefill_chunked(params, mc, cache, fed_ids, fed_len.astype(jnp.int32), last,
+                                                   pchunk, routing)
+    else:
+        cache, last = gen.prefill_chunked(params, mc, cache, fed_ids, fed_len.astype(jnp.int32), last, pchunk)
     if share:
-        cache, last = jax.tree.map(lambda a: _expand(a, g), (cache, last))
+        cache, last, routing = jax.tree.map(lambda a: _expand(a, g), (cache, last, routing))
 
     rchunk = _chunk_for(spec.response_len, chunk)
     i32 = functools.partial(jnp.zeros, (b,), jnp.int32)
@@ -367,6 +387,7 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
         truncated=bool_(), valid_call=bool_(), is_optimal=bool_(), win_taken=bool_(), num_optimal=i32(),
         board=board0,
         gstate=gstate,
+        routing=routing,
     )
     sconf = rc.sampling_config
 
@@ -381,7 +402,14 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
         def body(c):
             active = ~c["stopped"]
             forced = None if forced_turn is None else jax.lax.dynamic_index_in_dim(forced_turn, c["step"], 1, False)
-            tok, lp, cache, logits = gen.decode_step(params, mc, sconf, c["cache"], c["last"], keys, active, forced)
+            routing = c["routing"]
+            if record:
+                tok, lp, cache, logits, fed = gen.decode_step(params, mc, sconf, c["cache"], c["last"], keys, active,
+                                                              forced, return_routing=True)
+                routing = gen.write_routing(routing, c["cache"]["length"], fed[:, None], active[:, None])
+            else:
+                tok, lp, cache, logits = gen.decode_step(params, mc, sconf, c["cache"], c["last"], keys, active,
+                                                         forced)
             match, hit = gen.stop_update(env.stop, c["match"], tok)
             if not rc.stop_at_tool_call:
                 hit = env.stop.is_stop[tok]
@@ -398,11 +426,12 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
                 match=jnp.where(active, match, c["match"]),
                 stopped=c["stopped"] | stop_now,
                 turn_end=jnp.where(active, tok == spec.turn_end_id, c["turn_end"]),
+                routing=routing,
             )
 
         c0 = dict(step=jnp.int32(0), cache=carry["cache"], last=carry["last"],
                   gen_tok=jnp.full((b, m), spec.pad_id, jnp.int32), gen_logp=jnp.zeros((b, m), jnp.float32),
-                  n_gen=i32(), match=i32(), stopped=~live, turn_end=bool_())
+                  n_gen=i32(), match=i32(), stopped=~live, turn_end=bool_(), routing=carry["routing"])
         return jax.lax.while_loop(cond, body, c0)
 
     def turn_body(carry):
@@ -410,7 +439,7 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
         start = carry["cache"]["length"]
         # 1. Decode the turn.
         d = decode_turn(carry, live)
-        cache, last, n_gen = d["cache"], d["last"], d["n_gen"]
+        cache, last, n_gen, routing = d["cache"], d["last"], d["n_gen"], d["routing"]
         tokens = scatter_rows(carry["tokens"], start, d["gen_tok"], n_gen)
         logp = scatter_rows(carry["logp"], start, d["gen_logp"], n_gen)
         gen_start = jax.lax.dynamic_update_index_in_dim(carry["gen_start"], jnp.where(live, start, big_l), turn, 1)
@@ -448,7 +477,11 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
                 n_feed = jnp.where(more & fits, resp_n, 0).astype(jnp.int32)
                 resp = gen.pad_to_multiple(resp, rchunk, spec.pad_id)
                 tokens = scatter_rows(tokens, pos, resp, n_feed)
-                cache, last = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk)
+                if record:
+                    cache, last, routing = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk,
+                                                               routing)
+                else:
+                    cache, last = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk)
         else:
             r, info = jax.vmap(tasks.move_reward, in_axes=(0, 0, 0, None))(carry["board"], kind, square, table)
             reward = jnp.where(live, r, carry["reward"])
@@ -460,7 +493,7 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
             out["is_optimal"] = jnp.where(live, info["is_optimal"], carry["is_optimal"])
             out["win_taken"] = jnp.where(live, info["is_win_taken"], carry["win_taken"])
         out.update(
-            turn=turn + 1, cache=cache, last=last, tokens=tokens, logp=logp, gen_start=gen_start,
+            turn=turn + 1, cache=cache, last=last, tokens=tokens, logp=logp, gen_start=gen_start, routing=routing,
             gen_end=gen_end, live=cont, reward=reward, truncated=truncated,
             parse_kind=jnp.where(live, kind, carry["parse_kind"]),
             valid_call=jnp.where(live, kind == tool_parser.KIND_OK, carry["valid_call"]),
@@ -509,7 +542,7 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
     )
     traj = Trajectory(tokens=jnp.where(valid, carry["tokens"], spec.pad_id), valid=valid, loss_mask=loss_mask,
                       behaviour_logp=logp, turn_id=turn_id, prompt_length=prompt_len.astype(jnp.int32),
-                      reward=reward, group_id=group_id, info=info)
+                      reward=reward, group_id=group_id, info=info, routing=carry["routing"])
     if return_cache:
         return traj, carry["cache"]
     return traj
