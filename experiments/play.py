@@ -31,6 +31,7 @@ def main(argv):
     except run_dir.RunDirError as e:
         raise app.UsageError(str(e)) from None
     import socket
+    import threading
 
     import uvicorn
 
@@ -51,6 +52,8 @@ def main(argv):
     shown = f"[{host}]" if ":" in host else host
     print(f"Serving {service.run.workdir} (checkpoints: {steps or 'none yet'}) at http://{shown}:{port}/",
           flush=True)
+    # Compile the model's functions while the page loads (its first answer would otherwise wait for XLA).
+    threading.Thread(target=service.warm_up, name="warm-up", daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(app_lib.create_app(service), log_level="warning"))
     server.run(sockets=[sock])
 

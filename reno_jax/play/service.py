@@ -42,7 +42,7 @@ class PlayService:
     the page opens at (None: the latest); cache_size: restored checkpoints kept in memory."""
 
     def __init__(self, workdir: str, default_step: int | None = None, cache_size: int = 4,
-                 lock_timeout: float = 120.0):
+                 lock_timeout: float = 300.0):
         self.run = run_dir_lib.RunDir(workdir)
         self._model = None  # the jitted functions, built on the first model call (a run may have no checkpoint yet)
         self.default_step = default_step
@@ -142,6 +142,14 @@ class PlayService:
         side = board_text.side_to_move(cells)
         return {"board": board_text.format_board(cells), "step": step, "side": "xo"[side - 1], **heat,
                 **policy_lib.minimax_squares(cells), **reply}
+
+    def warm_up(self) -> None:
+        """Builds the jitted functions and compiles them on the default checkpoint (if there is one yet), so the
+        person's first click does not wait for XLA."""
+        try:
+            self.policy(board_text.EMPTY_BOARD)
+        except PlayError:  # no checkpoint yet: the first request after one appears compiles instead
+            pass
 
     def play(self, board: str, square: int | None, step: int | None = None, *, sampled: bool = False,
              seed: int = 0) -> dict:
