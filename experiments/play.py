@@ -24,7 +24,7 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step the page opens at (d
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    # Imported here so that --help and a bad --workdir answer without loading JAX.
+    # Imported here so that --help answers without loading JAX.
     from reno_jax.play import run_dir
     try:
         run_dir.load_config(_WORKDIR.value)

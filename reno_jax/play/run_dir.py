@@ -93,7 +93,11 @@ class RunDir:
             if step == WARM_START_STEP:
                 return checkpointer.restore(directory, {"params": self._abstract_params})["params"]
             return checkpointer.restore(os.path.join(directory, "state"), self._abstract_state).params
-        except FileNotFoundError:  # deleted between the listing and the read (max_to_keep)
+        except Exception:
+            if os.path.isdir(directory):
+                raise
+            # Deleted between the listing and the read (the run keeps only its newest `keep_checkpoints`);
+            # Orbax reports that with various exception types, so the directory itself is the test.
             raise CheckpointMissing(f"checkpoint {step} was removed by the run while it was being read") from None
         finally:
             checkpointer.close()

@@ -77,7 +77,10 @@ function renderHeatmap(container, board, result) {
 }
 
 function describeChoice(result) {
-  if (result.verdict === "invalid") return `no valid call (${result.parse})`;
+  if (result.verdict === "invalid") {
+    return result.square === null ? `no valid call (${result.parse.replace("_", " ")})`
+                                  : `square ${result.square}: out of range (invalid)`;
+  }
   if (result.verdict === "illegal") return `square ${result.square}: taken (illegal)`;
   return `square ${result.square}` + (result.optimal.includes(result.square) ? " (optimal)" : " (not optimal)");
 }
