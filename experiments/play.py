@@ -38,16 +38,17 @@ def main(argv):
     from reno_jax.play import app as app_lib
     from reno_jax.play import service as service_lib
 
-    service = service_lib.PlayService(_WORKDIR.value, default_step=_STEP.value)
-    steps = service.run.steps()
-    if _STEP.value is not None and _STEP.value not in steps:
-        logging.warning("--step=%d has no checkpoint (saved: %s); the page opens at the latest", _STEP.value, steps)
+    # Bound here, before the run is loaded, so a taken port is reported at once (and --port=0 gets a free one).
     sock = socket.socket(socket.AF_INET6 if ":" in _HOST.value else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((_HOST.value, _PORT.value))
     except OSError as e:
         raise app.UsageError(f"cannot listen on {_HOST.value}:{_PORT.value}: {e}") from None
+    service = service_lib.PlayService(_WORKDIR.value, default_step=_STEP.value)
+    steps = service.run.steps()
+    if _STEP.value is not None and _STEP.value not in steps:
+        logging.warning("--step=%d has no checkpoint (saved: %s); the page opens at the latest", _STEP.value, steps)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"Serving {service.run.workdir} (checkpoints: {steps or 'none yet'}) at http://{shown}:{port}/",

@@ -251,6 +251,24 @@ def test_cli_refuses_a_bad_workdir_in_one_line(tmp_path):
         assert message in out.stderr and "Traceback" not in out.stderr
 
 
+def test_cli_serves_a_run_and_prints_its_url(run_path, tmp_path):
+    """The command itself, on a run that has only started (no checkpoint: nothing to compile)."""
+    import httpx
+    shutil.copy(os.path.join(run_path, "config.json"), tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.play", f"--workdir={tmp_path}", "--port=0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"at (http://127\.0\.0\.1:\d+/)$", line.strip())
+        assert url, line
+        run = httpx.get(url.group(1) + "api/run", timeout=30).json()
+        assert run["steps"] == [] and run["workdir"] == str(tmp_path)
+        assert "no checkpoint yet" in httpx.get(url.group(1) + f"api/policy?board={BOARD}", timeout=30).json()["error"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 # ---------------------------------------------------------------------------------------------- real browser
 
 def _chromium():
