@@ -43,6 +43,7 @@ def main(argv):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((_HOST.value, _PORT.value))
+        sock.listen(128)  # connections made as soon as the URL is printed wait in the backlog for uvicorn
     except OSError as e:
         raise app.UsageError(f"cannot listen on {_HOST.value}:{_PORT.value}: {e}") from None
     service = service_lib.PlayService(_WORKDIR.value, default_step=_STEP.value)
