@@ -159,7 +159,10 @@ def test_api_policy_happy_path(client, service):
         if out["verdict"] == "legal":
             assert out["board_after"][out["square"] - 1] == "x"
     latest = client.get(f"/api/policy?board={BOARD}").json()
-    assert latest["step"] == 2
+    assert latest["step"] == 2 and latest["greedy"] is True
+    sampled = [client.get(f"/api/policy?board={BOARD}&sampled=true&seed=7").json() for _ in range(2)]
+    assert sampled[0]["greedy"] is False and sampled[0]["text"] == sampled[1]["text"]  # a seed fixes the sample
+    assert sampled[0]["probs"] == latest["probs"]  # the heat map does not depend on decoding
 
 
 def test_api_run_metrics_and_page(client):
@@ -198,6 +201,7 @@ def test_api_refusals_are_clear_and_the_server_survives(client):
     assert "saved steps: [0, 1, 2]" in error_of(client.get(f"/api/policy?board={BOARD}&step=7"), 404)
     assert "step" in error_of(client.get(f"/api/policy?board={BOARD}&step=abc"), 400)
     assert "board" in error_of(client.get("/api/policy"), 400)
+    assert "seed" in error_of(client.get(f"/api/policy?board={BOARD}&sampled=true&seed=-3"), 400)
     assert "square 1 is taken" in error_of(client.post("/api/play", json={"board": "x...o....", "square": 1}), 409)
     assert "1..9" in error_of(client.post("/api/play", json={"board": ".........", "square": 10}), 400)
     assert "game is over" in error_of(client.post("/api/play", json={"board": "xxxoo....", "square": 6}), 409)

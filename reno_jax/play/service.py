@@ -129,6 +129,8 @@ class PlayService:
     def policy(self, board: str, step: int | None = None, *, sampled: bool = False, seed: int = 0) -> dict:
         """Heat map, minimax-optimal squares and the model's reply on `board` (the model plays the side to move)."""
         cells = _parse(board)
+        if not 0 <= seed < 2**31:
+            raise PlayError(400, f"seed must be in 0..2**31-1, got {seed}")
         state = board_text.result(cells)
         if state != "ongoing":
             raise PlayError(409, f"board {board!r} is finished ({state.replace('_', ' ')}): there is no move to make")
