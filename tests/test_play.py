@@ -341,6 +341,9 @@ def test_browser_plays_a_game_and_moves_the_slider(live_url, tmp_path):
                 assert driver.find_element(By.ID, "tool-response").text not in ("", "-")
             if driver.find_element(By.ID, "status").get_attribute("data-game") != "ongoing":
                 break
+            if before == 0:  # a click on an occupied square is refused with the server's reason
+                driver.find_element(By.CSS_SELECTOR, f'#board .cell[data-square="{square}"]').click()
+                wait.until(lambda d: "is taken" in d.find_element(By.ID, "status").text)
         game = driver.find_element(By.ID, "status").get_attribute("data-game")
         assert game in ("x_won", "o_won", "draw", "model_illegal", "model_invalid"), game
         assert replies >= 1
