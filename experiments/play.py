@@ -24,6 +24,8 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step the page opens at (d
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO; keep the console to the URL
+        logging.set_verbosity(logging.WARNING)
     # Imported here so that --help answers without loading JAX.
     from reno_jax.play import run_dir
     try:
