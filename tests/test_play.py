@@ -245,6 +245,9 @@ def test_a_run_still_training(run_path, tmp_path):
     assert run["steps"] == [0] and run["training"] is True and run["last_metrics_step"] == 1
     assert [r["step"] for r in client.get("/api/metrics").json()["rows"]] == [1]
     assert "no checkpoint at step 1" in error_of(client.get(f"/api/policy?board={BOARD}&step=1"), 404)
+    (workdir / "metrics.jsonl").write_text("{corrupt\n" + first)
+    assert "metrics.jsonl cannot be read" in error_of(client.get("/api/metrics"), 500)
+    assert client.get("/api/run").json()["steps"] == [0]
 
 
 def test_cli_refuses_a_bad_workdir_in_one_line(tmp_path):

@@ -61,7 +61,10 @@ class PlayService:
     # -- run information ------------------------------------------------------------------------------------
     def info(self) -> dict:
         steps = self.run.steps()
-        rows = self.run.metrics()
+        try:
+            rows = self.run.metrics()
+        except ValueError:  # a corrupt metrics row: /api/metrics says so; the run information still answers
+            rows = []
         last = int(rows[-1]["step"]) if rows else 0
         num_steps = int(self.run.config.num_steps)
         path = os.path.join(self.run.workdir, "metrics.jsonl")
