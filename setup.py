@@ -5,7 +5,8 @@ setup(
     version="0.1.0",
     description="Agentic RL post-training of Ling-3.0 (bailing_hybrid) on tool-calling tic-tac-toe, in JAX.",
     packages=find_packages(include=["reno_jax", "reno_jax.*", "experiments", "configs"]),
-    package_data={"reno_jax": ["assets/*.json", "assets/*.jinja", "assets/*.npz"]},
+    package_data={"reno_jax": ["assets/*.json", "assets/*.jinja", "assets/*.npz",
+                               "play/static/*.html", "play/static/*.js", "play/static/*.css"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.7",
@@ -23,9 +24,11 @@ setup(
         "tensorboardX>=2.6",
         "matplotlib>=3.8",
         "tqdm>=4.66",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20"],
         "gpu": ["jax[cuda12]"],
         "bench": ["pgx>=2.0", "torch==2.13.0"],
     },

@@ -1,0 +1,85 @@
+"""FastAPI app of the play page: the static page and its JSON API over a `service.PlayService`.
+
+  GET  /                       the page (static/index.html; its JS and CSS under /static)
+  GET  /api/run                workdir, task, saved checkpoint steps (0 = warm start), training or finished
+  GET  /api/policy?board=x...o....&step=N[&sampled=true&seed=S]
+                               {"probs": [9], "mass", "square", "text", "optimal": [squares], "verdict",
+                                "tool_response", ...}: the policy at the decision token and the model's reply
+  POST /api/play               {"board", "square" (1..9, or null: the model moves first), "step", "sampled"}
+                               -> the board after the person's and the model's moves, the status, the model's turn
+  GET  /api/metrics?since=N    metrics.jsonl rows after step N, the numeric keys and the default curves
+
+Every error is JSON `{"error": "..."}` with a 4xx/5xx status; no request can take the server down. The model
+endpoints are plain `def`s, so FastAPI runs them in its thread pool and the event loop keeps answering (metrics
+polls included) while the model works.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import fastapi
+from fastapi import exceptions, responses, staticfiles
+import pydantic
+
+from reno_jax.play import service as service_lib
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+
+
+class PlayRequest(pydantic.BaseModel):
+    board: str = "." * 9
+    square: int | None = None
+    step: int | None = None
+    sampled: bool = False
+    seed: int = 0
+
+
+def _error(status: int, message: str) -> responses.JSONResponse:
+    return responses.JSONResponse({"error": message}, status_code=status)
+
+
+def create_app(service: service_lib.PlayService) -> fastapi.FastAPI:
+    app = fastapi.FastAPI(title="reno_jax play", docs_url="/api/docs", redoc_url=None)
+    app.mount("/static", staticfiles.StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.exception_handler(service_lib.PlayError)
+    async def _play_error(request, exc: service_lib.PlayError):
+        return _error(exc.status, exc.message)
+
+    @app.exception_handler(exceptions.RequestValidationError)
+    async def _bad_request(request, exc: exceptions.RequestValidationError):
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body"))
+            parts.append(f"{where}: {err.get('msg', 'invalid')}" if where else err.get("msg", "invalid"))
+        return _error(400, "bad request: " + "; ".join(parts))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        logging.exception("request %s failed", request.url)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.get("/", include_in_schema=False)
+    def index():
+        return responses.FileResponse(os.path.join(STATIC_DIR, "index.html"))
+
+    @app.get("/api/run")
+    def run_info():
+        return service.info()
+
+    @app.get("/api/policy")
+    def policy(board: str, step: int | None = None, sampled: bool = False, seed: int = 0):
+        return service.policy(board, step, sampled=sampled, seed=seed)
+
+    @app.post("/api/play")
+    def play(request: PlayRequest):
+        return service.play(request.board, request.square, request.step, sampled=request.sampled,
+                            seed=request.seed)
+
+    @app.get("/api/metrics")
+    def metrics(since: int = 0):
+        return service.metrics(since)
+
+    return app

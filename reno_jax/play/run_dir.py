@@ -1,0 +1,118 @@
+"""A read-only view of a training workdir (see `experiments/train_tictactoe.py` for its layout).
+
+Nothing here writes into the workdir: the run may still be training into it. Checkpoint steps are found by
+listing `checkpoints/` (Orbax writes a step into a temporary directory and renames it to the bare step number
+once complete, so only all-digit names are finished checkpoints); the supervised warm start in `warmstart/` is
+step 0, the policy RL starts from. A step can disappear while we look (the run keeps only its newest few).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from reno_jax import pipeline
+from reno_jax.checkpoint import metrics as metrics_lib
+from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.models import ling3
+from reno_jax.rl import trainer
+
+WARM_START_STEP = 0
+WARM_START_SUBDIR = "warmstart"
+_COMMITTED = "_CHECKPOINT_METADATA"  # written by Orbax when a checkpoint directory is complete
+
+
+class RunDirError(FileNotFoundError):
+    """The workdir is not a training run (missing, or without `config.json`)."""
+
+
+class CheckpointMissing(FileNotFoundError):
+    """A step that has no (longer a) checkpoint."""
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+    if not os.path.isdir(workdir):
+        raise RunDirError(f"--workdir {workdir!r} does not exist")
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise RunDirError(f"--workdir {workdir!r} has no config.json: not a training run "
+                          "(python -m experiments.train_tictactoe --workdir=... writes one)")
+    try:
+        with open(path) as f:
+            return ml_collections.ConfigDict(json.load(f))
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"{path} is not readable JSON: {e}") from None
+
+
+class RunDir:
+    """Config, checkpoint steps, parameters and metrics of one workdir."""
+
+    def __init__(self, workdir: str):
+        self.workdir = os.path.abspath(workdir)
+        self.config = load_config(self.workdir)
+        self.tokenizer = pipeline.build_tokenizer(self.config)
+        self.model_config, self._abstract_params = _abstract_model(self.config, self.tokenizer)
+        optimizer = pipeline.make_optimizer(self.config)
+        # The restore target of a checkpoint's TrainState, from shapes only (nothing is initialised).
+        self._abstract_state = jax.eval_shape(
+            lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(0)), self._abstract_params)
+
+    # -- steps ----------------------------------------------------------------------------------------------
+    def _step_dir(self, step: int) -> str:
+        if step == WARM_START_STEP:
+            return os.path.join(self.workdir, WARM_START_SUBDIR)
+        return os.path.join(self.workdir, ckpt_lib.CHECKPOINT_SUBDIR, str(step))
+
+    def steps(self) -> list[int]:
+        """Complete checkpoint steps, ascending; 0 is the warm start when the run has one."""
+        found = []
+        if os.path.isfile(os.path.join(self._step_dir(WARM_START_STEP), _COMMITTED)):
+            found.append(WARM_START_STEP)
+        try:
+            names = os.listdir(os.path.join(self.workdir, ckpt_lib.CHECKPOINT_SUBDIR))
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            if name.isdigit() and int(name) > 0 and os.path.isfile(os.path.join(self._step_dir(int(name)),
+                                                                                _COMMITTED)):
+                found.append(int(name))
+        return sorted(found)
+
+    # -- parameters -----------------------------------------------------------------------------------------
+    def restore_params(self, step: int):
+        """The policy parameters saved at `step` (0: the warm start). Raises `CheckpointMissing`."""
+        directory = self._step_dir(step)
+        if step not in self.steps():
+            raise CheckpointMissing(f"no checkpoint at step {step}")
+        checkpointer = ocp.StandardCheckpointer()
+        try:
+            if step == WARM_START_STEP:
+                return checkpointer.restore(directory, {"params": self._abstract_params})["params"]
+            return checkpointer.restore(os.path.join(directory, "state"), self._abstract_state).params
+        except Exception:
+            if os.path.isdir(directory):
+                raise
+            # Deleted between the listing and the read (the run keeps only its newest `keep_checkpoints`);
+            # Orbax reports that with various exception types, so the directory itself is the test.
+            raise CheckpointMissing(f"checkpoint {step} was removed by the run while it was being read") from None
+        finally:
+            checkpointer.close()
+
+    # -- metrics --------------------------------------------------------------------------------------------
+    def metrics(self) -> list[dict]:
+        """Rows of `metrics.jsonl` (a half-written last line of a live run is left for the next read)."""
+        return metrics_lib.read_metrics(os.path.join(self.workdir, metrics_lib.METRICS_FILE))
+
+
+def _abstract_model(config, tokenizer):
+    """(model_config, params as `jax.ShapeDtypeStruct`s) of a run, without building its parameters."""
+    if config.model.get("path", ""):  # a pretrained model: its config lives in the HF directory
+        model_config, params = pipeline.build_model(config, jax.random.PRNGKey(0), tokenizer)
+        return model_config, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    model_config = pipeline.tiny_model_config(config, len(tokenizer))
+    dtype = pipeline.dtype_of(config.model.dtype)
+    return model_config, jax.eval_shape(lambda k: ling3.init_params(model_config, k, dtype), jax.random.PRNGKey(0))
