@@ -82,7 +82,8 @@ def test_fit_spec_replicates_what_the_mesh_does_not_divide():
 
 @pytest.fixture(scope="module")
 def eight_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=REPO)
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=REPO)  # keeps conftest's optimisation level
     out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_multidevice_forward.py")], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
