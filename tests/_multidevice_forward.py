@@ -94,6 +94,24 @@ def train_steps(num_steps=3):
                 sharded_quantized_moments=len(quantized), expert_moment_specs=[list(map(str, s)) for s in mu_experts])
 
 
+def replay_under_expert_parallelism():
+    """Routing replay (replayed expert ids, every third token routed normally) on (data 2, fsdp 2, expert 2) /
+    fsdp_ep vs one device, and how much the replayed ids change the logits (so the check has teeth)."""
+    config = ling3.tiny_test_config(num_hidden_layers=2)
+    params = ling3.init_params(config, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (8, 12), 0, config.vocab_size)
+    shape = (8, 12, len(ling3.moe_layer_indices(config)), config.num_experts_per_tok)
+    replay = jax.random.randint(jax.random.PRNGKey(2), shape, 0, config.num_experts).at[:, ::3].set(-1)
+    fn = jax.jit(lambda p, t, r: ling3.forward(p, config, t, replay_experts=r)[0])
+    want = np.asarray(fn(params, tokens, replay))
+    plain = np.asarray(jax.jit(lambda p, t: ling3.forward(p, config, t)[0])(params, tokens))
+    mesh = parallel.make_mesh(parallel.MeshConfig(data=2, fsdp=2, expert=2, preset="fsdp_ep"))
+    got = np.asarray(fn(jax.device_put(params, parallel.param_shardings(config, mesh, "fsdp_ep")),
+                        jax.device_put(tokens, parallel.batch_sharding(mesh, 2)),
+                        jax.device_put(replay, parallel.batch_sharding(mesh, 4))))
+    return dict(max_abs_diff=float(np.abs(got - want).max()), replay_effect=float(np.abs(want - plain).max()))
+
+
 if __name__ == "__main__":
-    print(json.dumps({"forward": main(), "train": train_steps()}))
+    print(json.dumps({"forward": main(), "train": train_steps(), "replay": replay_under_expert_parallelism()}))
 

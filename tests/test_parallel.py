@@ -107,6 +107,12 @@ def test_sharded_train_steps_equal_one_device(eight_devices):
     assert train["expert_moment_specs"] and all("expert" in spec[0] for spec in train["expert_moment_specs"])
 
 
+def test_routing_replay_under_expert_parallelism(eight_devices):
+    replay = eight_devices["replay"]
+    assert replay["replay_effect"] > 1e-3  # the replayed ids do change the forward
+    assert replay["max_abs_diff"] <= 1e-5, replay
+
+
 def test_a_mesh_the_devices_cannot_hold_is_a_config_error(tmp_path):
     from configs import tictactoe_tiny
     from experiments import train_tictactoe
