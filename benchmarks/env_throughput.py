@@ -9,7 +9,7 @@ Every variant runs the same loop, jitted, over a batch of games (default 4096):
         auto-reset: finished games are replaced by a fresh start state (``jnp.where`` against a start batch)
 
 Variants:
-  ours                  ``reno_jax.envs.tictactoe.step`` (int8 board, bitboard line checks, branch-free).
+  ours                  ``reno_jax.envs.tictactoe.rules.step`` (int8 board, bitboard line checks, branch-free).
   ours+parse+render     the chosen square goes through text first, as in a rollout: the pre-tokenized tool call
                         ``<tool_call>{"name": "choose_square", "arguments": {"square": k}}</tool_call>`` for the
                         chosen square is parsed by the jitted token-level DFA parser
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from reno_jax.envs import tictactoe as ttt  # noqa: E402
+from reno_jax.envs.tictactoe import rules as ttt  # noqa: E402
 
 NUM_ACTIONS = 9
 
@@ -164,8 +164,8 @@ def ours_with_parse_render(batch, steps, sampler, parse=True, render=True):
     ``parse``/``render`` switch the two text stages (both on for the reported variant; ``--breakdown`` times each
     alone).
     """
-    from reno_jax.envs import text, tool_parser
-    from reno_jax.envs.tokenizer import load_tokenizer
+    from reno_jax.envs.tictactoe import wording as text, tool_parser
+    from reno_jax.protocol.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     tables = tool_parser.build_parser_tables(tok)

@@ -44,8 +44,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reno_jax import pipeline  # noqa: E402
-from reno_jax.envs import boards as boards_lib  # noqa: E402
-from reno_jax.envs import tokenizer as tokenizer_lib  # noqa: E402
+from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
+from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402

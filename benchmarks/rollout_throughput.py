@@ -44,9 +44,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import tictactoe_tiny  # noqa: E402
-from reno_jax.envs import boards as boards_lib  # noqa: E402
-from reno_jax.envs import text  # noqa: E402
-from reno_jax.envs.tokenizer import load_tokenizer  # noqa: E402
+from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
+from reno_jax.envs.tictactoe import wording as text  # noqa: E402
+from reno_jax.protocol.tokenizer import load_tokenizer  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rollout import generate as gen  # noqa: E402
 from reno_jax.rollout import rollout as R  # noqa: E402

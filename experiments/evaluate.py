@@ -24,7 +24,7 @@ import tqdm
 
 from experiments import cli
 from reno_jax import pipeline
-from reno_jax.envs import tokenizer as tokenizer_lib
+from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.rollout import rollout as rollout_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.json and checkpoints).",
@@ -88,7 +88,7 @@ def evaluate_move(params, model_config, env, config, boards: np.ndarray, greedy:
 
 def _win_available(boards: np.ndarray) -> np.ndarray:
     """Boards on which the side to move has an immediate win."""
-    from reno_jax.envs import minimax
+    from reno_jax.envs.tictactoe import minimax
     tables = minimax.tables_numpy()
     codes = (boards.astype(np.int64) * (3 ** np.arange(9))).sum(axis=1)
     return tables["winning_mask"][codes].any(axis=1)

@@ -20,9 +20,9 @@ import numpy as np
 
 from reno_jax import parallel
 from reno_jax.checkpoint import orbax as ckpt_lib
-from reno_jax.envs import boards as boards_lib
-from reno_jax.envs import tasks
-from reno_jax.envs import tokenizer as tokenizer_lib
+from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs.tictactoe import tasks
+from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.models import ling3
 from reno_jax.models.config import Ling3Config
 from reno_jax.rl import losses, shared_prefix, trainer

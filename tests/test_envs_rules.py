@@ -1,4 +1,4 @@
-"""Rules (reno_jax.envs.tictactoe) and the minimax table (reno_jax.envs.minimax)."""
+"""Rules (reno_jax.envs.tictactoe.rules) and the minimax table (reno_jax.envs.tictactoe.minimax)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.envs import minimax
-from reno_jax.envs import tictactoe as ttt
+from reno_jax.envs.tictactoe import minimax
+from reno_jax.envs.tictactoe import rules as ttt
 
 # ------------------------------------------------------------------------------------------------
 # Plain-Python reference (independent of the code under test: tuples, explicit lines, recursion)

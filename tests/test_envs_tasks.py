@@ -1,4 +1,4 @@
-"""Move/game tasks (reno_jax.envs.tasks) and board datasets (reno_jax.envs.boards)."""
+"""Move/game tasks (reno_jax.envs.tictactoe.tasks) and board datasets (reno_jax.envs.tictactoe.boards)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.envs import boards as B
-from reno_jax.envs import minimax
-from reno_jax.envs import tasks as T
-from reno_jax.envs import tictactoe as ttt
+from reno_jax.envs.tictactoe import boards as B
+from reno_jax.envs.tictactoe import minimax
+from reno_jax.envs.tictactoe import tasks as T
+from reno_jax.envs.tictactoe import rules as ttt
 
 # ------------------------------------------------------------------------------------------------
 # Independent plain-Python reference of AReno's game.score_move (X to move, value-preserving = best)

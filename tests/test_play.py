@@ -21,7 +21,7 @@ import pytest
 
 from configs import tictactoe_tiny
 from experiments import train_tictactoe
-from reno_jax.envs import text, tool_parser
+from reno_jax.envs.tictactoe import wording as text, tool_parser
 from reno_jax.models import ling3
 from reno_jax.play import board_text, policy as policy_lib, run_dir as run_dir_lib, service as service_lib
 from reno_jax.rl import sft

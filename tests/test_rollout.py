@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.envs import tasks, text
-from reno_jax.envs import tictactoe as ttt
-from reno_jax.envs.tokenizer import load_tokenizer
+from reno_jax.envs.tictactoe import tasks, wording as text
+from reno_jax.envs.tictactoe import rules as ttt
+from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.models import ling3
 from reno_jax.rollout import generate as gen
 from reno_jax.rollout import rollout as R

@@ -170,7 +170,7 @@ def test_rollout_records_the_routing_of_every_fed_token():
     """Game task, 2 turns (prompt prefill, forced first call, tool-response prefill, sampled second turn): the
     recorded ids have the documented layout and equal the own top-k of a float32 train forward of the same
     conversation; -1 exactly on padding."""
-    from reno_jax.envs.tokenizer import load_tokenizer
+    from reno_jax.protocol.tokenizer import load_tokenizer
     from reno_jax.rollout import rollout as R
 
     mc = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=3)  # KDA (dense), MLA (MoE), MLA (MoE)

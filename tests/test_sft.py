@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from reno_jax import pipeline
-from reno_jax.envs import tasks, text, tool_parser
-from reno_jax.envs import tictactoe as ttt
-from reno_jax.envs.tokenizer import load_tokenizer
+from reno_jax.envs.tictactoe import tasks, wording as text, tool_parser
+from reno_jax.envs.tictactoe import rules as ttt
+from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.models import ling3
 from reno_jax.rl import sft
 from reno_jax.rollout import rollout as R

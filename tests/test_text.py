@@ -1,4 +1,4 @@
-"""Tests for the shipped tokenizer, prompt wording and in-jit chat rendering (reno_jax.envs.text / tokenizer)."""
+"""Tests for the shipped tokenizer, prompt wording and in-jit chat rendering (reno_jax.envs.tictactoe.wording / tokenizer)."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from reno_jax.envs import text
-from reno_jax.envs import tokenizer as tokenizer_lib
+from reno_jax.envs.tictactoe import wording as text
+from reno_jax.protocol import tokenizer as tokenizer_lib
 
 CALL = '<tool_call>{"name": "choose_square", "arguments": {"square": 5}}</tool_call>'
 
@@ -169,7 +169,7 @@ def test_render_board_and_messages():
 
 
 def test_statuses_match_game_outcomes():
-    from reno_jax.envs import tasks
+    from reno_jax.envs.tictactoe import tasks
 
     assert text.STATUS_NAMES == tasks.OUTCOME_NAMES
     assert (text.STATUS_ONGOING, text.STATUS_WIN, text.STATUS_DRAW, text.STATUS_LOSS) == (

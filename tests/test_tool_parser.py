@@ -1,4 +1,4 @@
-"""Tests for reno_jax.envs.tool_parser: the host reference grammar and the jitted byte-DFA parser's agreement."""
+"""Tests for reno_jax.envs.tictactoe.tool_parser: the host reference grammar and the jitted byte-DFA parser's agreement."""
 
 import random
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reno_jax.envs import tokenizer as tokenizer_lib
-from reno_jax.envs import tool_parser as tp
+from reno_jax.protocol import tokenizer as tokenizer_lib
+from reno_jax.envs.tictactoe import tool_parser as tp
 
 T = 64  # fixed token length: one compiled parser serves every example
 B = 8  # examples per hypothesis draw (one vmapped call)

@@ -108,7 +108,7 @@ def _assistant_text(square, rng: random.Random) -> str:
 
 def generate_corpus(num_games: int = 1500, num_positions: int = 2500, seed: int = SEED) -> list[str]:
     """Training text for the BPE (deterministic for a seed)."""
-    from reno_jax.envs import text as text_lib
+    from reno_jax.envs.tictactoe import wording as text_lib
 
     rng = random.Random(seed)
     template = open(TEMPLATE_PATH).read()
@@ -172,7 +172,7 @@ def _template_renderer(template: str):
     """Render the chat template through ``transformers`` on a throwaway byte-level tokenizer (public API only)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from reno_jax.envs.tokenizer import wrap_tokenizer
+    from reno_jax.protocol.tokenizer import wrap_tokenizer
 
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -189,7 +189,7 @@ def _template_renderer(template: str):
 
 def build(out_dir: str = ASSETS_DIR, vocab_size: int = VOCAB_SIZE, seed: int = SEED, corpus=None) -> str:
     """Train the tokenizer and write the three files into ``out_dir``. Returns ``out_dir``."""
-    from reno_jax.envs.tokenizer import train_byte_level_bpe
+    from reno_jax.protocol.tokenizer import train_byte_level_bpe
 
     template = open(TEMPLATE_PATH).read()
     corpus = generate_corpus(seed=seed) if corpus is None else corpus
@@ -246,8 +246,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     out = build(args.out, args.vocab_size, args.seed)
 
-    from reno_jax.envs import text as text_lib
-    from reno_jax.envs import tokenizer as tokenizer_lib
+    from reno_jax.envs.tictactoe import wording as text_lib
+    from reno_jax.protocol import tokenizer as tokenizer_lib
 
     tok = tokenizer_lib.load_tokenizer(out)
     board = np.array([1, 0, 2, 0, 1, 0, 0, 0, 0], np.int8)

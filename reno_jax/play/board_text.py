@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from reno_jax.envs import tictactoe as ttt
+from reno_jax.envs.tictactoe import rules as ttt
 
 _CHAR_TO_CELL = {".": ttt.EMPTY, "x": ttt.X, "o": ttt.O}
 _CELL_TO_CHAR = {v: k for k, v in _CHAR_TO_CELL.items()}

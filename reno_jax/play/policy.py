@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax import pipeline
-from reno_jax.envs import minimax, text, tool_parser
-from reno_jax.envs import tictactoe as ttt
-from reno_jax.envs import tokenizer as tokenizer_lib
+from reno_jax.envs.tictactoe import minimax, wording as text, tool_parser
+from reno_jax.envs.tictactoe import rules as ttt
+from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.models import ling3
 from reno_jax.play import board_text
 from reno_jax.rl import sft

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax.envs import tasks, text
+from reno_jax.envs.tictactoe import tasks, wording as text
 from reno_jax.rollout import rollout as rollout_lib
 
 

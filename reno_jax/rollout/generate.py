@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax.envs import tool_parser
+from reno_jax.envs.tictactoe import tool_parser
 from reno_jax.models import ling3
 from reno_jax.rollout import sampling
 

@@ -52,8 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax.envs import minimax, tasks, text, tool_parser
-from reno_jax.envs import tictactoe as ttt
+from reno_jax.envs.tictactoe import minimax, tasks, wording as text, tool_parser
+from reno_jax.envs.tictactoe import rules as ttt
 from reno_jax.models import ling3
 from reno_jax.rollout import generate as gen
 from reno_jax.rollout import sampling
@@ -169,7 +169,7 @@ def make_env(tokenizer, vocab_size: int | None = None, chat_template: str | None
     """Builds the `RolloutEnv` on the host (call once; pass the result into the jitted rollout).
 
     Args:
-      tokenizer: HF tokenizer (e.g. `reno_jax.envs.tokenizer.load_tokenizer(None)`).
+      tokenizer: HF tokenizer (e.g. `reno_jax.protocol.tokenizer.load_tokenizer(None)`).
       vocab_size: the model's vocabulary size when it is larger than the tokenizer's (padded embedding); extra ids
         decode to nothing. Must not be smaller than the tokenizer's vocabulary.
       chat_template: override of the tokenizer's chat template.

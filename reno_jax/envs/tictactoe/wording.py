@@ -46,7 +46,7 @@ import numpy as np
 NUM_SQUARES = 9
 TOOL_NAME = "choose_square"
 
-# Tool-response statuses (== reno_jax.envs.tasks.OUTCOME_*).
+# Tool-response statuses (== reno_jax.envs.tictactoe.tasks.OUTCOME_*).
 STATUS_ONGOING = 0  # the opponent replied; the game goes on (next assistant header follows)
 STATUS_WIN = 1  # the agent's move won
 STATUS_DRAW = 2  # board full (after the agent's move or the opponent's reply)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from reno_jax.envs import tictactoe as ttt
+from reno_jax.envs.tictactoe import rules as ttt
 
 ARENO_DEFAULT_SEED = 2026  # the seed in AReno's README command
 DEFAULT_COUNT = 2048
@@ -75,7 +75,7 @@ def board_code_np(boards: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def _terminal_by_code() -> list[bool]:
     """``terminal[code]`` for all 3**9 codes, as a Python list (fast scalar indexing in the generator loop)."""
-    from reno_jax.envs import minimax  # local import: minimax imports nothing from here, but keep boards light
+    from reno_jax.envs.tictactoe import minimax  # local import: minimax imports nothing from here, but keep boards light
 
     all_boards = minimax.all_boards_numpy()
     full = ~(all_boards == ttt.EMPTY).any(-1)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax.envs import tictactoe as ttt
+from reno_jax.envs.tictactoe import rules as ttt
 
 _CACHE_VERSION = 1
 _CACHE_NAME = f"tictactoe_minimax_v{_CACHE_VERSION}.npz"

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax.envs import minimax
-from reno_jax.envs import tictactoe as ttt
+from reno_jax.envs.tictactoe import minimax
+from reno_jax.envs.tictactoe import rules as ttt
 
 # Parser result kinds (design contract).
 PARSE_OK = 0
