@@ -48,6 +48,7 @@ from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
 from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
+from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
 
 
@@ -213,11 +214,11 @@ def timed(fn, *args):
 def rollout_setup(args, config):
     """(jitted rollout fn, key, starts, env) of the move task at the benchmark's shape."""
     tokenizer = tokenizer_lib.load_tokenizer(None)
-    env = rollout_lib.make_env(tokenizer, vocab_size=config.vocab_size)
-    rc = rollout_lib.RolloutConfig(task="move", max_new_tokens=args.max_new_tokens, max_turns=1,
+    env = rollout_lib.compile_env(ttt_env.TicTacToeEnv.create("move"), tokenizer, vocab_size=config.vocab_size)
+    rc = rollout_lib.RolloutConfig(max_new_tokens=args.max_new_tokens, max_turns=1,
                                    temperature=1.0, group_size=args.group_size)
     boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
-    return rollout_lib.make_rollout_fn(config, rc), jax.random.PRNGKey(1), rollout_lib.move_starts(boards), env
+    return rollout_lib.make_rollout_fn(config, rc), jax.random.PRNGKey(1), ttt_env.move_starts(boards), env
 
 
 def run_rollout(args, config, params, res):

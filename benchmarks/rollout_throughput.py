@@ -49,6 +49,7 @@ from reno_jax.envs.tictactoe import wording as text  # noqa: E402
 from reno_jax.protocol.tokenizer import load_tokenizer  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rollout import generate as gen  # noqa: E402
+from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
 from reno_jax.rollout import rollout as R  # noqa: E402
 
 GROUP = 8
@@ -75,10 +76,10 @@ def model_config(vocab_size: int) -> ling3.Ling3Config:
 
 def rollout_runner(params, mc, env, boards, new_tokens, share_prompt_prefill=True):
     """The jitted move-task rollout; the runner stores the last Trajectory in `out`."""
-    rc = R.RolloutConfig(task="move", group_size=GROUP, max_new_tokens=new_tokens, prefill_chunk=64,
+    rc = R.RolloutConfig(group_size=GROUP, max_new_tokens=new_tokens, prefill_chunk=64,
                          share_prompt_prefill=share_prompt_prefill)
     fn = R.make_rollout_fn(mc, rc)
-    starts = R.move_starts(boards)
+    starts = ttt_env.move_starts(boards)
     out = {}
 
     def run():
@@ -179,7 +180,7 @@ def main(argv=None):
     tok = load_tokenizer(None)
     mc = model_config(len(tok))
     params = jax.jit(ling3.init_params, static_argnums=0)(mc, jax.random.key(0))
-    env = R.make_env(tok, vocab_size=mc.vocab_size)
+    env = R.compile_env(ttt_env.TicTacToeEnv.create("move"), tok, vocab_size=mc.vocab_size)
     pool = np.asarray(boards_lib.generate_boards(max(batches) // GROUP, seed=0), np.int8)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; model "
           f"{ling3.count_params(mc)['total']} params; new tokens {args.new_tokens}", flush=True)

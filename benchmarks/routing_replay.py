@@ -45,6 +45,7 @@ from experiments import train_tictactoe  # noqa: E402
 from reno_jax import pipeline  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rl import losses, trainer  # noqa: E402
+from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def scoring(config, workdir: str, num_batches: int) -> dict:
     key_model, key_sft, _ = jax.random.split(key, 3)  # as experiments/train_tictactoe.train splits it
     tokenizer = pipeline.build_tokenizer(config)
     model_config, params = pipeline.build_model(config, key_model, tokenizer)
-    env = rollout_lib.make_env(tokenizer, vocab_size=model_config.vocab_size)
+    env = rollout_lib.compile_env(ttt_env.TicTacToeEnv.create("move"), tokenizer, vocab_size=model_config.vocab_size)
     params, _ = train_tictactoe.warm_start(config, workdir, model_config, params, tokenizer, env, key_sft)
     train_boards, _ = pipeline.load_boards(config)
     rc = pipeline.rollout_config(config)

@@ -24,6 +24,7 @@ import tqdm
 
 from experiments import cli
 from reno_jax import pipeline
+from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.rollout import rollout as rollout_lib
 
@@ -64,11 +65,11 @@ def run_episodes(params, model_config, env, rc, starts_fn, total: int, batch: in
 
 
 def evaluate_move(params, model_config, env, config, boards: np.ndarray, greedy: bool, batch: int, key):
-    rc = pipeline.rollout_config(config, greedy=greedy, task="move", group_size=1)
+    rc = pipeline.rollout_config(config, greedy=greedy, group_size=1)
 
     def starts_fn(start, size):
         idx = np.arange(start, start + size) % len(boards)
-        return rollout_lib.move_starts(boards[idx])
+        return ttt_env.move_starts(boards[idx])
 
     traj = run_episodes(params, model_config, env, rc, starts_fn, len(boards), batch, key)
     info = traj.info
@@ -96,13 +97,13 @@ def _win_available(boards: np.ndarray) -> np.ndarray:
 
 def evaluate_game(params, model_config, env, config, opponent: str, epsilon: float, side: str, total: int,
                   greedy: bool, batch: int, key):
-    rc = pipeline.rollout_config(config, greedy=greedy, task="game", group_size=1)
+    rc = pipeline.rollout_config(config, greedy=greedy, group_size=1)
     k_open, k_policy = jax.random.split(key)
 
     def starts_fn(start, size):
         ids = np.arange(start, start + size)
         agent = {"x": np.ones_like(ids), "o": np.full_like(ids, 2), "both": 1 + ids % 2}[side].astype(np.int8)
-        return rollout_lib.game_starts(jax.random.fold_in(k_open, start), size, agent_player=agent,
+        return ttt_env.game_starts(jax.random.fold_in(k_open, start), size, agent_player=agent,
                                        opponent=opponent, epsilon=epsilon)
 
     traj = run_episodes(params, model_config, env, rc, starts_fn, total, batch, k_policy)
@@ -133,8 +134,8 @@ def main(argv):
     workdir = _WORKDIR.value
     config, tokenizer, model_config, params, step = load_run(workdir, _STEP.value)
     logging.info("Evaluating %s at step %s", workdir, step)
-    env = rollout_lib.make_env(tokenizer, vocab_size=model_config.vocab_size)
     task = _TASK.value or config.env.task
+    env = pipeline.make_compiled_env(config, tokenizer, model_config, task=task)
     key = jax.random.PRNGKey(_SEED.value)
     greedy = not _SAMPLED.value
     if task == "move":

@@ -30,6 +30,7 @@ from experiments import cli
 from reno_jax import pipeline
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.rl import losses, sft, shared_prefix, trainer
 from reno_jax.rollout import rollout as rollout_lib
 
@@ -90,7 +91,7 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) 
         if game:
             key, k_starts, k_play = jax.random.split(key, 3)
             starts = sample_starts(config, k_starts, train_boards, s.batch_size)
-            batch = sft.random_game_transcripts(k_play, starts, env, call_ids, call_len, max_turns=rc.turns,
+            batch = sft.random_game_transcripts(k_play, starts, env, call_ids, call_len, max_turns=rollout_lib.num_turns(env, rc),
                                                 length=length, square_offset=square_offset if soft else -1)
             batch.pop("outcome")
             legal = batch.pop("legal_squares")
@@ -117,17 +118,17 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) 
 
 # ---------------------------------------------------------------------------------------------- episodes
 
-def sample_starts(config, key, train_boards: np.ndarray, num_groups: int) -> rollout_lib.EpisodeStarts:
+def sample_starts(config, key, train_boards: np.ndarray, num_groups: int) :
     """This step's episode starts (one per group) for the configured task."""
     if config.env.task == "move":
         idx = jax.random.choice(key, len(train_boards), (num_groups,), replace=len(train_boards) < num_groups)
-        return rollout_lib.move_starts(train_boards[np.asarray(idx)])
+        return ttt_env.move_starts(train_boards[np.asarray(idx)])
     side = config.env.agent_player
     if side == "alternate":
         agent = np.where(np.arange(num_groups) % 2 == 0, 1, 2).astype(np.int8)
     else:
         agent = {"x": 1, "o": 2}[side]
-    return rollout_lib.game_starts(key, num_groups, agent_player=agent, opponent=config.env.opponent,
+    return ttt_env.game_starts(key, num_groups, agent_player=agent, opponent=config.env.opponent,
                                    epsilon=config.env.opponent_epsilon)
 
 
@@ -190,7 +191,7 @@ def train(config, workdir: str) -> list[dict]:
     model_config, params = pipeline.build_model(config, key_model, tokenizer)
     layout = pipeline.make_layout(config, model_config)
     params = layout.place_params(params)
-    env = rollout_lib.make_env(tokenizer, vocab_size=model_config.vocab_size)
+    env = pipeline.make_compiled_env(config, tokenizer, model_config)
     train_boards, _ = pipeline.load_boards(config)
     rc = pipeline.rollout_config(config)
     num_groups = int(config.rollout.boards_per_step)

@@ -21,6 +21,8 @@ import numpy as np
 from reno_jax import parallel
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs import registry
+from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.envs.tictactoe import tasks
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.models import ling3
@@ -70,7 +72,8 @@ _CHECKS = (
     ("keep_checkpoints", lambda v: v >= 1, "an integer >= 1"),
     ("plot_every", lambda v: v >= 0, "an integer >= 0 (0: never)"),
     ("model.dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
-    ("env.task", lambda v: v in rollout_lib.TASKS, f"one of {list(rollout_lib.TASKS)}"),
+    ("env.name", lambda v: v in registry.names(), f"one of {registry.names()}"),
+    ("env.task", lambda v: v in ttt_env.TASKS, f"one of {list(ttt_env.TASKS)}"),
     ("env.num_boards", lambda v: v >= 1, "an integer >= 1"),
     ("env.heldout_fraction", lambda v: 0.0 <= v < 1.0, "a fraction in [0, 1)"),
     ("env.agent_player", lambda v: v in ("x", "o", "alternate"), "one of ['x', 'o', 'alternate']"),
@@ -324,18 +327,32 @@ def eval_boards(name: str, config) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------- rollout
 
-def rollout_config(config, *, greedy: bool = False, task: str | None = None,
-                   group_size: int | None = None) -> rollout_lib.RolloutConfig:
+def env_name(config) -> str:
+    """The registered environment of a config (`env.name`; configs without one are tic-tac-toe)."""
+    return str(config.env.get("name", "tictactoe"))
+
+
+def make_text_env(config, **overrides):
+    """The config's `TextEnv` (`reno_jax.envs.registry`); `overrides` replace `config.env` fields (e.g. an
+    evaluation's task or opponent)."""
+    return registry.make(env_name(config), config.env, **overrides)
+
+
+def make_compiled_env(config, tokenizer, model_config, **overrides):
+    """`make_text_env` bound to the tokenizer and the model's vocabulary (host, once)."""
+    return rollout_lib.compile_env(make_text_env(config, **overrides), tokenizer, vocab_size=model_config.vocab_size)
+
+
+def rollout_config(config, *, greedy: bool = False, group_size: int | None = None) -> rollout_lib.RolloutConfig:
     """The static `RolloutConfig` of `config.rollout` (every field it sets; RolloutConfig's defaults otherwise).
 
-    `greedy`, `task` and `group_size` override the config (evaluation decodes greedily, one episode per start).
+    `greedy` and `group_size` override the config (evaluation decodes greedily, one episode per start).
     `rollout.parse_max_bytes` 0 means no cap.
     """
     r = config.rollout
     defaults = rollout_lib.RolloutConfig()
     parse_max_bytes = int(r.get("parse_max_bytes", 0) or 0)
     return rollout_lib.RolloutConfig(
-        task=task or config.env.task,
         max_new_tokens=int(r.max_new_tokens),
         max_turns=int(r.max_turns),
         max_length=int(r.get("max_length", 0)),

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from reno_jax.envs.tictactoe import tasks, wording as text
+from reno_jax.envs.tictactoe import env as E
 from reno_jax.envs.tictactoe import rules as ttt
 from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.models import ling3
@@ -22,7 +23,7 @@ from reno_jax.rollout import rollout as R
 
 MC = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=2)  # layers: KDA (dense MLP), MLA (MoE)
 M = 10  # max_new_tokens; a forced call is 7 tokens with the shipped tokenizer
-RC = R.RolloutConfig(task="game", group_size=2, max_new_tokens=M, max_turns=4, max_length=161, prefill_chunk=16)
+RC = R.RolloutConfig(group_size=2, max_new_tokens=M, max_turns=4, max_length=161, prefill_chunk=16)
 B = 4
 TRACES = []
 # XLA's backend optimisations dominate compile time of these tiny programs on CPU; they do not change semantics.
@@ -94,11 +95,11 @@ def _host_winner(board):
 @pytest.fixture(scope="module")
 def world():
     tok = load_tokenizer(None)
-    env = R.make_env(tok, vocab_size=MC.vocab_size)
+    env = R.compile_env(E.TicTacToeEnv.create("game"), tok, vocab_size=MC.vocab_size)
     params = _numpy_params(MC)
     keys = jax.random.split(jax.random.key(11), B)
     # Group 0: agent X vs a uniformly random opponent; group 1: agent O vs minimax (the opponent opens).
-    starts = R.game_starts(jax.random.key(5), 2, agent_player=jnp.array([1, 2]),
+    starts = E.game_starts(jax.random.key(5), 2, agent_player=jnp.array([1, 2]),
                            opponent=jnp.array([tasks.OPPONENT_RANDOM, tasks.OPPONENT_MINIMAX]))
     call = lambda sq: tok.encode(_call_text(sq), add_special_tokens=False)  # noqa: E731
     assert len(call(5)) <= M
@@ -140,7 +141,7 @@ def test_scenario_plays_several_turns(world):
     if over:
         assert info["outcome"][0] in (tasks.OUTCOME_WIN, tasks.OUTCOME_DRAW, tasks.OUTCOME_LOSS)
     else:
-        assert info["truncated"][0] and info["outcome"][0] == R.OUTCOME_TRUNCATED and traj.reward[0] == -1.0
+        assert info["truncated"][0] and info["outcome"][0] == E.OUTCOME_TRUNCATED and traj.reward[0] == -1.0
     assert info["valid_call"][0] and info["parse_kind"][0] == 0
     # Rows 2/3 end on an invalid sampled call.
     for r in (2, 3):
@@ -261,10 +262,10 @@ def test_compiles_once_without_host_callbacks(world):
 
 def test_move_task_rewards():
     tok = load_tokenizer(None)
-    env = R.make_env(tok, vocab_size=MC.vocab_size)
+    env = R.compile_env(E.TicTacToeEnv.create("move"), tok, vocab_size=MC.vocab_size)
     mc = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=1)  # one MLA layer: the KDA path is tested above
     params = _numpy_params(mc, seed=1)
-    rc = R.RolloutConfig(task="move", group_size=2, max_new_tokens=8, prefill_chunk=32)
+    rc = R.RolloutConfig(group_size=2, max_new_tokens=8, prefill_chunk=32)
     boards = np.array([[1, 1, 0, 2, 2, 0, 0, 0, 0],   # X wins at 3
                        [0, 0, 0, 0, 0, 0, 0, 0, 0],   # empty board: every move keeps the draw
                        [1, 0, 0, 0, 2, 0, 0, 0, 0]], np.int8)
@@ -274,7 +275,7 @@ def test_move_task_rewards():
         ids = call(sq)
         forced[row, 0, :len(ids)] = ids
     fn = jax.jit(functools.partial(R.rollout, model_config=mc, rollout_config=rc), compiler_options=FAST_COMPILE)
-    traj = jax.device_get(fn(params, jax.random.key(3), R.move_starts(boards), env=env,
+    traj = jax.device_get(fn(params, jax.random.key(3), E.move_starts(boards), env=env,
                              forced_tokens=jnp.asarray(forced)))
     info = traj.info
     assert traj.tokens.shape == (6, R.conversation_length(env, rc)) == (6, env.spec.prompt_len + 8)
@@ -285,7 +286,7 @@ def test_move_task_rewards():
     assert info["parse_kind"][3] == 3 and traj.reward[3] == -1.0 and info["outcome"][3] == tasks.OUTCOME_INVALID
     assert info["illegal"][4] and traj.reward[4] == -1.0
     # Row 5: square 9 on X . . / . O . / . . . -- compare with the task's own reward function.
-    r5, i5 = tasks.move_reward(jnp.asarray(boards[2]), 0, 9, env.table)
+    r5, i5 = tasks.move_reward(jnp.asarray(boards[2]), 0, 9, env.env.table)
     assert traj.reward[5] == float(r5) and info["is_optimal"][5] == bool(i5["is_optimal"])
     # Groups share boards: the prompts of rows 2k and 2k+1 are identical.
     for k in range(3):
@@ -322,8 +323,8 @@ def test_stop_tables_match_close_tag_across_token_boundaries():
 
 
 def test_config_validation():
-    with pytest.raises(ValueError):
-        R.RolloutConfig(task="chess")
+    with pytest.raises(ValueError, match="task"):
+        E.TicTacToeEnv.create("chess")
     with pytest.raises(ValueError):
         R.RolloutConfig(max_new_tokens=0)
     with pytest.raises(ValueError):
@@ -332,8 +333,12 @@ def test_config_validation():
         R.RolloutConfig(top_p=1.5)
     with pytest.raises(ValueError):
         R.RolloutConfig(max_length=-1)
-    assert R.RolloutConfig(task="move", max_turns=5).turns == 1
-    assert R.RolloutConfig(task="game", max_turns=5).turns == 5
+    tok = load_tokenizer(None)
+    move = R.compile_env(E.TicTacToeEnv.create("move"), tok)
+    game = R.compile_env(E.TicTacToeEnv.create("game"), tok)
+    assert R.num_turns(move, R.RolloutConfig(max_turns=5)) == 1  # the environment bounds the turns
+    assert R.num_turns(game, R.RolloutConfig(max_turns=4)) == 4
+    assert R.num_turns(game, R.RolloutConfig(max_turns=9)) == 5  # X makes at most five moves
 
 
 def test_bad_inputs_raise(world):
@@ -344,7 +349,7 @@ def test_bad_inputs_raise(world):
     with pytest.raises(ValueError, match="forced_tokens"):
         R.rollout(world["params"], world["keys"], world["starts"], model_config=MC, rollout_config=RC,
                   env=world["env"], forced_tokens=jnp.zeros((B, 1, M), jnp.int32))
-    short = R.RolloutConfig(task="game", group_size=2, max_new_tokens=M, max_turns=2, max_length=40)
+    short = R.RolloutConfig(group_size=2, max_new_tokens=M, max_turns=2, max_length=40)
     with pytest.raises(ValueError, match="max_length"):
         R.rollout(world["params"], world["keys"], world["starts"], model_config=MC, rollout_config=short,
                   env=world["env"])

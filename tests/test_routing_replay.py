@@ -15,6 +15,7 @@ import pytest
 from reno_jax import pipeline
 from reno_jax.models import ling3
 from reno_jax.models.layers import moe, moe_dense_reference, moe_experts_blocked, route, swiglu_mlp
+from reno_jax.envs.tictactoe import env as E
 from reno_jax.rl import losses, shared_prefix, trainer
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -174,12 +175,12 @@ def test_rollout_records_the_routing_of_every_fed_token():
     from reno_jax.rollout import rollout as R
 
     mc = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=3)  # KDA (dense), MLA (MoE), MLA (MoE)
-    rc = R.RolloutConfig(task="game", group_size=2, max_new_tokens=10, max_turns=2, prefill_chunk=16,
+    rc = R.RolloutConfig(group_size=2, max_new_tokens=10, max_turns=2, prefill_chunk=16,
                          record_routing=True)
     tok = load_tokenizer(None)
-    env = R.make_env(tok, vocab_size=mc.vocab_size)
+    env = R.compile_env(E.TicTacToeEnv.create("game"), tok, vocab_size=mc.vocab_size)
     p = ling3.init_params(mc, jax.random.PRNGKey(3))
-    starts = R.game_starts(jax.random.key(5), 1, agent_player=1, opponent="minimax")
+    starts = E.game_starts(jax.random.key(5), 1, agent_player=1, opponent="minimax")
     call = tok.encode('<tool_call>{"name": "choose_square", "arguments": {"square": 5}}</tool_call>',
                       add_special_tokens=False)
     forced = np.full((2, 2, 10), -1, np.int32)

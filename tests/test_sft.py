@@ -7,6 +7,7 @@ import pytest
 
 from reno_jax import pipeline
 from reno_jax.envs.tictactoe import tasks, wording as text, tool_parser
+from reno_jax.envs.tictactoe import env as E
 from reno_jax.envs.tictactoe import rules as ttt
 from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.models import ling3
@@ -19,14 +20,14 @@ TURNS = 5
 @pytest.fixture(scope="module")
 def game_world():
     tok = load_tokenizer(None)
-    env = R.make_env(tok)
-    rc = R.RolloutConfig(task="game", max_new_tokens=12, max_turns=TURNS)
+    env = R.compile_env(E.TicTacToeEnv.create("game"), tok)
+    rc = R.RolloutConfig(max_new_tokens=12, max_turns=TURNS)
     length = R.conversation_length(env, rc)
     ids, lens, offset = sft.call_token_table(tok, env.spec.turn_end_id, env.spec.pad_id)
     n = 24
     agent = np.where(np.arange(n) % 2 == 0, 1, 2).astype(np.int8)
     kinds = np.array([tasks.OPPONENT_RANDOM, tasks.OPPONENT_MINIMAX, tasks.OPPONENT_EPSILON] * (n // 3), np.int32)
-    starts = R.game_starts(jax.random.PRNGKey(3), n, agent_player=agent, opponent=kinds, epsilon=0.5)
+    starts = E.game_starts(jax.random.PRNGKey(3), n, agent_player=agent, opponent=kinds, epsilon=0.5)
     out = sft.random_game_transcripts(jax.random.PRNGKey(4), starts, env, ids, lens, max_turns=TURNS,
                                       length=length, square_offset=offset)
     return dict(tok=tok, env=env, ids=ids, lens=lens, offset=offset, agent=agent, kinds=kinds, starts=starts,

@@ -30,6 +30,7 @@ import numpy as np
 
 from reno_jax import pipeline
 from reno_jax.envs.tictactoe import minimax, wording as text, tool_parser
+from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.envs.tictactoe import rules as ttt
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.models import ling3
@@ -67,15 +68,16 @@ def decision_distribution(params, spec: text.TextSpec, board: jax.Array, prefix:
     return square_p / jnp.maximum(mass, 1e-30), mass
 
 
-def model_reply(params, key: jax.Array, board: jax.Array, env: rollout_lib.RolloutEnv, *,
+def model_reply(params, key: jax.Array, board: jax.Array, env: rollout_lib.CompiledEnv, *,
                 model_config: ling3.Ling3Config, rollout_config: rollout_lib.RolloutConfig) -> dict:
     """One move-task episode on `board [9]`: the generated tokens, the parser's verdict and the rollout's info."""
-    traj = rollout_lib.rollout(params, key, rollout_lib.move_starts(board[None]), model_config=model_config,
+    traj = rollout_lib.rollout(params, key, ttt_env.move_starts(board[None]), model_config=model_config,
                                rollout_config=rollout_config, env=env)
     m = rollout_config.max_new_tokens
     n = traj.info["generated_tokens"][0]
     generated = jax.lax.dynamic_slice(traj.tokens[0], (traj.prompt_length[0],), (m,))
-    kind, square = tool_parser.parse_tool_call(env.parser, generated, n)
+    call = env.parse_batch(generated[None], n[None])
+    kind, square = call.kind[0], jnp.where(call.ok[0], call.args[0, 0], 0)
     info = {k: traj.info[k][0] for k in ("outcome", "illegal", "invalid", "is_optimal", "win_taken")}
     return dict(tokens=generated, num_tokens=n, parse_kind=kind.astype(jnp.int32), square=square.astype(jnp.int32),
                 reward=traj.reward[0], **info)
@@ -121,7 +123,7 @@ class Policy:
     model_config: ling3.Ling3Config
 
     def __post_init__(self):
-        self.env = rollout_lib.make_env(self.tokenizer, vocab_size=self.model_config.vocab_size)
+        self.env = pipeline.make_compiled_env(self.config, self.tokenizer, self.model_config, task="move")
         prefix, square_ids = decision_tokens(self.tokenizer, self.env.spec.turn_end_id, self.env.spec.pad_id)
         self._prefix, self._square_ids = jnp.asarray(prefix), jnp.asarray(square_ids)
         self._heat = jax.jit(functools.partial(decision_distribution, model_config=self.model_config))
@@ -129,7 +131,7 @@ class Policy:
 
     def _reply_fn(self, greedy: bool):
         if greedy not in self._replies:
-            rc = pipeline.rollout_config(self.config, greedy=greedy, task="move", group_size=1)
+            rc = pipeline.rollout_config(self.config, greedy=greedy, group_size=1)
             self._replies[greedy] = jax.jit(functools.partial(model_reply, model_config=self.model_config,
                                                               rollout_config=rc))
         return self._replies[greedy]

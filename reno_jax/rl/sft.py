@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 import json
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax.envs.tictactoe import tasks, wording as text
+from reno_jax.envs import interface
 from reno_jax.rollout import rollout as rollout_lib
+from reno_jax.envs.tictactoe import wording as text
 
 
 def call_text(square: int) -> str:
@@ -86,69 +88,140 @@ def call_token_table(tokenizer, turn_end_id: int, pad_id: int) -> tuple[np.ndarr
     return ids, np.asarray([len(c) for c in calls], np.int32), offset
 
 
-@functools.partial(jax.jit, static_argnames=("max_turns", "length", "square_offset"))
-def random_game_transcripts(key: jax.Array, starts, env, call_ids: jax.Array, call_len: jax.Array, *,
-                            max_turns: int, length: int, square_offset: int = -1) -> dict:
-    """Whole game conversations in which the agent plays UNIFORMLY RANDOM legal moves (format only), in jit.
+@flax.struct.dataclass
+class CallTable:
+    """Pre-tokenized tool calls a teacher policy can make: row a is the call `(tool[a], args[a])` as the policy
+    would write it, followed by the turn-end token.
 
-    The game-task twin of `random_move_transcripts`: the agent's calls are random legal squares, the opponent
-    answers as configured in `starts` (random / minimax / epsilon-mixed), and the tool responses and assistant
-    headers are rendered by the same `text` functions the rollout uses, so the token sequences are exactly those
-    a rollout would produce for the same moves.
+    Attributes:
+      ids: `int32 [R, W]` token ids (pad after `length`); length: `int32 [R]`.
+      tool: `int32 [R]` tool index in the environment's schemas; args: `int32 [R, A]` its arguments.
+      choice_offset: static; the one token position where the rows differ when they all have one length and
+        differ in one token (e.g. the square of `choose_square`), else -1.
+    """
+
+    ids: jax.Array
+    length: jax.Array
+    tool: jax.Array
+    args: jax.Array
+    choice_offset: int = flax.struct.field(pytree_node=False, default=-1)
+
+
+def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names=None) -> CallTable:
+    """`calls`: list of `(tool_name, {arg: value})` in row order (argument values: ints, or enum option indices
+    for `tool_names`'s string arguments are not supported here: teachers write integer calls)."""
+    texts, tools, args = [], [], []
+    names = list(tool_names or [])
+    for name, kwargs in calls:
+        texts.append(f"<tool_call>{json.dumps({'name': name, 'arguments': kwargs})}</tool_call>")
+        tools.append(names.index(name) if name in names else 0)
+        args.append([int(v) for v in kwargs.values()])
+    rows = [list(tokenizer.encode(t, add_special_tokens=False)) + [int(turn_end_id)] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    for k, r in enumerate(rows):
+        ids[k, :len(r)] = r
+    differs = np.flatnonzero((ids != ids[:1]).any(axis=0))
+    offset = int(differs[0]) if len({len(r) for r in rows}) == 1 and len(differs) == 1 else -1
+    n_args = max(1, max(len(a) for a in args))
+    arg_arr = np.zeros((len(rows), n_args), np.int32)
+    for k, a in enumerate(args):
+        arg_arr[k, :len(a)] = a
+    return CallTable(ids=jnp.asarray(ids), length=jnp.asarray([len(r) for r in rows], jnp.int32),
+                     tool=jnp.asarray(tools, jnp.int32), args=jnp.asarray(arg_arr), choice_offset=offset)
+
+
+@functools.partial(jax.jit, static_argnames=("teacher", "max_turns", "length"))
+def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, max_turns: int, length: int) -> dict:
+    """Whole conversations of a scripted teacher playing an environment, by stepping the environment itself.
+
+    The prompt, every tool response and assistant header are rendered by the same compiled tables the rollout
+    uses, so the token sequences are exactly those a rollout would produce for the same calls. Runs in jit.
 
     Args:
-      key: PRNG key (agent moves and opponent replies).
-      starts: `rollout.EpisodeStarts` of the game task, one row per transcript (B rows).
-      env: `rollout.RolloutEnv`.
-      call_ids, call_len, square_offset: from `call_token_table`.
-      max_turns: agent turns at most (the rollout's `max_turns`).
-      length: L, the padded length (the rollout's `conversation_length`).
+      key: PRNG key of the teacher (the environment's own randomness comes from `starts`).
+      starts: the environment's start records, one per transcript (leading [B]).
+      env: `rollout.CompiledEnv`.
+      teacher: static `(state, key) -> (row int32 [], support bool [R])` per episode: the call-table row to play,
+        and the rows the teacher could have chosen (for soft targets).
+      calls: `CallTable`.
+      max_turns: agent turns at most; length: L, the padded length.
 
     Returns:
-      dict of ``[B, L]`` arrays ``tokens`` int32, ``valid`` bool, ``loss_mask`` bool (the agent's call tokens,
-      turn-end included), ``legal_squares bool [B, L, 9]`` (at each call's square token, when ``square_offset``
-      >= 0: the squares that were legal there, i.e. the support of the random policy; False elsewhere), and
-      ``outcome int32 [B]`` (``tasks.OUTCOME_*``; games cut by ``max_turns`` stay 0).
+      dict of `[B, L]` arrays `tokens` int32, `valid` bool, `loss_mask` bool (the calls, turn end included),
+      `support bool [B, L, R]` (at each call's choice token when `calls.choice_offset >= 0`, else all False), and
+      the environment's final `info` (after `env.finish`, truncated when out of turns or length).
     """
-    spec, table = env.spec, env.table
-    b = starts.boards.shape[0]
-    k_reset, k_play = jax.random.split(key)
-    state = tasks.game_reset_batch(jax.random.split(k_reset, b), starts.agent_player, starts.opponent_kind,
-                                   starts.epsilon, table)
-    prompt, pos = jax.vmap(text.render_prompt, in_axes=(None, 0, 0, None))(spec, state.board, state.agent_player,
-                                                                           True)
-    if spec.prompt_len > length:
-        raise ValueError(f"length {length} cannot hold the prompt ({spec.prompt_len} tokens)")
-    tokens = jnp.full((b, length), spec.pad_id, jnp.int32)
-    tokens = rollout_lib.scatter_rows(tokens, jnp.zeros((b,), jnp.int32), prompt, pos)
+    
+    tenv = env.env
+    b = jax.tree.leaves(starts)[0].shape[0]
+    r = calls.ids.shape[0]
+    if env.prompt_len > length:
+        raise ValueError(f"length {length} cannot hold the prompt ({env.prompt_len} tokens)")
+    state, message = jax.vmap(tenv.reset)(starts)
+    prompt, pos = jax.vmap(env.render_user)(message)
+    tokens = rollout_lib.scatter_rows(jnp.full((b, length), env.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32),
+                                      prompt, pos)
     loss_mask = jnp.zeros((b, length), jnp.bool_)
-    legal_squares = jnp.zeros((b, length, 9), jnp.bool_)
-    call_ids, call_len = jnp.asarray(call_ids, jnp.int32), jnp.asarray(call_len, jnp.int32)
+    support = jnp.zeros((b, length, r), jnp.bool_)
+    done = jnp.zeros((b,), jnp.bool_)
+    truncated = jnp.zeros((b,), jnp.bool_)
+    info = None
     for turn in range(max_turns):
-        k_move, k_opp = jax.random.split(jax.random.fold_in(k_play, turn))
-        live = ~state.done
-        legal = state.board == 0
-        noise = jax.random.uniform(k_move, legal.shape)
-        square = jnp.argmax(jnp.where(legal, noise, -1.0), axis=-1).astype(jnp.int32)  # uniform over legal
-        call, n = call_ids[square], jnp.where(live, call_len[square], 0)
-        tokens = rollout_lib.scatter_rows(tokens, pos, call, n)
-        loss_mask = rollout_lib.scatter_rows(loss_mask, pos, jnp.ones(call.shape, jnp.bool_), n)
-        if square_offset >= 0:
-            at = jnp.where(live, pos + square_offset, length)  # out of bounds -> dropped
-            legal_squares = legal_squares.at[jnp.arange(b), at].set(legal, mode="drop")
+        live = ~done
+        row, sup = jax.vmap(teacher)(state, jax.random.split(jax.random.fold_in(key, turn), b))
+        ids, n = calls.ids[row], jnp.where(live, calls.length[row], 0)
+        fits = pos + n <= length
+        n = jnp.where(fits, n, 0)
+        truncated = truncated | (live & ~fits)
+        live = live & fits
+        tokens = rollout_lib.scatter_rows(tokens, pos, ids, n)
+        loss_mask = rollout_lib.scatter_rows(loss_mask, pos, jnp.ones(ids.shape, jnp.bool_), n)
+        if calls.choice_offset >= 0:
+            at = jnp.where(live, pos + calls.choice_offset, length)  # out of bounds -> dropped
+            support = support.at[jnp.arange(b), at].set(sup, mode="drop")
         pos = pos + n
-        state, _, _, _ = tasks.game_step_batch(jax.random.split(k_opp, b), state,
-                                               jnp.zeros((b,), jnp.int32), square + 1, table)
+        call = interface.ToolCall(kind=jnp.zeros((b,), jnp.int32), tool=calls.tool[row], args=calls.args[row])
+        out = jax.vmap(tenv.step)(state, call)
+        keep = lambda new, old: jax.tree.map(  # noqa: E731
+            lambda a, o: jnp.where(jnp.reshape(live, (b,) + (1,) * (a.ndim - 1)), a, o), new, old)
+        state = keep(out.state, state)
+        info = out.info if info is None else keep(out.info, info)
+        done = done | (live & out.done) | ~live
         if turn + 1 < max_turns:
-            more = live & ~state.done
-            resp, resp_n = jax.vmap(text.render_tool_response, in_axes=(None, 0, 0, 0))(
-                spec, state.board, state.opponent_square, state.outcome)
+            more = ~done
+            resp, resp_n = jax.vmap(env.render_tool)(out.message, jnp.zeros((b,), jnp.bool_))
             resp_n = jnp.where(more, resp_n, 0)
             tokens = rollout_lib.scatter_rows(tokens, pos, resp, resp_n)
             pos = pos + resp_n
+    truncated = truncated | ~done
+    info = jax.vmap(tenv.finish)(state, info, truncated)
     valid = jnp.arange(length)[None, :] < pos[:, None]
-    return {"tokens": jnp.where(valid, tokens, spec.pad_id), "valid": valid, "loss_mask": loss_mask,
-            "legal_squares": legal_squares, "outcome": state.outcome}
+    return {"tokens": jnp.where(valid, tokens, env.pad_id), "valid": valid, "loss_mask": loss_mask,
+            "support": support, "info": info}
+
+
+def _random_legal_square(state, key):
+    """Tic-tac-toe game teacher: a uniformly random legal square (format only, no strategy)."""
+    legal = state.game.board == 0
+    noise = jax.random.uniform(key, legal.shape)
+    return jnp.argmax(jnp.where(legal, noise, -1.0)).astype(jnp.int32), legal
+
+
+def random_game_transcripts(key: jax.Array, starts, env, call_ids: jax.Array, call_len: jax.Array, *,
+                            max_turns: int, length: int, square_offset: int = -1) -> dict:
+    """Whole tic-tac-toe games in which the agent plays UNIFORMLY RANDOM legal moves (format only), in jit.
+
+    `env_transcripts` with the random-legal teacher on the game `TicTacToeEnv`; the opponent answers as set in
+    `starts` (its keys too). Returns `tokens`, `valid`, `loss_mask`, `legal_squares bool [B, L, 9]` (at each
+    call's square token when `square_offset >= 0`) and `outcome int32 [B]` (truncated games: 6).
+    """
+    calls = CallTable(ids=jnp.asarray(call_ids, jnp.int32), length=jnp.asarray(call_len, jnp.int32),
+                      tool=jnp.zeros((9,), jnp.int32), args=jnp.arange(1, 10, dtype=jnp.int32)[:, None],
+                      choice_offset=int(square_offset))
+    out = env_transcripts(key, starts, env, _random_legal_square, calls, max_turns=max_turns, length=length)
+    return {"tokens": out["tokens"], "valid": out["valid"], "loss_mask": out["loss_mask"],
+            "legal_squares": out["support"], "outcome": out["info"]["outcome"]}
 
 
 def uniform_soft_targets(legal_squares: jax.Array, square_ids) -> dict:

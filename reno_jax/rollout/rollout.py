@@ -1,25 +1,26 @@
-"""Multi-turn agent rollout for the tic-tac-toe tool-calling tasks, as ONE jittable pure function.
+"""Multi-turn agent rollout for ANY `TextEnv`, as ONE jittable pure function.
 
-`rollout(params, key, starts, *, model_config, rollout_config, env)` renders the prompts, generates with the
-Ling-3.0 hybrid cache (KDA recurrent/conv state + MLA latent cache), parses every turn's tool call, steps the
-environment, renders the tool response and continues, all inside `jax.jit` (no host callbacks).
+`rollout(params, key, starts, *, model_config, rollout_config, env)` renders the environment's first user
+messages, generates with the Ling-3.0 hybrid cache (KDA recurrent/conv state + MLA latent cache), parses every
+turn's tool call with the token automaton compiled from the environment's tool schemas, steps the environment,
+renders its tool response and continues, all inside `jax.jit` (no host callbacks). The rollout knows no game:
+everything game-specific is behind `reno_jax.envs.interface.TextEnv` (`reset`, `step`, `finish`).
 
 Structure (turn-synchronous; every loop is `lax` control flow, compiled once):
 
-    render the prompts; prefill them in chunks (once per group, caches copied to its G episodes)
-    for turn in 0..max_turns-1 while any episode is live:
+    env.reset(start) -> first user message; render and prefill it in chunks (once per group, caches copied)
+    for turn in 0..turns-1 while any episode is live:
         decode token by token (sampling from each row's last logits) until every live row has stopped:
-            turn-end/eos token, completed "</tool_call>" (byte matcher), or max_new_tokens
-        parse the turn's tokens (jitted DFA parser)  -> (kind, square)
-        move task: reward = move_reward(board, kind, square); the episode ends
-        game task: game_step (agent move, then opponent reply) -> reward on the final step; for games that go on:
-            render the tool response + next assistant header, end (truncated) an episode whose response plus a
-            full next turn would overflow L, prefill the response in chunks
+            turn-end/eos token, completed "</tool_call>" (token-level matcher), or max_new_tokens
+        parse the turn's tokens (jitted automaton) -> ToolCall
+        env.step(state, call) -> state, tool message, reward, done, info
+        for episodes that go on: render the tool message + next assistant header, end (truncated) an episode
+        whose response plus a full next turn would overflow L, prefill the response in chunks
 
 Rows advance independently: a row that is not live in a model call is fed with `valid=False`, so its caches do not
 change, and each row samples with its own key folded with its own position, so a row's tokens never depend on
-other rows. Episodes come in groups: the G = `group_size` episodes of a group share the start board, the agent's
-side, the opponent and the opponent's RNG (so differences within a group come from the policy only).
+other rows. Episodes come in groups: the G = `group_size` episodes of a group share their start record (so
+differences within a group come from the policy only, when the environment keeps its randomness in the start).
 
 Trajectory layout (`Trajectory`, B = num_groups * group_size episodes, L = `conversation_length(env, config)`):
   tokens [B, L] int32             prompt, policy tokens, tool responses, ...; pad id after the end
@@ -37,7 +38,9 @@ Trajectory layout (`Trajectory`, B = num_groups * group_size episodes, L = `conv
                                   compute the hidden state at t, which scores token t + 1. -1 where nothing was
                                   routed, i.e. on padding (every real token is fed once, so it has ids).
   prompt_length [B] int32, reward [B] float32, group_id [B] int32 (episode b is in group b // G)
-  info: dict of [B] arrays, see `rollout`.
+  stats: `RolloutStats` of [B] arrays (the rollout's own per-episode figures)
+  env_info: the environment's final info pytree ([B] leaves, after `env.finish`)
+  info: dict merging both (`stats` fields by name, then the environment's info keys)
 """
 
 from __future__ import annotations
@@ -46,25 +49,16 @@ import dataclasses
 import functools
 from typing import Any
 
-import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax.envs.tictactoe import minimax, tasks, wording as text, tool_parser
-from reno_jax.envs.tictactoe import rules as ttt
+from reno_jax.envs import interface
 from reno_jax.models import ling3
+from reno_jax.protocol import bind
 from reno_jax.rollout import generate as gen
 from reno_jax.rollout import sampling
-
-TASKS = ("move", "game")
-TOOL_CALL_CLOSE = "</tool_call>"
-
-# Rollout-level outcome codes: tasks.OUTCOME_* (0 ongoing/legal, 1 win, 2 draw, 3 loss, 4 invalid, 5 illegal) plus:
-OUTCOME_TRUNCATED = 6  # the episode hit the conversation length L or max_turns before it finished
-OUTCOME_NAMES = tasks.OUTCOME_NAMES + ("truncated",)
-
 
 # ---------------------------------------------------------------------------------------------- configuration
 
@@ -74,14 +68,12 @@ class RolloutConfig:
     """Static rollout settings (hashable; pass as a static argument).
 
     Attributes:
-      task: "move" (one tool call on a dataset board, AReno's move reward) or "game" (a whole game against an
-        opponent, one tool call per agent move).
       group_size: G episodes per start (GRPO/GSPO groups).
       max_new_tokens: policy tokens per turn (a turn that reaches it ends there; its call is parsed as is).
-      max_turns: agent turns per episode (the move task uses 1 whatever is set here).
+      max_turns: agent turns per episode (capped by the environment's `max_turns()`).
       max_length: L, the conversation length (trajectory width and cache size); 0 means `required_length(env,
         config)`, the smallest L that never truncates. An episode whose next tool response plus a full turn would
-        not fit ends as `truncated`.
+        not fit ends as truncated.
       temperature, top_k, top_p, greedy: sampling (see `reno_jax.rollout.sampling`).
       prefill_chunk: C, tokens per model call when feeding prompts / tool responses.
       stop_at_tool_call: end the turn as soon as "</tool_call>" is complete (the turn-end marker is then part of
@@ -95,7 +87,6 @@ class RolloutConfig:
         for routing replay and the routing-agreement metric). Off: the rollout program is the plain one.
     """
 
-    task: str = "move"
     group_size: int = 1
     max_new_tokens: int = 32
     max_turns: int = 1
@@ -112,8 +103,6 @@ class RolloutConfig:
     record_routing: bool = False
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         for name in ("group_size", "max_new_tokens", "max_turns", "prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -124,126 +113,118 @@ class RolloutConfig:
         sampling.validate_sampling_args(self.temperature, self.top_k, self.top_p, self.greedy)
 
     @property
-    def turns(self) -> int:
-        """Agent turns actually run: 1 for the move task."""
-        return 1 if self.task == "move" else self.max_turns
-
-    @property
     def sampling_config(self) -> gen.SamplingConfig:
         return gen.SamplingConfig(self.temperature, self.top_k, self.top_p, self.greedy)
 
 
-def required_length(env: "RolloutEnv", rollout_config: RolloutConfig) -> int:
-    """Smallest L that fits the longest prompt, `turns` full turns and the tool responses between them."""
-    t = rollout_config.turns
-    return env.spec.prompt_len + t * rollout_config.max_new_tokens + (t - 1) * env.spec.response_len
+def num_turns(env: "CompiledEnv", rollout_config: RolloutConfig) -> int:
+    """Agent turns the rollout runs: `max_turns`, capped by the environment's own bound."""
+    return max(1, min(int(rollout_config.max_turns), int(env.env.max_turns())))
 
 
-def conversation_length(env: "RolloutEnv", rollout_config: RolloutConfig) -> int:
+def required_length(env: "CompiledEnv", rollout_config: RolloutConfig) -> int:
+    """Smallest L that fits the longest prompt, all turns at full length and the tool responses between them."""
+    t = num_turns(env, rollout_config)
+    return env.prompt_len + t * rollout_config.max_new_tokens + (t - 1) * env.response_len
+
+
+def conversation_length(env: "CompiledEnv", rollout_config: RolloutConfig) -> int:
     """L used by the rollout: `max_length`, or `required_length` when it is 0."""
     return rollout_config.max_length or required_length(env, rollout_config)
 
 
-# ---------------------------------------------------------------------------------------------- environment
+# ---------------------------------------------------------------------------------------------- compiled env
 
 
 @flax.struct.dataclass
-class RolloutEnv:
-    """Everything the rollout needs besides the model, as a pytree of arrays built once on the host.
+class CompiledEnv:
+    """A `TextEnv` bound to a tokenizer: the environment plus the token tables the rollout needs (a pytree of
+    arrays built once on the host; pass it into the jitted rollout).
 
     Attributes:
-      spec: `text.TextSpec` (pre-tokenized prompt / tool-response pieces).
-      parser: the jitted tool-call parser's tables (`tool_parser.build_parser_tables`).
-      table: `minimax.MinimaxTable`.
-      stop: `generate.StopTables` (turn-end/eos tokens and the "</tool_call>" byte matcher).
+      env: the `TextEnv` (its arrays are leaves).
+      chat: compiled chat tables (`reno_jax.protocol.chat.compile_chat`): in-jit rendering of its messages.
+      parser: compiled tool-call tables (`reno_jax.protocol.toolcall.compile_tool_calls`) of its tool schemas.
+      stop: `generate.StopTables` (turn-end/eos tokens and the "</tool_call>" matcher).
     """
 
-    spec: Any
+    env: Any
+    chat: Any
     parser: Any
-    table: Any
     stop: Any
 
+    @property
+    def spec(self):  # the chat tables, under the name the tic-tac-toe code has always used
+        return self.chat
 
-def make_env(tokenizer, vocab_size: int | None = None, chat_template: str | None = None,
-             table: minimax.MinimaxTable | None = None) -> RolloutEnv:
-    """Builds the `RolloutEnv` on the host (call once; pass the result into the jitted rollout).
+    @property
+    def prompt_len(self) -> int:
+        return int(self.chat.prompt_len)
+
+    @property
+    def response_len(self) -> int:
+        return int(self.chat.response_len)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.chat.pad_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.stop.is_stop.shape[0])
+
+    def render_user(self, message: interface.Message):
+        """`(ids int32 [prompt_len], n int32 [])`: system + first user message + assistant header."""
+        return bind.render_user(self.chat, message)
+
+    def render_tool(self, message: interface.Message, add_turn_end):
+        """`(ids int32 [response_len], n int32 [])`: the rest of the assistant turn, the tool turn and, when the
+        template continues the conversation, the next assistant header."""
+        return bind.render_tool(self.chat, message, add_turn_end)
+
+    def parse_batch(self, ids: jax.Array, lengths: jax.Array, max_bytes: int | None = None) -> interface.ToolCall:
+        """Parses `[B, T]` turns (first `lengths[b]` tokens) -> a `[B]` batch of `ToolCall`s."""
+        return bind.parse_batch(self.parser, ids, lengths, max_bytes)
+
+
+def compile_env(env: interface.TextEnv, tokenizer, vocab_size: int | None = None,
+                chat_template: str | None = None) -> CompiledEnv:
+    """Binds `env` to `tokenizer` (host, once): compiles its chat templates and tool schemas to token tables.
 
     Args:
+      env: a `TextEnv`.
       tokenizer: HF tokenizer (e.g. `reno_jax.protocol.tokenizer.load_tokenizer(None)`).
       vocab_size: the model's vocabulary size when it is larger than the tokenizer's (padded embedding); extra ids
         decode to nothing. Must not be smaller than the tokenizer's vocabulary.
       chat_template: override of the tokenizer's chat template.
-      table: minimax table (default `minimax.load_table()`).
     """
-    spec = text.build_text_spec(tokenizer, chat_template)
-    pieces = tool_parser.token_bytes(tokenizer)
-    if vocab_size is not None and vocab_size < len(pieces):
-        raise ValueError(f"model vocab_size {vocab_size} is smaller than the tokenizer's {len(pieces)} ids")
-    pieces = pieces + [b""] * ((vocab_size or 0) - len(pieces))
-    parser = tool_parser.build_parser_tables(tokenizer, vocab_size=len(pieces))
-    stop_ids = [int(i) for i in np.asarray(spec.stop_ids)]
-    stop = gen.build_stop_tables(pieces, stop_ids, TOOL_CALL_CLOSE.encode())
-    return RolloutEnv(spec=spec, parser=parser, table=minimax.load_table() if table is None else table, stop=stop)
-
-
-# ---------------------------------------------------------------------------------------------- starts
-
-
-@chex.dataclass(frozen=True)
-class EpisodeStarts:
-    """Per-GROUP start settings (N groups; the rollout repeats each one `group_size` times).
-
-    Attributes:
-      boards: `int8 [N, 9]` move task: the position to play (the agent is the side to move). Game task: unused.
-      agent_player: `int8 [N]` game task: 1 agent is X (opens), 2 agent is O (the opponent opens).
-      opponent_kind: `int32 [N]` game task: `tasks.OPPONENT_*`.
-      epsilon: `float32 [N]` game task: exploration rate of the epsilon opponent.
-      opponent_key: `uint32 [N, 2]` raw PRNG key data of the opponent, shared by the group's episodes (the opening
-        move uses fold_in(key, 0), the reply after agent turn k fold_in(key, k + 1)).
-    """
-
-    boards: chex.Array
-    agent_player: chex.Array
-    opponent_kind: chex.Array
-    epsilon: chex.Array
-    opponent_key: chex.Array
-
-    @property
-    def num_groups(self) -> int:
-        return self.boards.shape[0]
-
-
-def move_starts(boards) -> EpisodeStarts:
-    """Starts for the move task from `int [N, 9]` boards (the agent plays the side to move)."""
-    boards = jnp.asarray(boards, jnp.int8)
-    if boards.ndim != 2 or boards.shape[1] != ttt.NUM_SQUARES:
-        raise ValueError(f"boards must be [N, 9], got shape {boards.shape}")
-    n = boards.shape[0]
-    agent = jax.vmap(ttt.to_move_from_counts)(boards).astype(jnp.int8)
-    return EpisodeStarts(boards=boards, agent_player=agent, opponent_kind=jnp.full((n,), tasks.OPPONENT_MINIMAX,
-                         jnp.int32), epsilon=jnp.zeros((n,), jnp.float32),
-                         opponent_key=jnp.zeros((n, 2), jnp.uint32))
-
-
-def game_starts(key: jax.Array, num_groups: int, agent_player=1, opponent: str | Any = "minimax",
-                epsilon=0.0) -> EpisodeStarts:
-    """Starts for the game task. `agent_player`, `opponent` (name or `[N]` ids) and `epsilon` may be scalars or
-    `[N]` arrays; the opponent keys are split from `key`."""
-    n = num_groups
-    kind = tasks.opponent_kind_id(opponent) if isinstance(opponent, str) else opponent
-    agent = jnp.broadcast_to(jnp.asarray(agent_player, jnp.int8), (n,))
-    if not bool(jnp.all((agent == 1) | (agent == 2))):
-        raise ValueError("agent_player must be 1 (X) or 2 (O)")
-    return EpisodeStarts(
-        boards=jnp.zeros((n, ttt.NUM_SQUARES), jnp.int8),
-        agent_player=agent,
-        opponent_kind=jnp.broadcast_to(jnp.asarray(kind, jnp.int32), (n,)),
-        epsilon=jnp.broadcast_to(jnp.asarray(epsilon, jnp.float32), (n,)),
-        opponent_key=jax.random.key_data(jax.random.split(key, n)),
-    )
+    chat, parser, pieces = bind.compile(env.chat(), tokenizer, vocab_size, chat_template)
+    stop_ids = [int(i) for i in np.asarray(chat.stop_ids)]
+    stop = gen.build_stop_tables(pieces, stop_ids, bind.CLOSE_TAG.encode())
+    return CompiledEnv(env=env, chat=chat, parser=parser, stop=stop)
 
 
 # ---------------------------------------------------------------------------------------------- output
+
+
+@flax.struct.dataclass
+class RolloutStats:
+    """The rollout's own per-episode figures (`[B]` arrays), whatever the environment.
+
+    Attributes:
+      parse_kind: `int32` parser kind of the last call (0 ok, 1 no_call, 2 bad_call, 3 out_of_range).
+      valid_call: `bool` the last call parsed (kind ok).
+      num_turns: `int32` agent turns played; generated_tokens: `int32` policy tokens over all turns.
+      budget_stops: `int32` turns that hit max_new_tokens.
+      truncated: `bool` the episode hit the conversation length L or the turn limit before it was done.
+    """
+
+    parse_kind: jax.Array
+    valid_call: jax.Array
+    num_turns: jax.Array
+    generated_tokens: jax.Array
+    budget_stops: jax.Array
+    truncated: jax.Array
 
 
 @flax.struct.dataclass
@@ -258,8 +239,18 @@ class Trajectory:
     prompt_length: jax.Array
     reward: jax.Array
     group_id: jax.Array
-    info: dict
+    stats: RolloutStats
+    env_info: Any
     routing: Any = None
+
+    @property
+    def info(self) -> dict:
+        """`stats` and the environment's info in one flat dict of `[B]` arrays (env keys win on a clash)."""
+        out = {f.name: getattr(self.stats, f.name) for f in dataclasses.fields(self.stats)}
+        env_info = self.env_info
+        if isinstance(env_info, dict):
+            out.update(env_info)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------- the rollout
@@ -283,46 +274,86 @@ def scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array, count: jax
     return buf.at[jnp.arange(b)[:, None], idx].set(values.astype(buf.dtype), mode="drop")
 
 
-def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling3.Ling3Config,
-            rollout_config: RolloutConfig, env: RolloutEnv, forced_tokens: jax.Array | None = None,
-            return_cache: bool = False):
+def _keep_where(live: jax.Array, new, old):
+    """`new` for live rows, `old` elsewhere, leaf by leaf (leaves have a leading [B])."""
+    return jax.tree.map(lambda a, o: jnp.where(jnp.reshape(live, live.shape + (1,) * (a.ndim - 1)), a, o), new, old)
+
+
+@flax.struct.dataclass
+class _Decode:
+    """Loop state of one turn's token-by-token decode."""
+
+    step: jax.Array  # int32 []
+    cache: dict
+    last: jax.Array  # float32 [B, V] next-token logits of every row
+    gen_tok: jax.Array  # int32 [B, m]
+    gen_logp: jax.Array  # float32 [B, m]
+    n_gen: jax.Array  # int32 [B]
+    match: jax.Array  # int32 [B] stop-matcher state
+    stopped: jax.Array  # bool [B]
+    turn_end: jax.Array  # bool [B] the row's last token was the turn-end marker
+    routing: Any
+
+
+@flax.struct.dataclass
+class _Episodes:
+    """Loop state of the turn loop (one entry per episode unless noted)."""
+
+    turn: jax.Array  # int32 []
+    cache: dict
+    last: jax.Array  # float32 [B, V]
+    tokens: jax.Array  # int32 [B, L]
+    logp: jax.Array  # float32 [B, L]
+    gen_start: jax.Array  # int32 [B, T] start of turn k's policy tokens (L if no turn k)
+    gen_end: jax.Array  # int32 [B, T]
+    live: jax.Array  # bool [B]
+    reward: jax.Array  # float32 [B] sum of the environment's step rewards
+    env_state: Any
+    env_info: Any
+    parse_kind: jax.Array
+    valid_call: jax.Array
+    num_turns: jax.Array
+    gen_tokens: jax.Array
+    budget_stops: jax.Array
+    truncated: jax.Array
+    routing: Any
+
+
+def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, rollout_config: RolloutConfig,
+            env: CompiledEnv, forced_tokens: jax.Array | None = None, return_cache: bool = False):
     """Runs B = N * group_size episodes to the end; a pure function, jit it with the configs static.
 
     Args:
       params: Ling-3.0 parameters.
       key: policy PRNG key, or `[B]` per-episode keys (a row's samples then depend on its key only).
-      starts: `EpisodeStarts` with N groups.
+      starts: the environment's start records, a pytree with leading axis N (one per group).
       model_config, rollout_config: static.
-      env: `RolloutEnv` from `make_env`.
+      env: `CompiledEnv` from `compile_env`.
       forced_tokens: optional `int32 [B, turns, max_new_tokens]` teacher forcing: where >= 0 the token is taken
         instead of a sample (its behaviour log-prob is still recorded under the sampling distribution); < 0 samples.
         For tests and scripted openings; stop detection applies to forced tokens too.
       return_cache: static; also return the final model cache (tests).
 
     Returns:
-      `Trajectory` (and the final cache when `return_cache`). `info` holds `[B]` arrays:
-        outcome int32 (`OUTCOME_*`; the move task uses 1 win taken, 0 other legal move, 4 invalid, 5 illegal),
-        parse_kind int32 (parser kind of the last call: 0 ok, 1 no_call, 2 bad_call, 3 out_of_range),
-        valid_call bool (the last call parsed with a square in 1..9),
-        num_turns int32 (agent turns played), generated_tokens int32, budget_stops int32 (turns that hit
-        max_new_tokens), win / draw / loss / invalid / illegal / truncated bool,
-        is_optimal / win_taken bool (move task: the move; game task: every agent move was optimal / the agent won
-        by taking an immediate win), num_optimal_moves int32 (game task), final_board int8 [B, 9].
-      Truncated episodes (L or max_turns reached before the episode ended) get `outcome = OUTCOME_TRUNCATED` and
-      reward -1, like an invalid call.
+      `Trajectory` (and the final cache when `return_cache`). Truncated episodes (L or the turn limit reached
+      before the environment said done) get the environment's `truncation_reward` and `env.finish(...,
+      truncated=True)`.
     """
-    rc, mc, spec = rollout_config, model_config, env.spec
-    g, t_max, m, chunk = rc.group_size, rc.turns, rc.max_new_tokens, rc.prefill_chunk
+    rc, mc, tenv = rollout_config, model_config, env.env
+    g, t_max, m, chunk = rc.group_size, num_turns(env, rc), rc.max_new_tokens, rc.prefill_chunk
     big_l = conversation_length(env, rc)
-    game = rc.task == "game"
-    n = starts.boards.shape[0]
+    leaves = jax.tree.leaves(starts)
+    if not leaves:
+        raise ValueError("starts has no arrays; it must be the environment's start records with a leading [N]")
+    n = leaves[0].shape[0]
     b = n * g
-    if spec.prompt_len + m > big_l:
-        raise ValueError(f"max_length {big_l} cannot hold the prompt ({spec.prompt_len} tokens) plus one turn of "
+    pad_id = env.pad_id
+    if env.prompt_len + m > big_l:
+        raise ValueError(f"max_length {big_l} cannot hold the prompt ({env.prompt_len} tokens) plus one turn of "
                          f"{m} tokens; use at least required_length(env, config) = {required_length(env, rc)}")
-    if env.parser.vocab_size < mc.vocab_size or env.stop.is_stop.shape[0] < mc.vocab_size:
+    if env.parser.vocab_size < mc.vocab_size or env.vocab_size < mc.vocab_size:
         raise ValueError(f"env tables cover {env.parser.vocab_size} token ids but the model has {mc.vocab_size}; "
-                         "build the env with make_env(tokenizer, vocab_size=model_config.vocab_size)")
+                         "build the env with compile_env(env, tokenizer, vocab_size=model_config.vocab_size)")
     if forced_tokens is not None and forced_tokens.shape != (b, t_max, m):
         raise ValueError(f"forced_tokens must be [B={b}, turns={t_max}, max_new_tokens={m}], "
                          f"got {forced_tokens.shape}")
@@ -331,33 +362,23 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
     if rc.record_routing and mc.num_experts > np.iinfo(np.int16).max:
         raise ValueError(f"record_routing stores expert ids as int16; {mc.num_experts} experts do not fit")
     cache_dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
-    table = env.table
     rows = jnp.arange(b, dtype=jnp.int32)
     keys = gen.row_keys(key, b)
+    record = rc.record_routing
 
-    # ---- starts, repeated per group
+    # ---- starts, repeated per group; the first user message of every episode
     group_id = rows // g
-    agent = _expand(starts.agent_player.astype(jnp.int8), g)
-    opp_keys = jax.random.wrap_key_data(_expand(starts.opponent_key.astype(jnp.uint32), g))
-    if game:
-        gstate = jax.vmap(tasks.game_reset, in_axes=(0, 0, 0, 0, None))(
-            jax.vmap(jax.random.fold_in, in_axes=(0, None))(opp_keys, 0), agent, _expand(starts.opponent_kind, g),
-            _expand(starts.epsilon, g), table)
-        board0 = gstate.board
-    else:
-        board0 = _expand(starts.boards.astype(jnp.int8), g)
-        gstate = None
-    prompt_ids, prompt_len = jax.vmap(text.render_prompt, in_axes=(None, 0, 0, None))(spec, board0, agent, game)
+    env_state, message = jax.vmap(tenv.reset)(jax.tree.map(lambda a: _expand(a, g), starts))
+    prompt_ids, prompt_len = jax.vmap(env.render_user)(message)
 
     # ---- prompt prefill. Episodes of a group share their prompt: feed it once per group and copy the caches.
-    pchunk = _chunk_for(spec.prompt_len, chunk)
-    padded_prompt = gen.pad_to_multiple(prompt_ids, pchunk, spec.pad_id)
+    pchunk = _chunk_for(env.prompt_len, chunk)
+    padded_prompt = gen.pad_to_multiple(prompt_ids, pchunk, pad_id)
     share = rc.share_prompt_prefill and g > 1
     fed_ids, fed_len = (padded_prompt[::g], prompt_len[::g]) if share else (padded_prompt, prompt_len)
     rows_fed = fed_ids.shape[0]
     cache = ling3.init_cache(mc, rows_fed, big_l, cache_dtype)
     last = jnp.zeros((rows_fed, mc.vocab_size), jnp.float32)
-    record = rc.record_routing
     routing = None
     if record:  # int16 holds any expert id (< 32768) at half the bytes of int32; -1 = nothing routed
         routing = jnp.full((rows_fed, big_l, len(ling3.moe_layer_indices(mc)), mc.num_experts_per_tok), -1,
@@ -369,182 +390,142 @@ def rollout(params, key: jax.Array, starts: EpisodeStarts, *, model_config: ling
     if share:
         cache, last, routing = jax.tree.map(lambda a: _expand(a, g), (cache, last, routing))
 
-    rchunk = _chunk_for(spec.response_len, chunk)
+    # The info pytree's structure comes from a step (reset does not produce one): start from zeros of that shape.
+    info_shape = jax.eval_shape(lambda s, c: jax.vmap(tenv.step)(s, c).info, env_state,
+                                bind.empty_calls(b, env.parser))
+    env_info0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape)
+
+    rchunk = _chunk_for(env.response_len, chunk)
     i32 = functools.partial(jnp.zeros, (b,), jnp.int32)
     bool_ = functools.partial(jnp.zeros, (b,), jnp.bool_)
-    carry = dict(
+    carry = _Episodes(
         turn=jnp.int32(0),
         cache=cache,
         last=last,
-        tokens=scatter_rows(jnp.full((b, big_l), spec.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), prompt_ids,
+        tokens=scatter_rows(jnp.full((b, big_l), pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), prompt_ids,
                             prompt_len),
         logp=jnp.zeros((b, big_l), jnp.float32),
-        gen_start=jnp.full((b, t_max), big_l, jnp.int32),  # start of turn k's policy tokens (L if no turn k)
+        gen_start=jnp.full((b, t_max), big_l, jnp.int32),
         gen_end=jnp.full((b, t_max), big_l, jnp.int32),
         live=jnp.ones((b,), jnp.bool_),
         reward=jnp.zeros((b,), jnp.float32),
-        outcome=i32(), parse_kind=i32(), num_turns=i32(), gen_tokens=i32(), budget_stops=i32(),
-        truncated=bool_(), valid_call=bool_(), is_optimal=bool_(), win_taken=bool_(), num_optimal=i32(),
-        board=board0,
-        gstate=gstate,
-        routing=routing,
+        env_state=env_state, env_info=env_info0,
+        parse_kind=i32(), valid_call=bool_(), num_turns=i32(), gen_tokens=i32(), budget_stops=i32(),
+        truncated=bool_(), routing=routing,
     )
     sconf = rc.sampling_config
+    turn_end_id = int(env.chat.turn_end_id)
 
-    def decode_turn(carry, live):
+    def decode_turn(carry: _Episodes, live):
         """Decodes one turn for the live rows (while_loop until every live row has stopped)."""
-        turn = carry["turn"]
-        forced_turn = None if forced_tokens is None else jax.lax.dynamic_index_in_dim(forced_tokens, turn, 1, False)
+        forced_turn = (None if forced_tokens is None
+                       else jax.lax.dynamic_index_in_dim(forced_tokens, carry.turn, 1, False))
 
-        def cond(c):
-            return (c["step"] < m) & jnp.any(~c["stopped"])
+        def cond(c: _Decode):
+            return (c.step < m) & jnp.any(~c.stopped)
 
-        def body(c):
-            active = ~c["stopped"]
-            forced = None if forced_turn is None else jax.lax.dynamic_index_in_dim(forced_turn, c["step"], 1, False)
-            routing = c["routing"]
+        def body(c: _Decode):
+            active = ~c.stopped
+            forced = None if forced_turn is None else jax.lax.dynamic_index_in_dim(forced_turn, c.step, 1, False)
+            routing = c.routing
             if record:
-                tok, lp, cache, logits, fed = gen.decode_step(params, mc, sconf, c["cache"], c["last"], keys, active,
+                tok, lp, cache, logits, fed = gen.decode_step(params, mc, sconf, c.cache, c.last, keys, active,
                                                               forced, return_routing=True)
-                routing = gen.write_routing(routing, c["cache"]["length"], fed[:, None], active[:, None])
+                routing = gen.write_routing(routing, c.cache["length"], fed[:, None], active[:, None])
             else:
-                tok, lp, cache, logits = gen.decode_step(params, mc, sconf, c["cache"], c["last"], keys, active,
-                                                         forced)
-            match, hit = gen.stop_update(env.stop, c["match"], tok)
+                tok, lp, cache, logits = gen.decode_step(params, mc, sconf, c.cache, c.last, keys, active, forced)
+            match, hit = gen.stop_update(env.stop, c.match, tok)
             if not rc.stop_at_tool_call:
                 hit = env.stop.is_stop[tok]
-            stop_now = active & (hit | (c["step"] + 1 >= m))
-            return dict(
-                step=c["step"] + 1,
+            stop_now = active & (hit | (c.step + 1 >= m))
+            return _Decode(
+                step=c.step + 1,
                 cache=cache,
                 # Rows that did not advance keep their logits (they are overwritten by the next prefill anyway).
-                last=jnp.where(active[:, None], logits, c["last"]),
-                gen_tok=jax.lax.dynamic_update_index_in_dim(c["gen_tok"], jnp.where(active, tok, spec.pad_id),
-                                                            c["step"], 1),
-                gen_logp=jax.lax.dynamic_update_index_in_dim(c["gen_logp"], jnp.where(active, lp, 0.0), c["step"], 1),
-                n_gen=c["n_gen"] + active.astype(jnp.int32),
-                match=jnp.where(active, match, c["match"]),
-                stopped=c["stopped"] | stop_now,
-                turn_end=jnp.where(active, tok == spec.turn_end_id, c["turn_end"]),
+                last=jnp.where(active[:, None], logits, c.last),
+                gen_tok=jax.lax.dynamic_update_index_in_dim(c.gen_tok, jnp.where(active, tok, pad_id), c.step, 1),
+                gen_logp=jax.lax.dynamic_update_index_in_dim(c.gen_logp, jnp.where(active, lp, 0.0), c.step, 1),
+                n_gen=c.n_gen + active.astype(jnp.int32),
+                match=jnp.where(active, match, c.match),
+                stopped=c.stopped | stop_now,
+                turn_end=jnp.where(active, tok == turn_end_id, c.turn_end),
                 routing=routing,
             )
 
-        c0 = dict(step=jnp.int32(0), cache=carry["cache"], last=carry["last"],
-                  gen_tok=jnp.full((b, m), spec.pad_id, jnp.int32), gen_logp=jnp.zeros((b, m), jnp.float32),
-                  n_gen=i32(), match=i32(), stopped=~live, turn_end=bool_(), routing=carry["routing"])
+        c0 = _Decode(step=jnp.int32(0), cache=carry.cache, last=carry.last,
+                     gen_tok=jnp.full((b, m), pad_id, jnp.int32), gen_logp=jnp.zeros((b, m), jnp.float32),
+                     n_gen=i32(), match=i32(), stopped=~live, turn_end=bool_(), routing=carry.routing)
         return jax.lax.while_loop(cond, body, c0)
 
-    def turn_body(carry):
-        turn, live = carry["turn"], carry["live"]
-        start = carry["cache"]["length"]
+    def turn_body(carry: _Episodes) -> _Episodes:
+        turn, live = carry.turn, carry.live
+        start = carry.cache["length"]
         # 1. Decode the turn.
         d = decode_turn(carry, live)
-        cache, last, n_gen, routing = d["cache"], d["last"], d["n_gen"], d["routing"]
-        tokens = scatter_rows(carry["tokens"], start, d["gen_tok"], n_gen)
-        logp = scatter_rows(carry["logp"], start, d["gen_logp"], n_gen)
-        gen_start = jax.lax.dynamic_update_index_in_dim(carry["gen_start"], jnp.where(live, start, big_l), turn, 1)
-        gen_end = jax.lax.dynamic_update_index_in_dim(carry["gen_end"], jnp.where(live, start + n_gen, big_l), turn, 1)
-        # 2. Parse the call and step the environment.
-        kind, square = tool_parser.parse_tool_call_batch(env.parser, d["gen_tok"], n_gen, max_bytes=rc.parse_max_bytes)
-        kind, square = kind.astype(jnp.int32), square.astype(jnp.int32)
-        out = dict(carry)
-        truncated = carry["truncated"]
-        if game:
-            okeys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(opp_keys, turn + 1)
-            new_state, r, done, info = jax.vmap(tasks.game_step, in_axes=(0, 0, 0, 0, None))(
-                okeys, carry["gstate"], kind, square, table)
-            # Rows that are not live keep their state (finished or truncated games are not stepped).
-            new_state = jax.tree.map(lambda a, o: jnp.where(jnp.reshape(live, (b,) + (1,) * (a.ndim - 1)), a, o),
-                                     new_state, carry["gstate"])
-            reward = jnp.where(live, r, carry["reward"])
-            cont = live & ~done
-            out["gstate"] = new_state
-            out["board"] = new_state.board
-            out["outcome"] = jnp.where(live, new_state.outcome, carry["outcome"])
-            out["num_optimal"] = carry["num_optimal"] + (live & info["agent_move_optimal"]).astype(jnp.int32)
-            out["win_taken"] = carry["win_taken"] | (live & info["agent_move_winning"])
-            if t_max > 1:
-                # 3. Tool response (opponent's reply + board) and the next assistant header, for games that go on
-                # and have a turn left. One that would overflow L with a full next turn ends here (truncated);
-                # one out of turns stays live and is marked truncated after the loop.
-                resp, resp_n = jax.vmap(text.render_tool_response, in_axes=(None, 0, 0, 0, 0))(
-                    spec, new_state.board, new_state.opponent_square, new_state.outcome, ~d["turn_end"])
-                pos = cache["length"]
-                more = cont & (turn + 1 < t_max)
-                fits = pos + resp_n + m <= big_l
-                truncated = truncated | (more & ~fits)
-                cont = cont & ~(more & ~fits)
-                n_feed = jnp.where(more & fits, resp_n, 0).astype(jnp.int32)
-                resp = gen.pad_to_multiple(resp, rchunk, spec.pad_id)
-                tokens = scatter_rows(tokens, pos, resp, n_feed)
-                if record:
-                    cache, last, routing = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk,
-                                                               routing)
-                else:
-                    cache, last = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk)
-        else:
-            r, info = jax.vmap(tasks.move_reward, in_axes=(0, 0, 0, None))(carry["board"], kind, square, table)
-            reward = jnp.where(live, r, carry["reward"])
-            cont = jnp.zeros_like(live)
-            outcome = jnp.select([info["is_win_taken"], info["is_illegal"], ~info["is_valid_call"]],
-                                 [tasks.OUTCOME_WIN, tasks.OUTCOME_ILLEGAL, tasks.OUTCOME_INVALID],
-                                 tasks.OUTCOME_ONGOING)
-            out["outcome"] = jnp.where(live, outcome, carry["outcome"])
-            out["is_optimal"] = jnp.where(live, info["is_optimal"], carry["is_optimal"])
-            out["win_taken"] = jnp.where(live, info["is_win_taken"], carry["win_taken"])
-        out.update(
-            turn=turn + 1, cache=cache, last=last, tokens=tokens, logp=logp, gen_start=gen_start, routing=routing,
-            gen_end=gen_end, live=cont, reward=reward, truncated=truncated,
-            parse_kind=jnp.where(live, kind, carry["parse_kind"]),
-            valid_call=jnp.where(live, kind == tool_parser.KIND_OK, carry["valid_call"]),
-            num_turns=carry["num_turns"] + live.astype(jnp.int32),
-            gen_tokens=carry["gen_tokens"] + n_gen,
-            budget_stops=carry["budget_stops"] + (live & (n_gen >= m)).astype(jnp.int32),
+        cache, last, n_gen, routing = d.cache, d.last, d.n_gen, d.routing
+        tokens = scatter_rows(carry.tokens, start, d.gen_tok, n_gen)
+        logp = scatter_rows(carry.logp, start, d.gen_logp, n_gen)
+        gen_start = jax.lax.dynamic_update_index_in_dim(carry.gen_start, jnp.where(live, start, big_l), turn, 1)
+        gen_end = jax.lax.dynamic_update_index_in_dim(carry.gen_end, jnp.where(live, start + n_gen, big_l), turn, 1)
+        # 2. Parse the call and step the environment; rows that are not live keep their state.
+        call = env.parse_batch(d.gen_tok, n_gen, rc.parse_max_bytes)
+        out = jax.vmap(tenv.step)(carry.env_state, call)
+        env_state = _keep_where(live, out.state, carry.env_state)
+        env_info = _keep_where(live, out.info, carry.env_info)
+        reward = carry.reward + jnp.where(live, out.reward.astype(jnp.float32), 0.0)
+        cont = live & ~out.done
+        truncated = carry.truncated
+        if t_max > 1:
+            # 3. Tool response and the next assistant header, for episodes that go on and have a turn left. One
+            # that would overflow L with a full next turn ends here (truncated); one out of turns stays live and
+            # is marked truncated after the loop.
+            resp, resp_n = jax.vmap(env.render_tool)(out.message, ~d.turn_end)
+            pos = cache["length"]
+            more = cont & (turn + 1 < t_max)
+            fits = pos + resp_n + m <= big_l
+            truncated = truncated | (more & ~fits)
+            cont = cont & ~(more & ~fits)
+            n_feed = jnp.where(more & fits, resp_n, 0).astype(jnp.int32)
+            resp = gen.pad_to_multiple(resp, rchunk, pad_id)
+            tokens = scatter_rows(tokens, pos, resp, n_feed)
+            if record:
+                cache, last, routing = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk, routing)
+            else:
+                cache, last = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk)
+        kind = call.kind.astype(jnp.int32)
+        return _Episodes(
+            turn=turn + 1, cache=cache, last=last, tokens=tokens, logp=logp, gen_start=gen_start, gen_end=gen_end,
+            live=cont, reward=reward, env_state=env_state, env_info=env_info,
+            parse_kind=jnp.where(live, kind, carry.parse_kind),
+            valid_call=jnp.where(live, kind == 0, carry.valid_call),
+            num_turns=carry.num_turns + live.astype(jnp.int32),
+            gen_tokens=carry.gen_tokens + n_gen,
+            budget_stops=carry.budget_stops + (live & (n_gen >= m)).astype(jnp.int32),
+            truncated=truncated, routing=routing,
         )
-        return out
 
-    carry = jax.lax.while_loop(lambda c: (c["turn"] < t_max) & jnp.any(c["live"]), turn_body, carry)
+    carry = jax.lax.while_loop(lambda c: (c.turn < t_max) & jnp.any(c.live), turn_body, carry)
 
-    # ---- episodes still running after max_turns are truncated too
-    truncated = carry["truncated"] | carry["live"]
-    reward = jnp.where(truncated, tasks.REWARD_INVALID, carry["reward"]).astype(jnp.float32)
-    outcome = jnp.where(truncated, OUTCOME_TRUNCATED, carry["outcome"])
-    length = carry["cache"]["length"]
+    # ---- episodes still running after the last turn are truncated too
+    truncated = carry.truncated | carry.live
+    reward = jnp.where(truncated, jnp.float32(tenv.truncation_reward), carry.reward).astype(jnp.float32)
+    env_info = jax.vmap(tenv.finish)(carry.env_state, carry.env_info, truncated)
+    length = carry.cache["length"]
     pos = jnp.arange(big_l, dtype=jnp.int32)[None, :]
     valid = pos < length[:, None]
-    gs, ge = carry["gen_start"][:, :, None], carry["gen_end"][:, :, None]  # [B, T, 1]
+    gs, ge = carry.gen_start[:, :, None], carry.gen_end[:, :, None]  # [B, T, 1]
     loss_mask = jnp.any((pos[:, None, :] >= gs) & (pos[:, None, :] < ge), axis=1)
     # Turn k's segment starts right after turn k-1's policy tokens (turn 0 starts at 0).
     turn_id = jnp.sum(pos[:, None, :] >= ge[:, :-1], axis=1).astype(jnp.int32) if t_max > 1 else jnp.zeros_like(pos)
     turn_id = jnp.where(valid, turn_id, -1)
-    logp = jnp.where(loss_mask, carry["logp"], 0.0)
-    if game:
-        is_optimal = (carry["num_optimal"] == carry["num_turns"]) & (carry["num_turns"] > 0) & ~truncated
-    else:
-        is_optimal = carry["is_optimal"]
-    info = dict(
-        outcome=outcome.astype(jnp.int32),
-        parse_kind=carry["parse_kind"],
-        valid_call=carry["valid_call"],
-        num_turns=carry["num_turns"],
-        generated_tokens=carry["gen_tokens"],
-        budget_stops=carry["budget_stops"],
-        win=(outcome == tasks.OUTCOME_WIN),
-        draw=(outcome == tasks.OUTCOME_DRAW),
-        loss=(outcome == tasks.OUTCOME_LOSS),
-        invalid=(outcome == tasks.OUTCOME_INVALID),
-        illegal=(outcome == tasks.OUTCOME_ILLEGAL),
-        truncated=truncated,
-        is_optimal=is_optimal,
-        win_taken=carry["win_taken"],
-        num_optimal_moves=carry["num_optimal"],
-        final_board=carry["board"],
-    )
-    traj = Trajectory(tokens=jnp.where(valid, carry["tokens"], spec.pad_id), valid=valid, loss_mask=loss_mask,
+    logp = jnp.where(loss_mask, carry.logp, 0.0)
+    stats = RolloutStats(parse_kind=carry.parse_kind, valid_call=carry.valid_call, num_turns=carry.num_turns,
+                         generated_tokens=carry.gen_tokens, budget_stops=carry.budget_stops, truncated=truncated)
+    traj = Trajectory(tokens=jnp.where(valid, carry.tokens, pad_id), valid=valid, loss_mask=loss_mask,
                       behaviour_logp=logp, turn_id=turn_id, prompt_length=prompt_len.astype(jnp.int32),
-                      reward=reward, group_id=group_id, info=info, routing=carry["routing"])
+                      reward=reward, group_id=group_id, stats=stats, env_info=env_info, routing=carry.routing)
     if return_cache:
-        return traj, carry["cache"]
+        return traj, carry.cache
     return traj
 
 

@@ -806,3 +806,7 @@ def render_tool_response(
     if spec.response_stencils is not None:
         return _render_stencil(spec.response_stencils, row, values)
     return _render(spec, spec.response_base[row], spec.response_src[row], jnp.stack(values), spec.response_len)
+
+
+def chat_spec():  # replaced by the protocol.chat ChatSpec of this wording
+    return None

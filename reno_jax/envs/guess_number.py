@@ -1,0 +1,109 @@
+"""Guess the number: the README's "bring your own environment" example, a complete `TextEnv` in one page.
+
+The environment picks a secret in 1..16; the agent calls `guess(number)`; the tool answers "higher" or
+"lower" until the guess is right (+1) or the guesses run out (0). A malformed call ends the episode (-1).
+Binary search always finds the secret in five guesses, random consistent guessing often does not: there is a
+strategy to learn beyond the format.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from reno_jax.envs import interface, registry
+from reno_jax.protocol.chat import ChatSpec, Slot
+
+MAX_NUMBER = 16
+MAX_GUESSES = 5
+NUMBERS = tuple(str(k) for k in range(MAX_NUMBER + 1))  # option k is the text of k (0 unused)
+
+TOOL = {"type": "function", "function": {
+    "name": "guess", "description": "Guess the secret number.",
+    "parameters": {"type": "object", "properties": {
+        "number": {"type": "integer", "minimum": 1, "maximum": MAX_NUMBER}}, "required": ["number"]}}}
+
+# Message values: [the last guess, guesses left]. Tool templates: what the answer says.
+LOWER, HIGHER, FOUND, OUT, INVALID = range(5)
+CHAT = ChatSpec(
+    system=f"Find the secret number from 1 to {MAX_NUMBER} with the guess tool. Each answer says higher or lower.",
+    tools=(TOOL,),
+    user=((f"I picked a number. You have {MAX_GUESSES} guesses.",),),
+    tool=((Slot(0, NUMBERS), " is too high. Guesses left: ", Slot(1, NUMBERS), "."),
+          (Slot(0, NUMBERS), " is too low. Guesses left: ", Slot(1, NUMBERS), "."),
+          (Slot(0, NUMBERS), " is right!"),
+          ("Out of guesses.",),
+          ("Invalid call.",)),
+    tool_continues=(True, True, False, False, False),
+    num_values=2,
+)
+
+
+@chex.dataclass(frozen=True)
+class Start:
+    secret: chex.Array  # int32 [N] in 1..MAX_NUMBER
+
+
+@flax.struct.dataclass
+class State:
+    secret: jax.Array
+    guesses: jax.Array  # int32 [] made so far
+    found: jax.Array  # bool []
+    low: jax.Array  # int32 []: the secret is in [low, high] given the answers so far
+    high: jax.Array
+
+
+@flax.struct.dataclass
+class GuessNumberEnv(interface.TextEnv):
+    truncation_reward = 0.0
+
+    def chat(self):
+        return CHAT
+
+    def max_turns(self) -> int:
+        return MAX_GUESSES
+
+    def reset(self, start: Start):
+        state = State(secret=start.secret.astype(jnp.int32), guesses=jnp.int32(0), found=jnp.bool_(False),
+                      low=jnp.int32(1), high=jnp.int32(MAX_NUMBER))
+        return state, interface.Message(jnp.int32(0), jnp.zeros((2,), jnp.int32))
+
+    def step(self, state: State, call: interface.ToolCall) -> interface.Step:
+        guess = call.args[0]
+        guesses = state.guesses + 1
+        found = call.ok & (guess == state.secret)
+        out = call.ok & ~found & (guesses >= MAX_GUESSES)
+        template = jnp.select([~call.ok, found, out, guess > state.secret], [INVALID, FOUND, OUT, LOWER], HIGHER)
+        reward = jnp.where(found, 1.0, jnp.where(call.ok, 0.0, -1.0))
+        low = jnp.where(call.ok & (guess < state.secret), jnp.maximum(state.low, guess + 1), state.low)
+        high = jnp.where(call.ok & (guess > state.secret), jnp.minimum(state.high, guess - 1), state.high)
+        new = State(secret=state.secret, guesses=guesses, found=found, low=low, high=high)
+        info = dict(found=found, invalid=~call.ok, guesses=guesses)
+        message = interface.Message(template.astype(jnp.int32), jnp.stack([guess, MAX_GUESSES - guesses]))
+        return interface.Step(state=new, message=message, reward=reward.astype(jnp.float32),
+                              done=found | out | ~call.ok, info=info)
+
+    def metrics(self, info):
+        return {"rollout/found_rate": float(np.mean(info["found"])),
+                "rollout/invalid_rate": float(np.mean(info["invalid"])),
+                "rollout/guesses_mean": float(np.mean(info["guesses"]))}
+
+
+def consistent_guess(state: State, key: jax.Array):
+    """Warm-start teacher: a uniformly random number the answers so far allow (call-table row k = number k+1),
+    and that support."""
+    numbers = jnp.arange(1, MAX_NUMBER + 1)
+    support = (numbers >= state.low) & (numbers <= state.high)
+    noise = jax.random.uniform(key, support.shape)
+    return jnp.argmax(jnp.where(support, noise, -1.0)).astype(jnp.int32), support
+
+
+def sample_starts(key: jax.Array, num_groups: int) -> Start:
+    return Start(secret=jax.random.randint(key, (num_groups,), 1, MAX_NUMBER + 1, jnp.int32))
+
+
+registry.register("guess_number", lambda env_config, **overrides: GuessNumberEnv(),
+                  lambda config: sample_starts)

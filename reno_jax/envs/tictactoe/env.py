@@ -1,0 +1,231 @@
+"""Tic-tac-toe as `TextEnv`s: the move task (one `choose_square` call on a dataset position) and the game task
+(whole games against an opponent, one call per agent move).
+
+Both speak only `reno_jax.envs.interface`; the rules, rewards and opponents are `rules`, `tasks` and `minimax`,
+the wording is `wording`. Messages carry the values ``[cell 0..8 (0 empty, 1 X, 2 O), side (0 X, 1 O), opponent
+square (0 none, 1..9)]``; user templates are 0 move task, 1 game task; tool templates are the game statuses
+(``wording.STATUS_*`` == ``tasks.OUTCOME_*``).
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from reno_jax.envs import interface
+from reno_jax.envs.tictactoe import minimax, tasks, wording
+from reno_jax.envs.tictactoe import rules as ttt
+
+TASKS = ("move", "game")
+OUTCOME_TRUNCATED = 6  # the rollout cut the episode short (conversation length or turns)
+OUTCOME_NAMES = tasks.OUTCOME_NAMES + ("truncated",)
+
+
+@chex.dataclass(frozen=True)
+class Starts:
+    """Per-group start records (N groups; the rollout repeats each one `group_size` times).
+
+    Attributes:
+      boards: `int8 [N, 9]` move task: the position to play (the agent is the side to move). Game task: unused.
+      agent_player: `int8 [N]` 1 agent is X (opens), 2 agent is O.
+      opponent_kind: `int32 [N]` game task: `tasks.OPPONENT_*`.
+      epsilon: `float32 [N]` game task: exploration rate of the epsilon opponent.
+      opponent_key: `uint32 [N, 2]` raw PRNG key data of the opponent, shared by the group's episodes (the opening
+        move uses fold_in(key, 0), the reply after agent turn k fold_in(key, k + 1)).
+    """
+
+    boards: chex.Array
+    agent_player: chex.Array
+    opponent_kind: chex.Array
+    epsilon: chex.Array
+    opponent_key: chex.Array
+
+    @property
+    def num_groups(self) -> int:
+        return self.boards.shape[0]
+
+
+def move_starts(boards) -> Starts:
+    """Starts for the move task from `int [N, 9]` boards (the agent plays the side to move)."""
+    boards = jnp.asarray(boards, jnp.int8)
+    if boards.ndim != 2 or boards.shape[1] != ttt.NUM_SQUARES:
+        raise ValueError(f"boards must be [N, 9], got shape {boards.shape}")
+    n = boards.shape[0]
+    agent = jax.vmap(ttt.to_move_from_counts)(boards).astype(jnp.int8)
+    return Starts(boards=boards, agent_player=agent,
+                  opponent_kind=jnp.full((n,), tasks.OPPONENT_MINIMAX, jnp.int32),
+                  epsilon=jnp.zeros((n,), jnp.float32), opponent_key=jnp.zeros((n, 2), jnp.uint32))
+
+
+def game_starts(key: jax.Array, num_groups: int, agent_player=1, opponent="minimax", epsilon=0.0) -> Starts:
+    """Starts for the game task. `agent_player`, `opponent` (name or `[N]` ids) and `epsilon` may be scalars or
+    `[N]` arrays; the opponent keys are split from `key`."""
+    n = num_groups
+    kind = tasks.opponent_kind_id(opponent) if isinstance(opponent, str) else opponent
+    agent = jnp.broadcast_to(jnp.asarray(agent_player, jnp.int8), (n,))
+    if not bool(jnp.all((agent == 1) | (agent == 2))):
+        raise ValueError("agent_player must be 1 (X) or 2 (O)")
+    return Starts(
+        boards=jnp.zeros((n, ttt.NUM_SQUARES), jnp.int8),
+        agent_player=agent,
+        opponent_kind=jnp.broadcast_to(jnp.asarray(kind, jnp.int32), (n,)),
+        epsilon=jnp.broadcast_to(jnp.asarray(epsilon, jnp.float32), (n,)),
+        opponent_key=jax.random.key_data(jax.random.split(key, n)),
+    )
+
+
+def _values(board, side_index, opponent_square) -> jax.Array:
+    return jnp.concatenate([board.astype(jnp.int32), jnp.stack([jnp.asarray(side_index, jnp.int32),
+                                                                  jnp.asarray(opponent_square, jnp.int32)])])
+
+
+@flax.struct.dataclass
+class MoveState:
+    board: jax.Array  # int8 [9]
+
+
+@flax.struct.dataclass
+class GameState:
+    game: tasks.GameTaskState
+    opponent_key: jax.Array  # uint32 [2]
+    num_optimal: jax.Array  # int32 []: agent moves that were optimal (minimax)
+    win_taken: jax.Array  # bool []: the agent won by taking an immediate win
+
+
+@flax.struct.dataclass
+class TicTacToeEnv(interface.TextEnv):
+    """`task="move"`: AReno's move reward on one position; `task="game"`: a whole game, +1 / 0 / -1.
+
+    Info (per episode): outcome (`OUTCOME_*` plus 6 truncated), win / draw / loss / invalid / illegal /
+    truncated, is_optimal (move task: the move; game task: every agent move), win_taken, num_optimal_moves,
+    final_board `int8 [9]`.
+    """
+
+    table: minimax.MinimaxTable
+    task: str = flax.struct.field(pytree_node=False, default="move")
+
+    truncation_reward = tasks.REWARD_INVALID
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+
+    @classmethod
+    def create(cls, task: str = "move", table: minimax.MinimaxTable | None = None) -> "TicTacToeEnv":
+        return cls(table=minimax.load_table() if table is None else table, task=task)
+
+    def chat(self):
+        return wording.chat_spec()
+
+    def max_turns(self) -> int:
+        return 1 if self.task == "move" else 5
+
+    def reset(self, start: Starts):
+        agent = start.agent_player.astype(jnp.int8)
+        side = jnp.clip(agent.astype(jnp.int32) - 1, 0, 1)
+        if self.task == "move":
+            board = start.boards.astype(jnp.int8)
+            return MoveState(board=board), interface.Message(jnp.int32(0), _values(board, side, 0))
+        key = jax.random.wrap_key_data(start.opponent_key.astype(jnp.uint32))
+        game = tasks.game_reset(jax.random.fold_in(key, 0), agent, start.opponent_kind, start.epsilon, self.table)
+        state = GameState(game=game, opponent_key=start.opponent_key.astype(jnp.uint32), num_optimal=jnp.int32(0),
+                          win_taken=jnp.bool_(False))
+        return state, interface.Message(jnp.int32(1), _values(game.board, side, 0))
+
+    def _info(self, outcome, is_optimal, win_taken, num_optimal, board):
+        return dict(outcome=outcome.astype(jnp.int32), is_optimal=is_optimal, win_taken=win_taken,
+                    num_optimal_moves=num_optimal.astype(jnp.int32), final_board=board.astype(jnp.int8))
+
+    def step(self, state, call: interface.ToolCall) -> interface.Step:
+        kind = call.kind.astype(jnp.int32)
+        square = jnp.where(call.ok, call.args[0], 0).astype(jnp.int32)
+        if self.task == "move":
+            r, info = tasks.move_reward(state.board, kind, square, self.table)
+            outcome = jnp.select([info["is_win_taken"], info["is_illegal"], ~info["is_valid_call"]],
+                                 [tasks.OUTCOME_WIN, tasks.OUTCOME_ILLEGAL, tasks.OUTCOME_INVALID],
+                                 tasks.OUTCOME_ONGOING)
+            message = interface.Message(jnp.int32(tasks.OUTCOME_ONGOING), _values(state.board, 0, 0))
+            return interface.Step(state=state, message=message, reward=r, done=jnp.bool_(True),
+                                  info=self._info(outcome, info["is_optimal"], info["is_win_taken"], jnp.int32(0),
+                                                  state.board))
+        key = jax.random.wrap_key_data(state.opponent_key)
+        game, r, done, info = tasks.game_step(jax.random.fold_in(key, state.game.turns + 1), state.game, kind,
+                                              square, self.table)
+        num_optimal = state.num_optimal + info["agent_move_optimal"].astype(jnp.int32)
+        win_taken = state.win_taken | info["agent_move_winning"]
+        new = GameState(game=game, opponent_key=state.opponent_key, num_optimal=num_optimal, win_taken=win_taken)
+        status = jnp.clip(game.outcome, 0, wording.NUM_STATUSES - 1)
+        message = interface.Message(status, _values(game.board, 0, game.opponent_square))
+        return interface.Step(state=new, message=message, reward=r, done=done,
+                              info=self._info(game.outcome, jnp.bool_(False), win_taken, num_optimal, game.board))
+
+    def finish(self, state, info, truncated):
+        info = dict(info)
+        outcome = jnp.where(truncated, OUTCOME_TRUNCATED, info["outcome"]).astype(jnp.int32)
+        if self.task == "game":
+            turns = state.game.turns
+            info["is_optimal"] = (state.num_optimal == turns) & (turns > 0) & ~truncated
+        info["outcome"] = outcome
+        for code, name in enumerate(OUTCOME_NAMES):
+            if name != "ongoing":
+                info[name] = outcome == code
+        return info
+
+    def metrics(self, info) -> dict[str, float]:
+        outcome = np.asarray(info["outcome"])
+        out = {f"rollout/{name}_rate": float(np.mean(outcome == code))
+               for code, name in enumerate(OUTCOME_NAMES) if name != "ongoing"}
+        out["rollout/optimal_move_rate"] = float(np.mean(np.asarray(info["is_optimal"])))
+        out["rollout/win_taken_rate"] = float(np.mean(np.asarray(info["win_taken"])))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+def _field(env_config, name, overrides, default=None):
+    if name in overrides:
+        return overrides[name]
+    return env_config.get(name, default) if hasattr(env_config, "get") else getattr(env_config, name, default)
+
+
+def _make_env(env_config, **overrides) -> TicTacToeEnv:
+    return TicTacToeEnv.create(task=str(_field(env_config, "task", overrides, "move")))
+
+
+def agent_players(side: str, num_groups: int):
+    """`int8 [N]` (or a scalar) agent sides for `side` in "x", "o", "alternate" (by group)."""
+    if side == "alternate":
+        return np.where(np.arange(num_groups) % 2 == 0, 1, 2).astype(np.int8)
+    return {"x": 1, "o": 2}[side]
+
+
+def make_sampler(config):
+    """This step's starts (one per group) for `config.env`: dataset boards (move task) or opening games."""
+    from reno_jax import pipeline  # the board datasets are configured like the rest of the experiment
+
+    env_config = config.env
+    if str(env_config.get("task", "move")) == "move":
+        train_boards, _ = pipeline.load_boards(config)
+
+        def sample(key, num_groups):
+            idx = jax.random.choice(key, len(train_boards), (num_groups,), replace=len(train_boards) < num_groups)
+            return move_starts(train_boards[np.asarray(idx)])
+        return sample
+
+    def sample(key, num_groups):
+        return game_starts(key, num_groups, agent_player=agent_players(env_config.agent_player, num_groups),
+                           opponent=env_config.opponent, epsilon=env_config.opponent_epsilon)
+    return sample
+
+
+def _register():
+    from reno_jax.envs import registry
+
+    registry.register("tictactoe", _make_env, make_sampler)
+
+
+_register()
