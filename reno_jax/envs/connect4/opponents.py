@@ -6,7 +6,7 @@ Every policy returns a 0-based column (``int32 []``), or -1 when the game is ove
   * ``greedy_column``: a column that wins at once if there is one, else one that blocks the other side's immediate
     win, else a uniform legal column (ties broken uniformly).
   * ``negamax_column``: full-width depth-limited negamax (``depth`` plies, static) with a window-count heuristic at
-    the leaves; uniform among the best-scoring columns.
+    the leaves; uniform among the best-scoring columns, blocking columns first among those.
 
 Why full width and no alpha-beta: pruning is control flow, and under ``vmap`` (a batch of games, and the columns of
 every node) a branch-free search computes every child anyway. The tree is instead built as nested ``vmap``s over
@@ -159,7 +159,11 @@ def negamax_scores(state: rules.GameState, depth: int) -> jax.Array:
 def negamax_column(key: jax.Array, state: rules.GameState, depth: int) -> jax.Array:
     scores = negamax_scores(state, depth)
     best = (scores == scores.max()) & rules.legal_columns(state)
-    return _choose(key, best)
+    # In a lost position every column ties at the same loss, and a plain tie-break would often not even block
+    # the immediate threat; blocking anyway keeps the opponent from looking blind to an agent that then misses
+    # its own win. (Wins always score above everything, so they need no preference.)
+    forced = best & blocking_columns(state)
+    return _choose(key, jnp.where(forced.any(), forced, best))
 
 
 def opponent_column(
