@@ -154,11 +154,19 @@ def test_negamax_depth2_never_misses_a_win_or_a_block(tactical_positions):
             assert blocks[col]
 
 
-@pytest.mark.parametrize("depth,count", [(1, 6), (2, 4), (3, 2)])
+@functools.lru_cache(maxsize=None)
+def _scores_fn(depth):
+    return jax.jit(jax.vmap(lambda b: opponents.negamax_scores(rules.state_from_board(b), depth)))
+
+
+def _scores_of(depth, positions):
+    return np.asarray(_scores_fn(depth)(jnp.asarray(np.stack(positions))))
+
+
+@pytest.mark.parametrize("depth,count", [(1, 4), (2, 3), (3, 1)])
 def test_negamax_scores_match_numpy_reference(depth, count):
     positions = random_positions(count, seed=10 + depth)
-    got = np.asarray(jax.jit(jax.vmap(lambda b: opponents.negamax_scores(rules.state_from_board(b), depth)))(
-        jnp.asarray(np.stack(positions))))
+    got = _scores_of(depth, positions)
     for b, g in zip(positions, got):
         np.testing.assert_array_equal(g, opponents.np_negamax_scores(b, depth))
 
@@ -168,7 +176,7 @@ def test_negamax_depth3_sees_a_double_threat():
     # only a 3-ply search sees the win behind it.
     board = board_of(["......."] * 4 + ["..OO...", "..XX..."])
     assert rules.np_to_move(board) == rules.X
-    scores = np.asarray(jax.jit(lambda b: opponents.negamax_scores(rules.state_from_board(b), 3))(board))
+    (scores,) = _scores_of(3, [board])
     assert set(np.flatnonzero(scores == opponents.WIN + 1)) == {1, 4}
     assert scores.max() == opponents.WIN + 1
 
@@ -190,7 +198,7 @@ def call(column, kind=0, tool=0) -> ToolCall:
     return ToolCall(kind=jnp.int32(kind), tool=jnp.int32(tool), args=jnp.array([column], jnp.int32))
 
 
-def env_state(board, agent_player: int, opponent: int = 0, seed: int = 0) -> c4env.Connect4State:
+def env_state(board, agent_player: int, opponent: int = opponents.GREEDY, seed: int = 0) -> c4env.Connect4State:
     board = np.asarray(board, np.int8)
     assert rules.np_to_move(board) == agent_player
     assert not ((board[:-1] != 0) & (board[1:] == 0)).any(), "a piece floats above an empty cell"
@@ -215,7 +223,13 @@ def _stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-ENV = c4env.Connect4Env(opponent="greedy", negamax_depth=2)
+# Every env test shares one env and its compiled programs (compilation is most of their time); hand-made states
+# meet the greedy opponent (env_state's default), sampled starts all three.
+ENV = MIXED = c4env.Connect4Env(opponent="mixed", negamax_depth=1)
+_step = jax.jit(ENV.step)
+_mixed_reset = jax.jit(jax.vmap(MIXED.reset))
+_mixed_step = jax.jit(jax.vmap(MIXED.step))
+NUM_CASES = 12  # batch of the step cases and of the teacher games: one vmapped step program for both
 
 
 def test_step_cases_under_jit_and_vmap():
@@ -245,7 +259,8 @@ def test_step_cases_under_jit_and_vmap():
     names = list(cases)
     states = _stack([cases[n][0] for n in names])
     calls = _stack([cases[n][1] for n in names])
-    out = jax.jit(jax.vmap(ENV.step))(states, calls)
+    assert len(names) == NUM_CASES
+    out = _mixed_step(states, calls)
     n = len(names)
     chex.assert_shape([out.reward, out.done, out.message.template, out.info["outcome"]], (n,))
     chex.assert_shape(out.message.values, (n, wording.NUM_VALUES))
@@ -259,7 +274,7 @@ def test_step_cases_under_jit_and_vmap():
         for flag, code in (("win", 1), ("draw", 2), ("loss", 3), ("invalid", 4), ("illegal", 5)):
             assert bool(out.info[flag][i]) == (outcome == code), (name, flag)
         # One episode alone (jit, no vmap) agrees with its row of the batch.
-        single = jax.jit(ENV.step)(cases[name][0], cases[name][1])
+        single = _step(cases[name][0], cases[name][1])
         chex.assert_trees_all_equal(single, jax.tree.map(lambda x: x[i], out))
     i = names.index("opponent_wins")
     assert int(out.state.opponent_column[i]) == 4 and int(out.message.values[i, wording.V_OPPONENT]) == 4
@@ -273,21 +288,19 @@ def test_step_cases_under_jit_and_vmap():
 
 def test_step_after_done_changes_nothing():
     state = env_state(board_of(["......."] * 4 + ["OO....."] + ["XXX...O"]), 1)
-    first = ENV.step(state, call(4))
-    again = ENV.step(first.state, call(5))
+    first = _step(state, call(4))
+    again = _step(first.state, call(5))
     assert bool(again.done) and float(again.reward) == 0.0
     chex.assert_trees_all_equal(again.state, first.state)
     chex.assert_trees_all_equal(again.info, first.info)
 
 
-@pytest.mark.parametrize("opponent", ["random", "greedy", "negamax", "mixed"])
-def test_reset_agent_second_sees_the_opening(opponent):
-    env = c4env.Connect4Env(opponent=opponent, negamax_depth=2)
-    starts = env.sample_starts(jax.random.PRNGKey(3), 4)
+def test_reset_agent_second_sees_the_opening():
+    starts = MIXED.sample_starts(jax.random.PRNGKey(3), 4)
     chex.assert_shape([starts.agent_player, starts.opponent], (4,))
     chex.assert_shape(starts.key, (4, 2))
     np.testing.assert_array_equal(np.asarray(starts.agent_player), [1, 2, 1, 2])
-    state, message = jax.jit(jax.vmap(env.reset))(starts)
+    state, message = _mixed_reset(starts)
     chex.assert_shape(message.values, (4, wording.NUM_VALUES))
     turns = np.asarray(state.game.turn)
     np.testing.assert_array_equal(turns, [0, 1, 0, 1])
@@ -302,7 +315,7 @@ def test_reset_agent_second_sees_the_opening(opponent):
         if opening:
             assert np.asarray(state.game.board[i])[5, opening - 1] == rules.X
     # The opening is a function of the key only.
-    again, _ = jax.jit(jax.vmap(env.reset))(starts)
+    again, _ = _mixed_reset(starts)
     chex.assert_trees_all_equal(again, state)
 
 
@@ -321,25 +334,25 @@ def test_finish_marks_truncation_only_for_live_episodes():
     cut = ENV.finish(live, info, jnp.bool_(True))
     assert int(cut["outcome"]) == c4env.OUTCOME_TRUNCATED and bool(cut["truncated"])
     assert int(ENV.finish(live, info, jnp.bool_(False))["outcome"]) == 0
-    won = ENV.step(env_state(board_of(["......."] * 4 + ["OO....."] + ["XXX...O"]), 1), call(4))
+    won = _step(env_state(board_of(["......."] * 4 + ["OO....."] + ["XXX...O"]), 1), call(4))
     kept = ENV.finish(won.state, won.info, jnp.bool_(True))
     assert int(kept["outcome"]) == c4env.OUTCOME_WIN and not bool(kept["truncated"])
     chex.assert_trees_all_equal_structs(kept, won.info)
 
 
 def test_teacher_games_against_every_opponent_end_within_max_turns():
-    env = c4env.Connect4Env(opponent="mixed", negamax_depth=2)
-    starts = env.sample_starts(jax.random.PRNGKey(5), 6)
-    state, _ = jax.jit(jax.vmap(env.reset))(starts)
-    step = jax.jit(jax.vmap(env.step))
+    env = MIXED
+    starts = env.sample_starts(jax.random.PRNGKey(5), NUM_CASES)
+    state, _ = _mixed_reset(starts)
+    step = _mixed_step
     teach = jax.jit(jax.vmap(lambda s, k: env.teacher_call(s, k, "greedy")))
-    total = np.zeros(6, np.float32)
+    total = np.zeros(NUM_CASES, np.float32)
     for t in range(env.max_turns()):
-        out = step(state, teach(state, jax.random.split(jax.random.PRNGKey(100 + t), 6)))
+        out = step(state, teach(state, jax.random.split(jax.random.PRNGKey(100 + t), NUM_CASES)))
         total += np.asarray(out.reward)
         state = out.state
     assert bool(out.done.all())
-    info = jax.device_get(env.finish(out.state, out.info, jnp.zeros(6, bool)))
+    info = jax.device_get(env.finish(out.state, out.info, jnp.zeros(NUM_CASES, bool)))
     outcome = np.asarray(info["outcome"])
     assert set(outcome.tolist()) <= {1, 2, 3}  # the teacher never makes an invalid or illegal call
     np.testing.assert_array_equal(total, np.select([outcome == 1, outcome == 3], [1.0, -1.0], 0.0))
@@ -350,9 +363,10 @@ def test_teacher_games_against_every_opponent_end_within_max_turns():
 
 def test_teacher_takes_a_win_and_is_zero_when_done():
     state = env_state(board_of(["......."] * 4 + ["OO....."] + ["XXX...O"]), 1)
-    assert int(ENV.teacher_column(state, jax.random.PRNGKey(0))) == 4
-    done = ENV.step(state, call(4)).state
-    assert int(ENV.teacher_column(done, jax.random.PRNGKey(0))) == 0
+    teacher = jax.jit(ENV.teacher_column)
+    assert int(teacher(state, jax.random.PRNGKey(0))) == 4
+    done = _step(state, call(4)).state
+    assert int(teacher(done, jax.random.PRNGKey(0))) == 0
 
 
 # ------------------------------------------------------------------------------------------------ chat spec
