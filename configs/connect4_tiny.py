@@ -1,0 +1,56 @@
+"""DRAFT: the embedded tiny model plays Connect Four (reno_jax.envs.connect4) through `drop_piece` tool calls.
+
+Not runnable yet: the generic TextEnv rollout and the chat compiler are being written; this config fixes the
+environment's settings and rollout sizes meant for a CPU run of at most ~30 minutes. Everything not set here is
+`tictactoe_tiny`'s (model, RL loss, optimiser, mesh, bookkeeping).
+
+Token budget with the shipped 512-token tokenizer (slot by slot, as the compiler renders):
+  prompt        ~226 tokens: system turn with the tool line 155, user turn 63 + ChatML markers, assistant header
+  agent call     23 tokens:  <tool_call>{"name": "drop_piece", "arguments": {"column": k}}</tool_call><|im_end|>
+                 (the tiny tokenizer spells "drop_piece" and "column" in 14 tokens; a think block would add more)
+  tool response  68 tokens:  "\n<|im_start|>tool\n" 4 + "Opponent played k.\n" 4 + header 8 + board 47
+                 + "<|im_end|>\n<|im_start|>assistant\n" 5 (final-step templates are not rendered by the rollout)
+  per turn      ~96 tokens with max_new_tokens = 28, so a full 21-turn game is ~2.2k tokens; games against the
+                 random opponent end after ~8-12 agent moves (~1.2k tokens).
+
+  python -m experiments.train_tictactoe --config=configs/connect4_tiny.py --workdir=workdir/c4   (once wired)
+"""
+
+import ml_collections
+
+from configs import tictactoe_tiny
+
+
+def get_config():
+  c = tictactoe_tiny.get_config()
+  c.num_steps = 120
+
+  # --- environment (reno_jax.envs.connect4.env.Connect4Env / sample_starts) --------------------------------
+  c.env = ml_collections.ConfigDict()  # none of tic-tac-toe's board-dataset fields apply
+  c.env.name = "connect4"
+  c.env.opponent = "random"        # "random", "greedy", "negamax" or "mixed" (the three in turn by group)
+  c.env.agent_player = "alternate" # 1 (X, moves first), 2 (O) or "alternate" (X in even groups); note that
+                                   # pipeline.validate_config still only knows tic-tac-toe's "x" / "o" / "alternate"
+  c.env.negamax_depth = 3          # plies; only compiled in when the opponent is "negamax" or "mixed"
+  c.env.max_agent_turns = 21       # every agent move of a full game
+
+  # --- supervised warm start: transcripts of the env's greedy teacher (Connect4Env.teacher_call) ---------------
+  c.sft.num_steps = 150
+  c.sft.batch_size = 16            # whole games of ~1k tokens each
+  c.sft.teacher = "greedy"         # "greedy" (wins / blocks, else random) or "random" legal columns
+
+  # --- rollout ------------------------------------------------------------------------------------------------
+  c.rollout.boards_per_step = 8    # groups (start records) per step
+  c.rollout.group_size = 8
+  c.rollout.max_new_tokens = 28    # a call is 23 tokens with the turn end
+  c.rollout.max_turns = 21
+  c.rollout.max_length = 0         # 0: prompt + max_turns * (max_new_tokens + tool response), ~2.3k tokens
+  c.rollout.stop_at_tool_call = True
+
+  # --- RL: the forking-token bonus was tuned for the one-token square of tic-tac-toe; off until measured here ---
+  c.rl.forking_entropy_coef = 0.0
+  c.rl.entropy_top_k = 0
+  c.rl.forking_per_turn = True
+  c.rl.learning_rate = 1.5e-3
+  c.rl.end_learning_rate = 2e-4
+  return c

@@ -1,0 +1,204 @@
+"""Connect Four text: the system prompt, the ``drop_piece`` tool, the message templates as parts (literal strings
+and ``Slot``s), the values vector that fills them, and host renderers for debugging.
+
+Board text: a column header, then the six rows top to bottom, one character per cell with no separator::
+
+    1234567
+    .......
+    .......
+    .......
+    ...O...
+    ..XX...
+    .OXX.O.
+
+Every cell is its own ``Slot`` with options ``(".", "X", "O")``, so the compiler tokenizes each cell as one token
+(the shipped 512-token BPE has single tokens for ".", "X", "O"), and the header's digits are single tokens too, so
+a column's header digit and its cells line up by position. Separating the cells with spaces would read closer to
+the usual ``". X O . . . ."`` but costs a token per separator (84 instead of 48 board tokens): the tool response
+would be ~100 tokens instead of ~68, every turn, for 21 turns.
+
+Caveat for host-side tokenization: tokenizing a whole board text at once merges runs of dots (``".."`` is a token
+of the shipped tokenizer), so ``apply_chat_template(..., tokenize=True)`` gives FEWER ids than the in-jit renderer,
+which tokenizes slot by slot; the decoded text is identical. Transcripts and rollouts both go through the renderer,
+so the policy always sees the per-cell form.
+
+Wording reuses phrases the shipped tokenizer already has single tokens for (``"Opponent played "``, ``"You won."``,
+``"You lost."``, ``"You are "``), which keeps the per-turn response short.
+
+Tool templates are indexed by the step's outcome (``TOOL_*`` == ``env.OUTCOME_*``): only ``TOOL_ONGOING`` continues
+the conversation; the others end it (they matter for transcripts and evaluation display).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from reno_jax.envs.connect4 import rules
+
+# TODO: import from reno_jax.protocol.chat once it defines them (see _chat_types).
+from reno_jax.envs.connect4._chat_types import ChatSpec, Parts, Slot, resolve
+
+TOOL_NAME = "drop_piece"
+
+# Tool templates (== env.OUTCOME_* for the ones that exist as outcomes).
+TOOL_ONGOING = 0
+TOOL_WIN = 1
+TOOL_DRAW = 2
+TOOL_LOSS = 3
+TOOL_INVALID = 4
+TOOL_ILLEGAL = 5
+NUM_TOOL_TEMPLATES = 6
+TOOL_NAMES = ("ongoing", "win", "draw", "loss", "invalid", "illegal")
+USER_GAME = 0  # the only user template
+
+# Values vector layout (int32 [NUM_VALUES]).
+V_CELL0 = 0  # 0..41: cells row-major from the top left (0 empty, 1 X, 2 O)
+V_SIDE = rules.NUM_CELLS  # 42: the agent's side (0 X, 1 O)
+V_OPPONENT = V_SIDE + 1  # 43: the opponent's latest column 1..7, 0 when it did not move
+V_COLUMN = V_SIDE + 2  # 44: the agent's column 1..7 (the illegal-move message names it)
+NUM_VALUES = V_SIDE + 3
+
+SYSTEM_PROMPT = (
+    "You play Connect Four. Columns are numbered 1-7 from the left; a piece falls to the lowest empty square. "
+    "Four in a row, column or diagonal wins. Use drop_piece on a column that is not full."
+)
+CELL_OPTIONS = (".", "X", "O")
+SIDE_OPTIONS = ("X", "O")
+HEADER = "".join(str(c + 1) for c in range(rules.COLS)) + "\n"
+OPPONENT_OPTIONS = ("",) + tuple(f"Opponent played {c + 1}.\n" for c in range(rules.COLS))
+COLUMN_OPTIONS = tuple(str(c) for c in range(rules.COLS + 1))  # 0 is never shown (only illegal names a column)
+WIN_TEXT = "\nYou won."
+DRAW_TEXT = "\nDraw."
+LOSS_TEXT = "\nYou lost."
+INVALID_TEXT = "Invalid call. You lost."
+FULL_TEXT = " is full. You lost."
+
+
+def tool_schema() -> dict:
+    """The ``drop_piece`` tool in the OpenAI/HF ``tools=`` format."""
+    return {
+        "type": "function",
+        "function": {
+            "name": TOOL_NAME,
+            "description": "Drop a piece.",
+            "parameters": {
+                "type": "object",
+                "properties": {"column": {"type": "integer", "minimum": 1, "maximum": rules.COLS}},
+                "required": ["column"],
+            },
+        },
+    }
+
+
+def board_parts() -> Parts:
+    parts: list = [HEADER]
+    for r in range(rules.ROWS):
+        for c in range(rules.COLS):
+            parts.append(Slot(V_CELL0 + r * rules.COLS + c, CELL_OPTIONS))
+        if r < rules.ROWS - 1:
+            parts.append("\n")
+    return tuple(parts)
+
+
+def user_parts() -> Parts:
+    return ("You are ", Slot(V_SIDE, SIDE_OPTIONS), ".\n", Slot(V_OPPONENT, OPPONENT_OPTIONS), *board_parts())
+
+
+def tool_parts(template: int) -> Parts:
+    opponent = Slot(V_OPPONENT, OPPONENT_OPTIONS)
+    if template == TOOL_ONGOING:
+        return (opponent, *board_parts())
+    if template == TOOL_WIN:
+        return (*board_parts(), WIN_TEXT)
+    if template == TOOL_DRAW:  # after the agent's move (no opponent line) or after the opponent's reply
+        return (opponent, *board_parts(), DRAW_TEXT)
+    if template == TOOL_LOSS:
+        return (opponent, *board_parts(), LOSS_TEXT)
+    if template == TOOL_INVALID:
+        return (INVALID_TEXT,)
+    if template == TOOL_ILLEGAL:
+        return ("Column ", Slot(V_COLUMN, COLUMN_OPTIONS), FULL_TEXT)
+    raise ValueError(f"tool template must be in 0..{NUM_TOOL_TEMPLATES - 1} ({TOOL_NAMES}), got {template}")
+
+
+def chat_spec() -> ChatSpec:
+    return ChatSpec(
+        system=SYSTEM_PROMPT,
+        tools=(tool_schema(),),
+        user=(user_parts(),),
+        tool=tuple(tool_parts(t) for t in range(NUM_TOOL_TEMPLATES)),
+        tool_continues=tuple(t == TOOL_ONGOING for t in range(NUM_TOOL_TEMPLATES)),
+        num_values=NUM_VALUES,
+        tool_name=TOOL_NAME,
+    )
+
+
+def message_values(board, agent_player=1, opponent_column=0, agent_column=0) -> jax.Array:
+    """``int32 [NUM_VALUES]`` (traceable, per episode).
+
+    Args:
+      board: ``int8 [6, 7]`` (0 empty, 1 X, 2 O).
+      agent_player: ``[]`` 1 (X) or 2 (O).
+      opponent_column: ``[]`` the opponent's latest column 1..7, 0 for none.
+      agent_column: ``[]`` the agent's column 1..7 (shown by the illegal-move message), 0 for none.
+    """
+    board = jnp.asarray(board)
+    if board.shape != (rules.ROWS, rules.COLS):
+        raise ValueError(f"board must have shape [6, 7], got {board.shape}")
+    tail = jnp.stack(
+        [
+            jnp.clip(jnp.asarray(agent_player, jnp.int32) - 1, 0, 1),
+            jnp.clip(jnp.asarray(opponent_column, jnp.int32), 0, rules.COLS),
+            jnp.clip(jnp.asarray(agent_column, jnp.int32), 0, rules.COLS),
+        ]
+    )
+    return jnp.concatenate([board.reshape(-1).astype(jnp.int32), tail])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host helpers (debugging, tests, transcripts shown to people)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def host_values(board=None, agent_player: int = 1, opponent_column: int = 0, agent_column: int = 0) -> list[int]:
+    b = np.zeros((rules.ROWS, rules.COLS), np.int64) if board is None else np.asarray(board)
+    if b.shape != (rules.ROWS, rules.COLS) or not np.isin(b, (0, 1, 2)).all():
+        raise ValueError(f"board must be int [6, 7] with values 0 (empty), 1 (X), 2 (O); got {b!r}")
+    if agent_player not in (1, 2):
+        raise ValueError(f"agent_player must be 1 (X) or 2 (O), got {agent_player}")
+    for name, col in (("opponent_column", opponent_column), ("agent_column", agent_column)):
+        if not 0 <= int(col) <= rules.COLS:
+            raise ValueError(f"{name} must be 0 (none) or 1..7, got {col}")
+    return [int(v) for v in b.reshape(-1)] + [int(agent_player) - 1, int(opponent_column), int(agent_column)]
+
+
+def render_board(board) -> str:
+    """The board text (header and six rows) of an ``int [6, 7]`` board."""
+    return resolve(board_parts(), host_values(board))
+
+
+def user_text(values: Sequence[int], template: int = USER_GAME) -> str:
+    return resolve(chat_spec().user[template], values)
+
+
+def tool_text(values: Sequence[int], template: int) -> str:
+    return resolve(chat_spec().tool[template], values)
+
+
+def messages(values: Sequence[int]) -> list[dict]:
+    """System + first user message as chat dicts (``values`` from ``reset``'s message)."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_text(values)}]
+
+
+def tool_message(values: Sequence[int], template: int) -> dict:
+    return {"role": "tool", "name": TOOL_NAME, "content": tool_text(values, template)}
+
+
+def assistant_call(column: int, content: str = "") -> dict:
+    """An assistant chat dict that calls ``drop_piece(column)`` (1-based), for host transcripts."""
+    call = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"column": int(column)}}}
+    return {"role": "assistant", "content": content, "tool_calls": [call]}
