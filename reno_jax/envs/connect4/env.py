@@ -289,3 +289,27 @@ class Connect4Env(TextEnv):
         """`teacher_column` as an ok ``drop_piece`` call."""
         column = self.teacher_column(state, key, policy)
         return ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=column[None])
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+def _make_env(env_config, **overrides) -> Connect4Env:
+    get = lambda name, default: overrides.get(name, env_config.get(name, default))  # noqa: E731
+    return Connect4Env(opponent=str(get("opponent", "random")), negamax_depth=int(get("negamax_depth", 3)),
+                       max_agent_turns=int(get("max_agent_turns", 21)))
+
+
+def make_sampler(config):
+    env = _make_env(config.env)
+    side = config.env.get("agent_player", "alternate")
+    return lambda key, num_groups: env.sample_starts(key, num_groups, side)
+
+
+def _register():
+    from reno_jax.envs import registry
+
+    registry.register("connect4", _make_env, make_sampler)
+
+
+_register()
