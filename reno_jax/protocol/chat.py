@@ -738,9 +738,13 @@ def _self_check(tables: ChatTables, tokenizer, spec: ChatSpec, chat_template) ->
 def _source(tables: ChatTables, values, add_turn_end) -> list:
     """The source vector as int32 scalars, each value forced into its options with one unsigned ``min`` (values
     no slot reads stay 0, so they cost nothing)."""
-    values = jnp.asarray(values)
-    if values.shape != (len(tables.value_options),):
-        raise ValueError(f"message values must have shape [{len(tables.value_options)}], got {values.shape}")
+    if isinstance(values, (list, tuple)):  # scalars as they are: no stacking for the renderer to slice apart
+        shape = (len(values),)
+    else:
+        values = jnp.asarray(values)
+        shape = values.shape
+    if shape != (len(tables.value_options),):
+        raise ValueError(f"message values must have shape [{len(tables.value_options)}], got {shape}")
     return [
         jnp.int32(0),
         *(_in_range(values[i], n) if n > 1 else jnp.int32(0) for i, n in enumerate(tables.value_options)),
@@ -749,8 +753,8 @@ def _source(tables: ChatTables, values, add_turn_end) -> list:
 
 
 def render_user(tables: ChatTables, message):
-    """System + user turn + assistant header of ``message`` (a ``Message`` or ``(template, values)``; jit/vmap
-    friendly). Returns ``(ids int32 [tables.prompt_len], length int32 [])``; ids past ``length`` are ``pad_id``.
+    """System + user turn + assistant header of ``message`` (a ``Message`` or ``(template, values)``, values an
+    ``int [S]`` array or a list of S int scalars; jit/vmap friendly). Returns ``(ids int32 [tables.prompt_len], length int32 [])``; ids past ``length`` are ``pad_id``.
     The template index is clipped into range, every value into its slot's options."""
     template, values = _unpack(message)
     row = jnp.clip(jnp.asarray(template, jnp.int32), 0, tables.prompt_base.shape[0] - 1)

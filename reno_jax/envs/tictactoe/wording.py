@@ -216,15 +216,21 @@ def build_text_spec(tokenizer, chat_template: str | None = None, max_stencil_row
     return chat.compile_chat(tokenizer, chat_spec(), chat_template, max_stencil_rows)
 
 
-def message_values(board, agent_player: Any = 1, opponent_square: Any = 0) -> jax.Array:
-    """``int32 [NUM_VALUES]`` message values (jit/vmap friendly): the cells, the side ``agent_player - 1`` and the
-    opponent square, the last two clipped into range (the cells are clipped by the renderer)."""
+def _value_list(board, agent_player: Any = 1, opponent_square: Any = 0) -> list:
+    """The message values as scalars; the cells stay as they are (the renderer clips them), the side and the
+    opponent square are clipped here, two-sided (a side below 1 reads as X, a negative square as none)."""
     board = jnp.asarray(board)
     if board.shape != (NUM_SQUARES,):
         raise ValueError(f"board must have shape [9], got {board.shape}")
     side = jnp.clip(jnp.asarray(agent_player, jnp.int32) - 1, 0, 1)
     opponent = jnp.clip(jnp.asarray(opponent_square, jnp.int32), 0, 9)
-    return jnp.concatenate([board.astype(jnp.int32), side[None], opponent[None]])
+    return [*(board[i] for i in range(NUM_SQUARES)), side, opponent]
+
+
+def message_values(board, agent_player: Any = 1, opponent_square: Any = 0) -> jax.Array:
+    """``int32 [NUM_VALUES]`` message values (jit/vmap friendly): the cells, the side ``agent_player - 1`` and the
+    opponent square (the last two clipped into range here, the cells by the renderer)."""
+    return jnp.stack([v.astype(jnp.int32) for v in _value_list(board, agent_player, opponent_square)])
 
 
 def render_prompt(spec: TextSpec, board: jax.Array, agent_player: jax.Array, game: Any = False):
@@ -241,7 +247,7 @@ def render_prompt(spec: TextSpec, board: jax.Array, agent_player: jax.Array, gam
       ``(ids int32 [spec.prompt_len], length int32 [])``; ids past ``length`` are ``spec.pad_id``.
     """
     template = (jnp.asarray(game) != 0).astype(jnp.int32)
-    return chat.render_user(spec, (template, message_values(board, agent_player)))
+    return chat.render_user(spec, (template, _value_list(board, agent_player)))
 
 
 def render_tool_response(
@@ -264,4 +270,4 @@ def render_tool_response(
     Returns:
       ``(ids int32 [spec.response_len], length int32 [])``.
     """
-    return chat.render_tool(spec, (status, message_values(board, 1, opponent_square)), add_turn_end)
+    return chat.render_tool(spec, (status, _value_list(board, 1, opponent_square)), add_turn_end)
