@@ -225,3 +225,17 @@ def test_bad_specs_are_rejected_clearly(shipped):
     rewrite = "{%- for m in messages -%}<|im_start|>{{ m['content'] | replace('Hi!', 'Hi.') }}<|im_end|>\n{%- endfor -%}"
     with pytest.raises(ValueError, match="user-template 0 pieces do not reproduce"):
         chat.compile_chat(shipped, _shop_spec(), chat_template=rewrite)
+
+
+def test_tictactoe_message_values_drive_the_generic_renderer(shipped):
+    from reno_jax.envs.interface import Message
+
+    spec = wording.build_text_spec(shipped)
+    board = np.array([1, 0, 2, 0, 1, 0, 0, 0, 2], np.int8)
+    values = wording.message_values(board, 2, 7)
+    chex.assert_trees_all_equal(values, jnp.asarray([1, 0, 2, 0, 1, 0, 0, 0, 2, 1, 7], jnp.int32))
+    chex.assert_trees_all_equal(chat.render_tool(spec, Message(jnp.int32(wording.STATUS_LOSS), values), True),
+                                wording.render_tool_response(spec, board, 7, wording.STATUS_LOSS, True))
+    chex.assert_trees_all_equal(chat.render_user(spec, Message(jnp.int32(wording.USER_GAME), values)),
+                                wording.render_prompt(spec, board, 2, True))
+    assert chat.user_messages(wording.chat_spec(), (wording.USER_MOVE, values)) == wording.move_task_messages(board, 2)
