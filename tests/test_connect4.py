@@ -14,7 +14,7 @@ import pytest
 
 from reno_jax.envs.connect4 import env as c4env
 from reno_jax.envs.connect4 import opponents, rules, wording
-from reno_jax.envs.connect4._chat_types import Slot, resolve
+from reno_jax.protocol.chat import Slot, resolve
 from reno_jax.envs.interface import ToolCall
 
 ENV_KINDS = dict(random=0, greedy=1, negamax=2)

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 
 from reno_jax.envs import interface
-from reno_jax.envs.tictactoe import tool_parser, wording
+from reno_jax.envs.tictactoe import tool_parser
+from reno_jax.protocol import chat
 
 CLOSE_TAG = tool_parser.CLOSE_TAG
 
 
 def compile(chat_spec, tokenizer, vocab_size=None, chat_template=None):
-    del chat_spec
-    spec = wording.build_text_spec(tokenizer, chat_template)
+    spec = chat.compile_chat(tokenizer, chat_spec, chat_template)
     pieces = tool_parser.token_bytes(tokenizer)
     if vocab_size is not None and vocab_size < len(pieces):
         raise ValueError(f"model vocab_size {vocab_size} is smaller than the tokenizer's {len(pieces)} ids")
@@ -23,27 +23,12 @@ def compile(chat_spec, tokenizer, vocab_size=None, chat_template=None):
     return spec, parser, pieces
 
 
-def _source(values, add_turn_end):
-    v = jnp.asarray(values, jnp.int32)
-    return [jnp.int32(0), *(wording._in_range(v[i], 3) for i in range(9)), jnp.clip(v[9], 0, 1),
-            jnp.clip(v[10], 0, 9), (jnp.asarray(add_turn_end) != 0).astype(jnp.int32)]
-
-
 def render_user(spec, message: interface.Message):
-    row = jnp.clip(message.template, 0, 1)
-    values = _source(message.values, False)
-    if spec.prompt_stencils is not None:
-        return wording._render_stencil(spec.prompt_stencils, row, values)
-    return wording._render(spec, spec.prompt_base[row], spec.prompt_src[row], jnp.stack(values), spec.prompt_len)
+    return chat.render_user(spec, message)
 
 
 def render_tool(spec, message: interface.Message, add_turn_end):
-    row = jnp.clip(message.template, 0, wording.NUM_STATUSES - 1)
-    values = _source(message.values, add_turn_end)
-    if spec.response_stencils is not None:
-        return wording._render_stencil(spec.response_stencils, row, values)
-    return wording._render(spec, spec.response_base[row], spec.response_src[row], jnp.stack(values),
-                           spec.response_len)
+    return chat.render_tool(spec, message, add_turn_end)
 
 
 def parse_batch(parser, ids, lengths, max_bytes=None) -> interface.ToolCall:

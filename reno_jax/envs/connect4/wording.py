@@ -39,8 +39,8 @@ import numpy as np
 
 from reno_jax.envs.connect4 import rules
 
-# TODO: import from reno_jax.protocol.chat once it defines them (see _chat_types).
-from reno_jax.envs.connect4._chat_types import ChatSpec, Parts, Slot, resolve
+
+from reno_jax.protocol.chat import ChatSpec, Parts, Slot, resolve
 
 TOOL_NAME = "drop_piece"
 
