@@ -489,15 +489,11 @@ def _determinize(nfa: _BodyBuilder, start: int, stores: _Stores):
     """Subset construction over byte classes. Returns ``(next [N, 256], code [N, 256], label [N])`` with label
     ``t + 1`` for "accepted, tool t", 0 otherwise; state 0 is the start, state 1 the empty set (dead)."""
     n = len(nfa.edges)
-    masks = []
-    for s in range(n):
-        for chars, _, _ in nfa.edges[s]:
-            m = np.zeros(256, bool)
-            m[list(chars)] = True
-            masks.append(m)
-    sig = np.stack(masks, axis=1) if masks else np.zeros((256, 1), bool)
-    _, byte_class = np.unique(sig, axis=0, return_inverse=True)
-    byte_class = byte_class.ravel()
+    labels = sorted({chars for s in range(n) for chars, _, _ in nfa.edges[s]})  # few distinct byte sets
+    sig = np.zeros((256, max(1, len(labels))), bool)
+    for j, chars in enumerate(labels):
+        sig[list(chars), j] = True
+    byte_class = _row_ids(sig)
     n_cls = int(byte_class.max()) + 1
 
     def closure(states) -> frozenset:
@@ -588,18 +584,24 @@ class Grammar:
         return int(self.next.shape[0])
 
 
+def _row_ids(rows: np.ndarray) -> np.ndarray:
+    """Id of each row of a 2-D array, equal rows equal ids (rows compared as raw bytes: much faster than
+    ``np.unique(axis=0)``)."""
+    rows = np.ascontiguousarray(rows)
+    keys = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+    return np.unique(keys, return_inverse=True)[1].ravel().astype(np.int64)
+
+
 def _minimize(nxt: np.ndarray, code: np.ndarray, label: np.ndarray):
     """Moore minimization: same label, same edge codes, equivalent successors. Returns (class of each state,
     representative of each class), classes numbered by first appearance (state 0 stays 0)."""
     cls = np.unique(label, return_inverse=True)[1].ravel()
     n = int(cls.max()) + 1
     while True:
-        sig = np.concatenate([cls[:, None], cls[nxt], code], axis=1)
-        _, first, cls = np.unique(sig, axis=0, return_index=True, return_inverse=True)
-        cls = cls.ravel()
-        if len(first) == n:
+        cls = _row_ids(np.concatenate([cls[:, None], cls[nxt], code], axis=1))
+        if int(cls.max()) + 1 == n:
             break
-        n = len(first)
+        n = int(cls.max()) + 1
     first = np.full(n, -1, np.int64)
     for s in range(len(cls) - 1, -1, -1):
         first[cls[s]] = s
