@@ -14,106 +14,23 @@ Public pieces:
 * `prefill_chunked`: feed a right-padded block of text `[B, P]` (row b has `n[b]` tokens) in chunks of C tokens;
 * `decode_step`: one token for every row (sample from `last_logits`, feed it back);
 * `generate`: prompt prefill + a fixed number of sampled tokens (used by benchmarks and as a plain sampler);
-* `StopTables` / `stop_update`: per-token stop detection (stop tokens and a byte-level `</tool_call>` matcher that
-  works whatever the tokenisation of the closing tag).
+* `StopTables` / `build_stop_tables` / `stop_update`: per-token stop detection, re-exported from
+  `reno_jax.protocol.stop` (stop tokens and a byte-level `</tool_call>` matcher that works whatever the
+  tokenisation of the closing tag).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
 
-import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from reno_jax.envs.tictactoe import tool_parser
 from reno_jax.models import ling3
+# Re-exported: the stop matcher lives in the protocol layer, the rollout reaches it through this module.
+from reno_jax.protocol.stop import StopTables, build_stop_tables, stop_update  # noqa: F401
 from reno_jax.rollout import sampling
-
-
-# ---------------------------------------------------------------------------------------------- stop detection
-
-
-@chex.dataclass(frozen=True)
-class StopTables:
-    """Arrays that decide when a generated token ends the assistant's turn.
-
-    Attributes:
-      is_stop: `bool [V]` tokens that end a turn by themselves (turn-end / eos).
-      match_next: `int32 [S, V]` state of the byte matcher for the closing pattern after feeding token v in state s
-        (KMP automaton over the pattern's bytes, applied to all bytes of the token).
-      match_hit: `bool [S, V]` the pattern was completed somewhere inside token v's bytes when starting in state s.
-    """
-
-    is_stop: chex.Array
-    match_next: chex.Array
-    match_hit: chex.Array
-
-
-def _kmp_automaton(pattern: bytes) -> np.ndarray:
-    """`[len(pattern) + 1, 256] int32` KMP next-state table (state = matched prefix length; `len(pattern)` is a
-    hit, after which the caller restarts from the failure state). Shared with the tool-call parser."""
-    return tool_parser._kmp_table(pattern)
-
-
-def build_stop_tables(token_bytes: Sequence[bytes], stop_ids: Sequence[int], pattern: bytes | None) -> StopTables:
-    """Host-side construction of `StopTables`.
-
-    Args:
-      token_bytes: the bytes each token id decodes to (length V; special tokens: their literal text, or b"" for
-        tokens that can never be part of the pattern).
-      stop_ids: ids that end a turn on their own (e.g. the turn-end token and eos).
-      pattern: bytes whose completion ends a turn (e.g. b"</tool_call>"), or None.
-    """
-    vocab = len(token_bytes)
-    is_stop = np.zeros((vocab,), bool)
-    for i in stop_ids:
-        if not 0 <= int(i) < vocab:
-            raise ValueError(f"stop id {i} outside the vocabulary of size {vocab}")
-        is_stop[int(i)] = True
-    if not pattern:
-        return StopTables(is_stop=jnp.asarray(is_stop), match_next=jnp.zeros((1, vocab), jnp.int32),
-                          match_hit=jnp.zeros((1, vocab), bool))
-    auto = _kmp_automaton(pattern)
-    m = len(pattern)
-    restart = _restart_state(auto, pattern)
-    nxt = np.zeros((m, vocab), np.int32)
-    hit = np.zeros((m, vocab), bool)
-    for v, bs in enumerate(token_bytes):
-        for s0 in range(m):
-            s, h = s0, False
-            for byte in bs:
-                s = auto[s, byte]
-                if s == m:
-                    h = True
-                    s = restart
-            nxt[s0, v], hit[s0, v] = s, h
-    return StopTables(is_stop=jnp.asarray(is_stop), match_next=jnp.asarray(nxt), match_hit=jnp.asarray(hit))
-
-
-def _restart_state(auto: np.ndarray, pattern: bytes) -> int:
-    """State after a full match: the longest proper border of the pattern (KMP failure of state m)."""
-    m = len(pattern)
-    s = 0
-    for byte in pattern[1:]:
-        s = auto[s, byte]
-    return int(s) if s < m else 0
-
-
-def stop_update(tables: StopTables, match_state: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Advances the matcher by one token per row.
-
-    Args:
-      match_state: `int32 [B]`; token: `int32 [B]`.
-    Returns:
-      `(new_state [B] int32, stop [B] bool)`: stop is True when the token is a stop token or completes the pattern.
-    """
-    new_state = tables.match_next[match_state, token]
-    stop = tables.is_stop[token] | tables.match_hit[match_state, token]
-    return new_state, stop
 
 
 # ---------------------------------------------------------------------------------------------- prefill / decode
