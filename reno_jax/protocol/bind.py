@@ -1,43 +1,54 @@
-"""TEMPORARY adapter (tic-tac-toe only) until protocol.chat / protocol.toolcall land: the rollout's rendering and
-parsing entry points on top of the tic-tac-toe wording and parser."""
+"""An environment's protocol bound to a tokenizer: the three compiled pieces the rollout uses, and its entry
+points (render a user / tool message, parse a turn), independent of any environment.
+
+    chat, parser, pieces = compile(chat_spec, tokenizer, vocab_size)   # host, once
+    render_user(chat, message) / render_tool(chat, message, add_turn_end)   # in jit
+    parse_batch(parser, ids [B, T], lengths [B]) -> ToolCall [B]            # in jit
+"""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from reno_jax.envs import interface
-from reno_jax.envs.tictactoe import tool_parser
-from reno_jax.protocol import chat
+from reno_jax.protocol import chat, tokens, toolcall
 
-CLOSE_TAG = tool_parser.CLOSE_TAG
+CLOSE_TAG = toolcall.CLOSE_TAG
 
 
-def compile(chat_spec, tokenizer, vocab_size=None, chat_template=None):
-    spec = chat.compile_chat(tokenizer, chat_spec, chat_template)
-    pieces = tool_parser.token_bytes(tokenizer)
+def compile(chat_spec: chat.ChatSpec, tokenizer, vocab_size: int | None = None, chat_template: str | None = None):
+    """`(chat tables, tool-call tables, token bytes per id)` for `chat_spec` (its tools included).
+
+    `vocab_size` (the model's, when its embedding is padded past the tokenizer) adds ids without text.
+    """
+    pieces = tokens.token_bytes(tokenizer)
     if vocab_size is not None and vocab_size < len(pieces):
         raise ValueError(f"model vocab_size {vocab_size} is smaller than the tokenizer's {len(pieces)} ids")
     pieces = pieces + [b""] * ((vocab_size or 0) - len(pieces))
-    parser = tool_parser.build_parser_tables(tokenizer, vocab_size=len(pieces))
-    return spec, parser, pieces
+    tables = chat.compile_chat(tokenizer, chat_spec, chat_template)
+    parser = toolcall.compile_tool_calls(list(chat_spec.tools), pieces=pieces)
+    return tables, parser, pieces
 
 
-def render_user(spec, message: interface.Message):
-    return chat.render_user(spec, message)
+def render_user(tables, message: interface.Message):
+    return chat.render_user(tables, message)
 
 
-def render_tool(spec, message: interface.Message, add_turn_end):
-    return chat.render_tool(spec, message, add_turn_end)
+def render_tool(tables, message: interface.Message, add_turn_end):
+    return chat.render_tool(tables, message, add_turn_end)
 
 
 def parse_batch(parser, ids, lengths, max_bytes=None) -> interface.ToolCall:
-    kind, square = tool_parser.parse_tool_call_batch(parser, ids, lengths, max_bytes=max_bytes)
+    """Parses `[B, T]` turns; `tool` and `args` are 0 unless the call is ok (the interface's convention)."""
+    kind, tool, args = toolcall.parse_batch(parser, ids, lengths, max_bytes=max_bytes)
     kind = kind.astype(jnp.int32)
-    return interface.ToolCall(kind=kind, tool=jnp.zeros_like(kind), args=square.astype(jnp.int32)[:, None])
+    ok = kind == toolcall.KIND_OK
+    return interface.ToolCall(kind=kind, tool=jnp.where(ok, tool, 0).astype(jnp.int32),
+                              args=jnp.where(ok[:, None], args, 0).astype(jnp.int32))
 
 
 def empty_calls(batch: int, parser) -> interface.ToolCall:
-    del parser
+    """A `[B]` batch of "no call" results shaped like `parse_batch`'s (for tracing an environment's step)."""
     z = jnp.zeros((batch,), jnp.int32)
-    return interface.ToolCall(kind=z, tool=z, args=jnp.zeros((batch, 1), jnp.int32))
+    return interface.ToolCall(kind=z + toolcall.KIND_NO_CALL, tool=z,
+                              args=jnp.zeros((batch, toolcall.max_args(parser.spec)), jnp.int32))
