@@ -14,14 +14,15 @@ One step of agentic RL post-training is
 * ``Learner.run_step(state, starts_fn) -> StepOutput``: draws the step's keys from ``state.rng``, rolls out and
   learns.
 
-Host syncs inside a step (everything else stays on the device; ``tests/test_learner.py`` runs a step under
-``jax.transfer_guard("disallow")``):
+Host syncs inside a step (everything else stays on the device; ``tests/test_learner.py`` runs steps under
+``jax.transfer_guard("disallow")`` with every other host read of a device value trapped), each read through
+``host_sync(name, x)``:
 
 * ``SHORTEST_PROMPT_SYNC`` (only with ``share_prompt_prefix``): one int32 scalar, the batch's shortest prompt.
   The shared-prefix cut is an array *shape* (``prefix_tokens [B, S]``), so S must be a Python int; it is the
   running minimum over the run, so the train step recompiles only when a shorter prompt than any before shows up.
-* ``ROLLOUT_WAIT`` (only ``run_step(time_rollout=True)``): a wait for the rollout to finish, no transfer, so
-  that the rollout's wall time can be reported apart from the train step's.
+* ``ROLLOUT_WAIT`` (only ``run_step(time_rollout=True)``; a ``jax.block_until_ready``, not a read): waits for the
+  rollout to finish so that its wall time can be reported apart from the train step's.
 
 Reading the metrics (``jax.device_get``) is the caller's, once per step, when it logs.
 
@@ -137,7 +138,7 @@ def _ramp_fractions(hold: float, end: float, n: int) -> tuple[int, int, int] | N
             continue
         b = math.lcm(e.denominator, h.denominator)
         a, c = e * n * b, (e - h) * n * b
-        if max(abs(a), c, b) < 2**24:
+        if max(abs(a), c, b) < _F32_EXACT_INT:
             return int(a), b, int(c)
     return None
 
