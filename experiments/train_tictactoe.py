@@ -31,7 +31,8 @@ from reno_jax import pipeline
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs.tictactoe import env as ttt_env
-from reno_jax.rl import losses, sft, shared_prefix, trainer
+from reno_jax.rl import learner as learner_lib
+from reno_jax.rl import sft, trainer
 from reno_jax.rollout import rollout as rollout_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tictactoe_tiny.py", "Experiment config file.",
@@ -132,45 +133,6 @@ def sample_starts(config, key, train_boards: np.ndarray, num_groups: int) :
                                    epsilon=config.env.opponent_epsilon)
 
 
-def forking_entropy_scale(step: int, num_steps: int, hold: float, end: float) -> float:
-    """Schedule of the forking-token entropy bonus: 1 until `hold * num_steps`, then linear to 0 at `end * num_steps`.
-
-    Exploration is kept up while the policy still learns which squares are good, then released so the sampled
-    policy can sharpen onto them before the end of the run.
-    """
-    t = step / max(num_steps, 1)
-    if t <= hold:
-        return 1.0
-    if t >= end:
-        return 0.0
-    return float((end - t) / (end - hold))
-
-
-@functools.partial(jax.jit, static_argnames=("group_size", "num_groups"))
-def _top_variance_rows(reward, group_size: int, num_groups: int):
-    r = reward.reshape(-1, group_size)
-    informative = jnp.max(r, axis=1) > jnp.min(r, axis=1)  # exact: no float rounding from a mean
-    std = jnp.where(informative, r.std(axis=1), 0.0)
-    order = jnp.argsort(-std, stable=True)[:num_groups]
-    rows = (order[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
-    return rows, jnp.mean(informative)
-
-
-def select_groups(batch: dict, reward, group_size: int, num_groups: int):
-    """Keeps the `num_groups` groups whose rewards vary most (all groups when 0).
-
-    A group whose G rewards are all equal has zero advantage everywhere and contributes nothing to the policy
-    gradient (DAPO's "dynamic sampling" drops such groups); rolling out more groups than we train on and keeping
-    the most informative ones spends the expensive backward pass where the gradient is. Returns the (possibly
-    smaller) batch and the share of groups with non-zero reward spread.
-    """
-    n = reward.shape[0] // group_size
-    rows, informative = _top_variance_rows(reward, group_size, min(num_groups or n, n))
-    if num_groups and num_groups < n:
-        batch = jax.tree.map(lambda x: x[rows], batch)
-    return batch, float(informative)
-
-
 # ---------------------------------------------------------------------------------------------- training
 
 def train(config, workdir: str) -> list[dict]:
@@ -220,66 +182,38 @@ def train(config, workdir: str) -> list[dict]:
 
     writer = metrics_lib.MetricsWriter(workdir, start_step=start)
     rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
-    share_prefix = bool(r.get("share_prompt_prefix", False))
-    forking = bool(r.get("forking_entropy_coef", 0.0)) or anchored
-    if anchored:
-        ref_logp_fn = jax.jit(lambda p, b: pipeline.make_logp_fn(model_config, with_entropy=False,
-                                                                 group_size=rc.group_size)(p, b)[0])
-    if share_prefix:
-        train_rows = rc.group_size * min(int(r.get("train_groups", 0)) or num_groups, num_groups)
-        if (train_rows // rc.group_size) % (r.num_minibatches * r.num_microbatches):
-            raise ValueError("rl.share_prompt_prefix needs whole groups in every minibatch / micro-batch: "
-                             f"{train_rows // rc.group_size} trained groups per step are not divisible by "
-                             f"num_minibatches * num_microbatches = {r.num_minibatches * r.num_microbatches}")
+    ref_logp_fn = None
+    if anchored:  # the forking KL's reference: the warm start, scored on every train batch
+        ref_logp_fn = pipeline.make_logp_fn(model_config, with_entropy=False, group_size=rc.group_size)
     # Every step also reports how far the train forward is from the rollout (train/rollout_*, and with a recorded
     # routing train/routing_agreement), from the first minibatch, which is scored before any update.
-    train_step = trainer.make_train_step(pipeline.make_logp_fn(model_config, group_size=rc.group_size,
-                                                               remat=bool(r.get("remat", False)),
-                                                               entropy_top_k=int(r.get("entropy_top_k", 0)),
-                                                               routing_replay=bool(r.get("routing_replay", False))),
-                                         pipeline.make_loss_fn(config), optimizer,
-                                         num_minibatches=r.num_minibatches, num_microbatches=r.num_microbatches,
-                                         loss_batch_keys=("entropy_scale",) if forking else (),
-                                         rollout_metrics=True)
-    prefix_len = None  # shared-prefix cut: the shortest prompt seen so far (recompiles only when it shrinks)
+    learner = learner_lib.Learner(
+        pipeline.learner_config(config),
+        pipeline.make_logp_fn(model_config, group_size=rc.group_size, remat=bool(r.get("remat", False)),
+                              entropy_top_k=int(r.get("entropy_top_k", 0)),
+                              routing_replay=bool(r.get("routing_replay", False))),
+        pipeline.make_loss_fn(config), optimizer, ref_logp_fn=ref_logp_fn, ref_params=ref_params,
+        rollout_fn=functools.partial(rollout_fn, env=env), num_groups=num_groups, rollout_metrics=True)
+    starts_fn = lambda k: layout.place_batch(sample_starts(config, k, train_boards, num_groups))
     rows = []
     bar = tqdm.trange(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO",
                       dynamic_ncols=True)
     for _ in bar:
         t0 = time.time()
-        state, step_key = trainer.split_rng(state)
-        k_starts, k_rollout = jax.random.split(step_key)
-        starts = layout.place_batch(sample_starts(config, k_starts, train_boards, num_groups))
-        traj = rollout_fn(state.params, k_rollout, starts, env=env)
-        jax.block_until_ready(traj.reward)
-        t_rollout = time.time() - t0
-        advantages = losses.group_advantages(traj.reward, rc.group_size, normalize_std=r.normalize_adv_std)
-        batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
-                 "old_logp": traj.behaviour_logp, "advantages": advantages}
-        if traj.routing is not None:  # rollout routing [B, L, n_moe, K]: replayed and/or compared in the train step
-            batch["routing"] = traj.routing
-        batch, informative = select_groups(batch, traj.reward, rc.group_size, r.get("train_groups", 0))
-        if forking:
-            scale = forking_entropy_scale(step=int(state.step), num_steps=config.num_steps,
-                                          hold=r.get("forking_entropy_hold", 1.0), end=r.get("forking_entropy_end", 1.0))
-            batch["entropy_scale"] = jnp.full(batch["advantages"].shape, scale, jnp.float32)
-        if share_prefix:
-            shortest = int(np.min(np.asarray(traj.prompt_length)))
-            prefix_len = shortest if prefix_len is None else min(prefix_len, shortest)
-            batch = shared_prefix.split_shared_prefix(batch, prefix_len)
-        if anchored:
-            batch["ref_logp"] = ref_logp_fn(ref_params, batch)
-        state, train_metrics = train_step(state, batch)
+        # The rollout is waited for only to time it apart from the train step (perf/rollout_seconds).
+        state, traj, metrics, t_rollout = learner.run_step(state, starts_fn, time_rollout=True)
+        # Host syncs for logging, once per step: the step counter, the rollout's summary and the metrics.
         step = int(state.step)
         row = {}
         row.update(pipeline.rollout_summary(traj, config.env.task))
-        train_metrics = jax.device_get(train_metrics)
-        for k, v in train_metrics.items():  # `loss`: the total minimised; `policy_loss`: its policy term
-            row[f"train/{k}"] = float(v)
+        metrics = jax.device_get(metrics)
+        for k, v in metrics.items():  # `train/loss`: the total minimised; `train/policy_loss`: its policy term
+            if k.startswith("train/"):
+                row[k] = float(v)
         if "train/ratio_mean" not in row and "train/seq_ratio_mean" in row:
             row["train/ratio_mean"] = row["train/seq_ratio_mean"]
         dt = time.time() - t0
-        row["rollout/informative_group_rate"] = informative
+        row["rollout/informative_group_rate"] = float(metrics["rollout/informative_group_rate"])
         row["perf/step_seconds"] = dt
         row["perf/rollout_seconds"] = t_rollout
         row["perf/rollout_tokens_per_s"] = float(np.asarray(traj.loss_mask).sum()) / max(t_rollout, 1e-9)

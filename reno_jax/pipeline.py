@@ -27,6 +27,7 @@ from reno_jax.envs.tictactoe import tasks
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.models import ling3
 from reno_jax.models.config import Ling3Config
+from reno_jax.rl import learner as learner_lib
 from reno_jax.rl import losses, shared_prefix, trainer
 from reno_jax.rollout import rollout as rollout_lib
 
@@ -416,6 +417,20 @@ def make_optimizer(config):
         r.learning_rate, r.end_learning_rate, min(r.warmup_steps, total), total,
         b1=r.b1, b2=r.b2, weight_decay=r.weight_decay, clip_norm=r.clip_norm,
         state_dtype=None if r.optimizer_state_dtype == "float32" else r.optimizer_state_dtype)
+
+
+def learner_config(config) -> learner_lib.LearnerConfig:
+    """The `LearnerConfig` of `config.rl` / `config.rollout` (the forking schedule is fed to the loss whenever a
+    forking regulariser, entropy bonus or KL anchor, is on)."""
+    r = config.rl
+    forking = bool(r.get("forking_entropy_coef", 0.0)) or bool(r.get("forking_kl_coef", 0.0))
+    return learner_lib.LearnerConfig(
+        group_size=int(config.rollout.group_size), train_groups=int(r.get("train_groups", 0)),
+        normalize_adv_std=bool(r.normalize_adv_std), forking_schedule=forking, num_steps=int(config.num_steps),
+        forking_entropy_hold=float(r.get("forking_entropy_hold", 1.0)),
+        forking_entropy_end=float(r.get("forking_entropy_end", 1.0)),
+        share_prompt_prefix=bool(r.get("share_prompt_prefix", False)), num_minibatches=int(r.num_minibatches),
+        num_microbatches=int(r.num_microbatches))
 
 
 def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:

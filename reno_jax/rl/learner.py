@@ -1,0 +1,376 @@
+"""The RL step as library code: a rollout's `Trajectory` -> train batch -> optimizer update.
+
+One step of agentic RL post-training is
+
+  rollout (jitted, the caller's)  ->  prepare_batch (jitted)  ->  [shared-prefix cut]  ->  train_step (jitted)
+
+* ``prepare_batch(traj, step) -> (batch, stats)``: group-relative advantages (``losses.group_advantages``),
+  DAPO-style dynamic sampling (``select_groups``: train on the groups whose rewards vary most) and the
+  forking-regulariser coefficient of this step (``forking_entropy_schedule`` evaluated on the device step
+  counter), all in one compiled program. ``stats`` holds device scalars: ``informative_group_rate`` and, for
+  shared-prefix training, ``shortest_prompt``.
+* ``Learner.learner_step(state, traj) -> (state, metrics)``: the composition, with ``metrics`` device arrays
+  named like the experiments log them (``train/<loss metric>``, ``rollout/informative_group_rate``).
+* ``Learner.run_step(state, starts_fn) -> StepOutput``: draws the step's keys from ``state.rng``, rolls out and
+  learns.
+
+Host syncs inside a step (everything else stays on the device; ``tests/test_learner.py`` runs steps under
+``jax.transfer_guard("disallow")`` with every other host read of a device value trapped), each read through
+``host_sync(name, x)``:
+
+* ``SHORTEST_PROMPT_SYNC`` (only with ``share_prompt_prefix``): one int32 scalar, the batch's shortest prompt.
+  The shared-prefix cut is an array *shape* (``prefix_tokens [B, S]``), so S must be a Python int; it is the
+  running minimum over the run, so the train step recompiles only when a shorter prompt than any before shows up.
+* ``ROLLOUT_WAIT`` (only ``run_step(time_rollout=True)``; a ``jax.block_until_ready``, not a read): waits for the
+  rollout to finish so that its wall time can be reported apart from the train step's.
+
+Reading the metrics (``jax.device_get``) is the caller's, once per step, when it logs.
+
+The policy is abstracted as in ``trainer.make_train_step``: ``logp_fn(params, batch)`` and ``loss_fn``; the
+trajectory is read through its fields ``tokens``, ``valid``, ``loss_mask``, ``behaviour_logp``, ``reward``,
+``prompt_length`` and ``routing`` only, so any environment's rollout that fills them can be trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from fractions import Fraction
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from reno_jax.rl import losses, shared_prefix, trainer
+
+Array = jax.Array
+
+SHORTEST_PROMPT_SYNC = "shortest_prompt"
+ROLLOUT_WAIT = "rollout_wait"
+
+_INT32_MAX = 2**31 - 1
+_F32_EXACT_INT = 2**24  # integers up to this are exact in float32
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """Static settings of the learner (hashable: they shape the compiled programs).
+
+    group_size: G, consecutive trajectory rows that share a start (a GSPO / GRPO group).
+    train_groups: train on this many groups, those with the largest reward spread (0: all of them).
+    normalize_adv_std: divide group-centred rewards by the group's std (``losses.group_advantages``).
+    forking_schedule: feed ``entropy_scale`` (the schedule below) to the loss: the forking-entropy bonus and the
+      forking KL read it as a multiplier of their coefficient.
+    num_steps, forking_entropy_hold, forking_entropy_end: the schedule, see ``forking_entropy_schedule``.
+    share_prompt_prefix: score each group with its prompt encoded once (``reno_jax.rl.shared_prefix``).
+    num_minibatches, num_microbatches: passed to ``trainer.make_train_step``.
+    """
+    group_size: int
+    train_groups: int = 0
+    normalize_adv_std: bool = True
+    forking_schedule: bool = False
+    num_steps: int = 1
+    forking_entropy_hold: float = 1.0
+    forking_entropy_end: float = 1.0
+    share_prompt_prefix: bool = False
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+
+    def __post_init__(self):
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.train_groups < 0:
+            raise ValueError(f"train_groups must be >= 0 (0: every group), got {self.train_groups}")
+        if self.num_minibatches < 1 or self.num_microbatches < 1:
+            raise ValueError("num_minibatches and num_microbatches must be >= 1")
+
+    def trained_groups(self, num_groups: int) -> int:
+        """Groups trained on per step when `num_groups` are rolled out."""
+        return min(self.train_groups or num_groups, num_groups)
+
+    def check_num_groups(self, num_groups: int) -> None:
+        """Raises ValueError when a step of `num_groups` groups cannot be split as configured."""
+        trained = self.trained_groups(num_groups)
+        splits = self.num_minibatches * self.num_microbatches
+        if self.share_prompt_prefix and trained % splits:
+            # The shared-prefix scorer encodes each group's prompt once per piece, so a piece must hold whole groups.
+            raise ValueError("share_prompt_prefix needs whole groups in every minibatch / micro-batch: "
+                             f"{trained} trained groups per step are not divisible by "
+                             f"num_minibatches * num_microbatches = {splits}")
+        if (trained * self.group_size) % splits:
+            raise ValueError(f"{trained * self.group_size} trained rows per step are not divisible by "
+                             f"num_minibatches * num_microbatches = {splits}")
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+def _last_true(pred: Callable[[int], bool], guess: float) -> int:
+    """Largest s in [-1, INT32_MAX] with pred(s), for pred true up to some s and false after (monotone)."""
+    s = -1 if math.isnan(guess) else int(min(max(math.floor(guess), -1), _INT32_MAX))
+    while s < _INT32_MAX and pred(s + 1):
+        s += 1
+    while s >= 0 and not pred(s):
+        s -= 1
+    return s
+
+
+def _ramp_fractions(hold: float, end: float, n: int) -> tuple[int, int, int] | None:
+    """Integers (a, b, c), all below 2**24, with (a - step * b) / c the ramp (end - step / n) / (end - hold).
+
+    hold and end are read as the decimals they were written as (`repr` round-trips: 0.8 -> 4/5); values that
+    need too many digits for that are replaced by the nearest fraction that fits, which moves the ramp by far
+    less than a float32 ulp. None when no fraction fits (a run of more than ~2**23 steps).
+    """
+    if not (math.isfinite(hold) and math.isfinite(end) and end > hold):
+        return None
+    exact_e, exact_h = Fraction(repr(end)), Fraction(repr(hold))
+    for limit in (None, 10**6, 10**5, 10**4):
+        e = exact_e if limit is None else exact_e.limit_denominator(limit)
+        h = exact_h if limit is None else exact_h.limit_denominator(limit)
+        # A coarser fraction must stay well inside float32 resolution of the value it replaces.
+        if e <= h or abs(e - exact_e) > 1e-9 * max(1, abs(exact_e)) or abs(h - exact_h) > 1e-9 * max(1, abs(exact_h)):
+            continue
+        b = math.lcm(e.denominator, h.denominator)
+        a, c = e * n * b, (e - h) * n * b
+        if max(abs(a), c, b) < _F32_EXACT_INT:
+            return int(a), b, int(c)
+    return None
+
+
+def _divide_to_float32(num: Array, den: int) -> Array:
+    """float32 nearest to num / den (ties to even), for int32 0 < num < den < 2**24, by binary long division.
+
+    Integer arithmetic because XLA rewrites float division by a constant (or a broadcast) as multiplication by
+    its reciprocal, which rounds twice: one float32 ulp off about a third of the time.
+    """
+    def body(carry):
+        q, rem, k = carry
+        rem = 2 * rem
+        bit = (rem >= den).astype(jnp.int32)
+        return 2 * q + bit, rem - bit * den, k + 1
+
+    # Quotient bits until 24 are significant: q in [2**23, 2**24), num / den = (q + rem / den) * 2**-k.
+    # num / den >= 1 / den > 2**-24, so at most 48 bits.
+    q, rem, k = jax.lax.while_loop(lambda c: c[0] < 2**23, body,
+                                   (jnp.int32(0), jnp.asarray(num, jnp.int32), jnp.int32(0)))
+    up = (2 * rem > den) | ((2 * rem == den) & (q % 2 == 1))
+    q = q + up.astype(jnp.int32)  # may reach 2**24: still exact in float32
+    # 2**-k built from its exponent bits: exact, and so is the product (a power of two times <= 25 bits).
+    scale = jax.lax.bitcast_convert_type((127 - k) << 23, jnp.float32)
+    return q.astype(jnp.float32) * scale
+
+
+def forking_entropy_schedule(num_steps: int, hold: float, end: float) -> optax.Schedule:
+    """Scale of the forking regulariser at train step `count`: 1 until `hold * num_steps`, then linear to 0 at
+    `end * num_steps`, 0 after.
+
+    Exploration is kept up while the policy still learns which squares are good, then released so the sampled
+    policy can sharpen onto them before the end of the run.
+
+    A jittable function of the (device) step counter that equals the float32 rounding of the float64 host formula
+
+        t = step / max(num_steps, 1);  1 if t <= hold else 0 if t >= end else (end - t) / (end - hold)
+
+    The branch boundaries are found on the host with that formula's own float64 comparisons. On the ramp the
+    value is the rational (a - step * b) / c of `_ramp_fractions`, rounded once to float32 with integer
+    arithmetic: the float64 formula is within ~1e-13 (relative) of the same rational, and a float32 rounding
+    boundary is never that close to a fraction with such a denominator, so both round alike (tested for every
+    step of several runs). Runs too long for that (> ~2**23 steps) get a plain float32 ramp (a few ulps off).
+    """
+    n = max(int(num_steps), 1)
+    hold, end = float(hold), float(end)
+    full_until = _last_true(lambda s: s / n <= hold, hold * n)  # last step at scale 1
+    zero_from = _last_true(lambda s: s / n < end, end * n) + 1  # first step at scale 0 (unless still <= hold)
+    ramp = _ramp_fractions(hold, end, n) if zero_from > full_until + 1 else None
+    if ramp is None and zero_from > full_until + 1:
+        en_hi = float(np.float32(end * n))
+        en_lo, span = end * n - en_hi, (end - hold) * n
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.int32)
+        on_ramp = (step > full_until) & (step < zero_from)
+        if zero_from <= full_until + 1:  # no step is on the ramp
+            linear = jnp.float32(0.0)
+        elif ramp is not None:
+            a, b, c = ramp
+            # Off the ramp the numerator is replaced by 1 so the int32 product cannot overflow and the long
+            # division stays in its domain; the fractions may also put a boundary step a hair outside (0, 1).
+            num = jnp.where(on_ramp, a - jnp.clip(step, 0, zero_from) * b, 1)
+            linear = jnp.where(num <= 0, jnp.float32(0.0),
+                               jnp.where(num >= c, jnp.float32(1.0), _divide_to_float32(jnp.clip(num, 1, c - 1), c)))
+        else:  # (end * n - step) / ((end - hold) * n); end * n in two float32 parts, for the cancellation near 0
+            # The barrier keeps XLA from folding the two parts back into one constant before the subtraction.
+            hi, lo = jax.lax.optimization_barrier((jnp.float32(en_hi), jnp.float32(en_lo)))
+            s = jnp.clip(step, 0, zero_from).astype(jnp.float32)
+            linear = jnp.clip(((hi - s) + lo) / jnp.float32(span), 0.0, 1.0)
+        return jnp.where(step <= full_until, jnp.float32(1.0),
+                         jnp.where(step >= zero_from, jnp.float32(0.0), linear)).astype(jnp.float32)
+
+    return schedule
+
+
+# ---------------------------------------------------------------------------------------------- group selection
+
+@functools.partial(jax.jit, static_argnames=("group_size", "train_groups"))
+def select_groups(batch: dict, reward: Array, group_size: int, train_groups: int) -> tuple[dict, Array]:
+    """Keeps the `train_groups` groups whose rewards vary most (every group when 0 or >= the number of groups).
+
+    A group whose G rewards are all equal has zero advantage everywhere and contributes nothing to the policy
+    gradient (DAPO's "dynamic sampling" drops such groups); rolling out more groups than we train on and keeping
+    the most informative ones spends the expensive backward pass where the gradient is. Ties keep the earlier
+    group. Returns the (possibly smaller) batch, rows of a group kept together and in order, and the share of
+    groups with non-zero reward spread as a float32 device scalar.
+    """
+    r = reward.reshape(-1, group_size)
+    n = r.shape[0]
+    informative = jnp.max(r, axis=1) > jnp.min(r, axis=1)  # exact: no float rounding from a mean
+    rate = jnp.mean(informative)
+    if not train_groups or train_groups >= n:
+        return batch, rate
+    std = jnp.where(informative, r.std(axis=1), 0.0)
+    order = jnp.argsort(-std, stable=True)[:train_groups]
+    rows = (order[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
+    return jax.tree.map(lambda x: x[rows], batch), rate
+
+
+# ---------------------------------------------------------------------------------------------- batch
+
+def trajectory_fields(traj) -> dict:
+    """The fields of a `Trajectory` the learner reads (the jitted programs see only these, not `info`)."""
+    fields = {k: getattr(traj, k) for k in ("tokens", "valid", "loss_mask", "behaviour_logp", "reward",
+                                            "prompt_length")}
+    if getattr(traj, "routing", None) is not None:
+        fields["routing"] = traj.routing
+    return fields
+
+
+def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[dict, dict]]:
+    """`prepare_batch(traj, step) -> (batch, stats)`, one compiled program (see the module docstring).
+
+    `batch` is the row-wise train batch of `trainer.make_train_step` (`tokens`, `valid`, `loss_mask`, `old_logp`,
+    `advantages`, with `routing` when the rollout recorded it and `entropy_scale [B]` with `forking_schedule`);
+    `step` is the train step counter (`TrainState.step`, int32 on the device) the schedule is evaluated at.
+    """
+    schedule = (forking_entropy_schedule(config.num_steps, config.forking_entropy_hold, config.forking_entropy_end)
+                if config.forking_schedule else None)
+
+    @jax.jit
+    def prepare(fields, step):
+        advantages = losses.group_advantages(fields["reward"], config.group_size,
+                                             normalize_std=config.normalize_adv_std)
+        batch = {"tokens": fields["tokens"], "valid": fields["valid"], "loss_mask": fields["loss_mask"],
+                 "old_logp": fields["behaviour_logp"], "advantages": advantages}
+        if "routing" in fields:  # rollout routing [B, L, n_moe, K]: replayed and/or compared in the train step
+            batch["routing"] = fields["routing"]
+        batch, informative = select_groups(batch, fields["reward"], config.group_size, config.train_groups)
+        if schedule is not None:  # per row because the trainer splits loss inputs like the batch
+            batch["entropy_scale"] = jnp.full(batch["advantages"].shape, schedule(step), jnp.float32)
+        stats = {"informative_group_rate": informative}
+        if config.share_prompt_prefix:  # over every rolled-out row, selected or not, as the cut always was
+            stats[SHORTEST_PROMPT_SYNC] = jnp.min(fields["prompt_length"])
+        return batch, stats
+
+    def prepare_batch(traj, step):
+        return prepare(trajectory_fields(traj), step)
+
+    return prepare_batch
+
+
+# ---------------------------------------------------------------------------------------------- learner
+
+class StepOutput(NamedTuple):
+    """One `Learner.run_step`: the new state, the step's trajectory and metrics (device arrays); the rollout's
+    wall time in seconds when it was timed (else None)."""
+    state: trainer.TrainState
+    traj: Any
+    metrics: dict
+    rollout_seconds: float | None
+
+
+def host_sync(name: str, x):
+    """The one way a step reads device values to the host: `jax.device_get(x)`, under a name of the module
+    docstring's list (tests count the calls by name)."""
+    del name
+    return jax.device_get(x)
+
+
+class Learner:
+    """The jitted pieces of an RL step and their composition; see the module docstring.
+
+    Args:
+      config: `LearnerConfig`.
+      logp_fn, loss_fn, optimizer: as in `trainer.make_train_step` (e.g. `pipeline.make_logp_fn(model_config,
+        group_size=G)` and `pipeline.make_loss_fn(config)`).
+      ref_logp_fn, ref_params: a reference policy (`ref_logp_fn(params, batch)[0]` = logp [B, L]) scored on every
+        train batch as `ref_logp`, for losses anchored to it (forking KL); both or neither.
+      rollout_fn: `rollout_fn(params, key, starts) -> Trajectory`, for `run_step`.
+      num_groups: groups rolled out per step, if known: the split into minibatches is checked up front.
+      rollout_metrics, donate: `trainer.make_train_step`'s.
+    """
+
+    def __init__(self, config: LearnerConfig, logp_fn: Callable, loss_fn: Callable,
+                 optimizer: optax.GradientTransformation, *, ref_logp_fn: Callable | None = None,
+                 ref_params: Any = None, rollout_fn: Callable | None = None, num_groups: int | None = None,
+                 rollout_metrics: bool = True, donate: bool = True):
+        if (ref_logp_fn is None) != (ref_params is None):
+            raise ValueError("ref_logp_fn and ref_params go together")
+        if num_groups is not None:
+            config.check_num_groups(num_groups)
+        self.config = config
+        self.rollout_fn = rollout_fn
+        self.ref_params = ref_params
+        self.prepare_batch = make_prepare_batch(config)
+        self.train_step = trainer.make_train_step(
+            logp_fn, loss_fn, optimizer, num_minibatches=config.num_minibatches,
+            num_microbatches=config.num_microbatches,
+            loss_batch_keys=("entropy_scale",) if config.forking_schedule else (), rollout_metrics=rollout_metrics,
+            donate=donate)
+        self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b)[0])
+        self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=1)
+        self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far
+
+    def shared_prefix_len(self, stats: dict) -> int:
+        """SHORTEST_PROMPT_SYNC: reads this batch's shortest prompt to the host and returns the running minimum."""
+        shortest = int(host_sync(SHORTEST_PROMPT_SYNC, stats[SHORTEST_PROMPT_SYNC]))
+        self.prefix_len = shortest if self.prefix_len is None else min(self.prefix_len, shortest)
+        return self.prefix_len
+
+    def learner_step(self, state: trainer.TrainState, traj) -> tuple[trainer.TrainState, dict]:
+        """Trains on one trajectory; returns the new state and the step's metrics (device float32 scalars).
+
+        `state` is donated to the train step. Metrics: `train/<k>` for every train-step metric `k` and
+        `rollout/informative_group_rate`. The only host sync is SHORTEST_PROMPT_SYNC (shared prefix only).
+        """
+        batch, stats = self.prepare_batch(traj, state.step)
+        if self.config.share_prompt_prefix:
+            batch = self._split(batch, self.shared_prefix_len(stats))
+        if self._ref_logp is not None:
+            batch["ref_logp"] = self._ref_logp(self.ref_params, batch)
+        state, train_metrics = self.train_step(state, batch)
+        metrics = {f"train/{k}": v for k, v in train_metrics.items()}
+        metrics["rollout/informative_group_rate"] = stats["informative_group_rate"]
+        return state, metrics
+
+    def run_step(self, state: trainer.TrainState, starts_fn: Callable[[Array], Any], *,
+                 time_rollout: bool = False) -> StepOutput:
+        """Rollout + `learner_step`. The step's key is split from `state.rng` into `(k_starts, k_rollout)`;
+        `starts_fn(k_starts)` gives the episode starts (placed as the rollout needs them). With `time_rollout`,
+        waits for the rollout (ROLLOUT_WAIT) to report its wall time from the start of this call."""
+        if self.rollout_fn is None:
+            raise ValueError("run_step needs Learner(rollout_fn=...)")
+        t0 = time.time()
+        state, step_key = trainer.split_rng(state)
+        k_starts, k_rollout = jax.random.split(step_key)
+        traj = self.rollout_fn(state.params, k_rollout, starts_fn(k_starts))
+        rollout_seconds = None
+        if time_rollout:
+            jax.block_until_ready(traj.reward)  # ROLLOUT_WAIT
+            rollout_seconds = time.time() - t0
+        state, metrics = self.learner_step(state, traj)
+        return StepOutput(state, traj, metrics, rollout_seconds)

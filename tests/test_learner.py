@@ -1,0 +1,291 @@
+"""Tests for reno_jax.rl.learner: the forking schedule, group selection, the jitted batch preparation (against the
+host loop it replaces), a step without implicit host transfers, and a few steps of the tiny Ling-3.0 policy."""
+
+import contextlib
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from reno_jax.rl import learner, losses, trainer
+
+
+# ---------------------------------------------------------------------------------------------- references
+# The host implementations the library replaced (experiments/train_tictactoe.py before the learner), verbatim.
+
+def host_forking_entropy_scale(step: int, num_steps: int, hold: float, end: float) -> float:
+    t = step / max(num_steps, 1)
+    if t <= hold:
+        return 1.0
+    if t >= end:
+        return 0.0
+    return float((end - t) / (end - hold))
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "num_groups"))
+def _host_top_variance_rows(reward, group_size: int, num_groups: int):
+    r = reward.reshape(-1, group_size)
+    informative = jnp.max(r, axis=1) > jnp.min(r, axis=1)
+    std = jnp.where(informative, r.std(axis=1), 0.0)
+    order = jnp.argsort(-std, stable=True)[:num_groups]
+    rows = (order[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
+    return rows, jnp.mean(informative)
+
+
+def host_select_groups(batch: dict, reward, group_size: int, num_groups: int):
+    n = reward.shape[0] // group_size
+    rows, informative = _host_top_variance_rows(reward, group_size, min(num_groups or n, n))
+    if num_groups and num_groups < n:
+        batch = jax.tree.map(lambda x: x[rows], batch)
+    return batch, float(informative)
+
+
+def host_prepare(traj, step, cfg):
+    """The old loop's batch assembly: eager advantages, host selection, a host scale broadcast per row."""
+    advantages = losses.group_advantages(traj.reward, cfg.group_size, normalize_std=cfg.normalize_adv_std)
+    batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
+             "old_logp": traj.behaviour_logp, "advantages": advantages}
+    batch, informative = host_select_groups(batch, traj.reward, cfg.group_size, cfg.train_groups)
+    if cfg.forking_schedule:
+        scale = host_forking_entropy_scale(step, cfg.num_steps, cfg.forking_entropy_hold, cfg.forking_entropy_end)
+        batch["entropy_scale"] = jnp.full(batch["advantages"].shape, scale, jnp.float32)
+    return batch, informative
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+@pytest.mark.parametrize("num_steps, hold, end", [
+    (600, 0.5, 0.8), (6, 0.5, 0.8), (100, 0.5, 0.8), (7, 0.3, 0.9), (1000, 0.25, 0.75), (50, 0.0, 1.0),
+    (997, 1 / 3, 0.9), (300, 0.5, 1.5), (20000, 0.5, 0.8), (10, 1.0, 1.0), (3, 0.1, 0.2), (1, 0.0, 0.0),
+    (0, 0.5, 0.8), (10, 0.8, 0.5)])
+def test_schedule_equals_host_formula_in_float32(num_steps, hold, end):
+    sched = learner.forking_entropy_schedule(num_steps, hold, end)
+    steps = np.arange(int(max(num_steps, 1) * max(end, 1.0)) + 3)
+    want = np.array([host_forking_entropy_scale(int(s), num_steps, hold, end) for s in steps], np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(sched))(jnp.asarray(steps, jnp.int32))), want)
+    one = jax.jit(sched)  # a scalar step, as the learner evaluates it
+    for s in (0, num_steps // 2 + 1, int(0.7 * num_steps), num_steps):
+        assert np.float32(one(jnp.int32(s))) == np.float32(host_forking_entropy_scale(s, num_steps, hold, end))
+
+
+def test_schedule_shape_and_fallback():
+    sched = lambda s: float(learner.forking_entropy_schedule(100, hold=0.5, end=0.8)(s))
+    assert [sched(s) for s in (0, 25, 50)] == [1.0, 1.0, 1.0]
+    np.testing.assert_allclose([sched(60), sched(65), sched(70)], [2 / 3, 0.5, 1 / 3], rtol=1e-7)
+    assert sched(80) == 0.0 and sched(99) == 0.0 and sched(10**6) == 0.0
+    # Values no short fraction represents take the float32 ramp: within float32 rounding, not exact.
+    for n, hold, end in ((1234, 0.123456789, 0.987654321), (10**7, 0.5, 0.8)):
+        sched = jax.jit(jax.vmap(learner.forking_entropy_schedule(n, hold, end)))
+        steps = np.unique(np.linspace(0, n, 4000).astype(np.int32))
+        want = np.array([host_forking_entropy_scale(int(s), n, hold, end) for s in steps], np.float32)
+        np.testing.assert_allclose(np.asarray(sched(jnp.asarray(steps))), want, rtol=3e-7, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- selection
+
+@pytest.mark.parametrize("train_groups", [0, 1, 3, 6, 9])
+def test_select_groups_equals_host_reference(train_groups):
+    g, n = 4, 6
+    rng = np.random.default_rng(train_groups)
+    # Rewards from a few values: constant groups and ties in spread, where the order must match exactly.
+    reward = rng.choice(np.float32([-1.0, 0.0, 0.5, 1.0]), size=n * g).astype(np.float32)
+    reward[:g] = 0.5
+    reward[2 * g:3 * g] = reward[4 * g:5 * g]
+    batch = {"tokens": jnp.asarray(rng.integers(0, 50, (n * g, 5)), jnp.int32),
+             "advantages": jnp.asarray(rng.normal(size=n * g), jnp.float32)}
+    want, want_rate = host_select_groups(batch, jnp.asarray(reward), g, train_groups)
+    got, rate = jax.jit(lambda b, r: learner.select_groups(b, r, g, train_groups))(batch, jnp.asarray(reward))
+    assert isinstance(rate, jax.Array) and rate.dtype == jnp.float32
+    assert float(rate) == want_rate
+    for k in batch:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
+# ---------------------------------------------------------------------------------------------- toy learner
+
+V, L, G, N = 16, 10, 4, 4  # vocabulary, row length, group size, groups per step
+
+
+@flax.struct.dataclass
+class ToyTrajectory:
+    """The Trajectory fields the learner reads, and nothing else."""
+    tokens: jax.Array
+    valid: jax.Array
+    loss_mask: jax.Array
+    behaviour_logp: jax.Array
+    reward: jax.Array
+    prompt_length: jax.Array
+    group_id: jax.Array
+    routing: object = None
+
+
+def toy_params(seed=0):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return {"w": 0.5 * jax.random.normal(k1, (V, V)), "b": 0.1 * jax.random.normal(k2, (V,))}
+
+
+def toy_logp_fn(params, batch):
+    """Bigram policy; a shared-prefix batch is scored on prefix + continuation and cut back to the continuation."""
+    tokens, cut = batch["tokens"], 0
+    if "prefix_tokens" in batch:
+        cut = batch["prefix_tokens"].shape[1]
+        tokens = jnp.concatenate([batch["prefix_tokens"], tokens], axis=1)
+    lsm = jax.nn.log_softmax(params["w"][tokens[:, :-1]] + params["b"], axis=-1)
+    logp = jnp.take_along_axis(lsm, tokens[:, 1:, None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(lsm) * lsm, axis=-1)
+    pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+    return jnp.concatenate([pad, logp], 1)[:, cut:], jnp.concatenate([pad, ent], 1)[:, cut:]
+
+
+def toy_trajectory(params, seed):
+    """Groups share their prompt (lengths 3..5); rewards: one constant group, the others spread."""
+    rng = np.random.default_rng(seed)
+    prompt_len = np.repeat(rng.integers(3, 6, N), G).astype(np.int32)
+    tokens = rng.integers(0, V, (N * G, L)).astype(np.int32)
+    tokens[:, :6] = np.repeat(rng.integers(0, V, (N, 6)), G, axis=0)  # prompts (and more) shared by a group
+    ends = rng.integers(7, L + 1, N * G)
+    pos = np.arange(L)[None, :]
+    valid = pos < ends[:, None]
+    loss_mask = valid & (pos >= prompt_len[:, None])
+    reward = rng.choice(np.float32([-1.0, 0.0, 1.0]), N * G).astype(np.float32)
+    reward[G:2 * G] = 1.0
+    logp, _ = toy_logp_fn(params, {"tokens": jnp.asarray(tokens)})
+    return ToyTrajectory(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(loss_mask),
+                         behaviour_logp=jnp.where(jnp.asarray(loss_mask), logp, 0.0), reward=jnp.asarray(reward),
+                         prompt_length=jnp.asarray(prompt_len), group_id=jnp.asarray(np.arange(N * G) // G))
+
+
+def toy_learner(share_prefix, anchored, train_groups):
+    cfg = learner.LearnerConfig(group_size=G, train_groups=train_groups, forking_schedule=True, num_steps=4,
+                                forking_entropy_hold=0.25, forking_entropy_end=0.9,
+                                share_prompt_prefix=share_prefix, num_microbatches=2)
+    loss = functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4)
+    if anchored:
+        loss, ref = losses.with_forking_kl(loss, 0.1), dict(ref_logp_fn=toy_logp_fn, ref_params=toy_params(1))
+    else:
+        loss, ref = losses.with_forking_entropy_bonus(loss, 0.1), {}
+    opt = trainer.make_optimizer(1e-2, weight_decay=0.0)
+    return cfg, opt, learner.Learner(cfg, toy_logp_fn, loss, opt, num_groups=N, **ref)
+
+
+@pytest.mark.parametrize("train_groups", [0, 2])
+def test_prepare_batch_equals_the_old_host_loop(train_groups):
+    cfg, _, lrn = toy_learner(share_prefix=False, anchored=False, train_groups=train_groups)
+    params = toy_params()
+    for step in (0, 2, 3):  # full scale, on the ramp, off
+        traj = toy_trajectory(params, seed=step)
+        want, want_rate = host_prepare(traj, step, cfg)
+        got, stats = lrn.prepare_batch(traj, jnp.int32(step))
+        assert sorted(got) == sorted(want)
+        for k in want:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+        assert float(stats["informative_group_rate"]) == want_rate
+
+
+class ImplicitHostRead(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def host_reads_only_through_host_sync(monkeypatch):
+    """Makes every read of a device array's value on the host raise, except through `learner.host_sync`, whose
+    calls it records by name. The transfer guard alone cannot show this on CPU, where device arrays live in host
+    memory and reading them is not a guarded transfer."""
+    array_type = type(jnp.zeros(()))
+    value = array_type._value  # the property behind float(), int(), bool(), np.asarray(), .item(), device_get
+    allowed, names = [False], []
+
+    def guarded(self):
+        if not allowed[0]:
+            raise ImplicitHostRead("a step read a device value on the host outside learner.host_sync")
+        return value.fget(self)
+
+    def named(name, x, sync=learner.host_sync):
+        names.append(name)
+        allowed[0] = True
+        try:
+            return sync(name, x)
+        finally:
+            allowed[0] = False
+
+    with monkeypatch.context() as m:
+        m.setattr(array_type, "_value", property(guarded))
+        m.setattr(learner, "host_sync", named)
+        yield names
+
+
+@pytest.mark.parametrize("share_prefix, anchored, train_groups", [(True, True, 2), (False, False, 0)])
+def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, train_groups, monkeypatch):
+    _, opt, lrn = toy_learner(share_prefix, anchored, train_groups)
+    params = toy_params()
+    state = jax.device_put(trainer.create_train_state(params, opt, 0))
+    trajs = [jax.device_put(toy_trajectory(params, seed)) for seed in range(3)]
+    shortest = min(int(np.min(np.asarray(t.prompt_length))) for t in trajs)
+    with host_reads_only_through_host_sync(monkeypatch) as syncs, jax.transfer_guard("disallow"):
+        for traj in trajs:  # the first step compiles under the guards too
+            state, metrics = lrn.learner_step(state, traj)
+        # Both guards are on: an implicit upload and an implicit read are refused.
+        with pytest.raises(Exception, match="Disallowed host-to-device"):
+            jax.jit(lambda x: x)(np.ones(2, np.float32))
+        with pytest.raises(ImplicitHostRead):
+            float(metrics["train/loss"])
+    assert syncs == [learner.SHORTEST_PROMPT_SYNC] * 3 if share_prefix else syncs == []
+    metrics = jax.device_get(metrics)
+    assert int(state.step) == 3
+    for k in ("train/loss", "train/policy_loss", "train/grad_norm", "train/rollout_k3_kl",
+              "rollout/informative_group_rate", "train/forking_kl_coef" if anchored else "train/forking_entropy_coef"):
+        assert np.isfinite(metrics[k]), k
+    # Step 2 of 4 with hold 0.25, end 0.9: the ramp, (0.9 - 0.5) / 0.65.
+    coef = metrics["train/forking_kl_coef" if anchored else "train/forking_entropy_coef"]
+    np.testing.assert_allclose(coef, 0.1 * 0.4 / 0.65, rtol=1e-6)
+    if share_prefix:
+        assert lrn.prefix_len == shortest  # the shortest prompt over the three steps
+
+
+def test_learner_rejects_groups_that_do_not_split():
+    cfg = learner.LearnerConfig(group_size=4, train_groups=3, share_prompt_prefix=True, num_microbatches=2)
+    with pytest.raises(ValueError, match="whole groups"):
+        cfg.check_num_groups(8)
+    with pytest.raises(ValueError, match="group_size"):
+        learner.LearnerConfig(group_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- tiny Ling-3.0
+
+def test_tiny_ling3_run_steps():
+    """A few rollout + learner steps of the tiny Ling-3.0 policy on the move task, through `run_step`."""
+    from configs import tictactoe_tiny
+    from reno_jax import pipeline
+    from reno_jax.rollout import rollout as rollout_lib
+    c = tictactoe_tiny.get_config()
+    c.num_steps = 3
+    c.rollout.boards_per_step = 2
+    c.rollout.group_size = 4
+    c.rl.train_groups = 1
+    tokenizer = pipeline.build_tokenizer(c)
+    model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)
+    env = rollout_lib.make_env(tokenizer, vocab_size=model_config.vocab_size)
+    boards, _ = pipeline.load_boards(c)
+    rc = pipeline.rollout_config(c)
+    optimizer = pipeline.make_optimizer(c)
+    lrn = learner.Learner(pipeline.learner_config(c),
+                          pipeline.make_logp_fn(model_config, group_size=rc.group_size, entropy_top_k=9),
+                          pipeline.make_loss_fn(c), optimizer, num_groups=2,
+                          rollout_fn=functools.partial(rollout_lib.make_rollout_fn(model_config, rc), env=env))
+    starts_fn = lambda key: rollout_lib.move_starts(boards[:2])
+    state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
+    for step in range(c.num_steps):
+        state, traj, metrics, seconds = lrn.run_step(state, starts_fn, time_rollout=step == 0)
+        metrics = jax.device_get(metrics)
+        assert traj.tokens.shape[0] == 8 and (seconds is None) == (step > 0)
+        for k in ("train/loss", "train/policy_loss", "train/forking_entropy", "train/grad_norm",
+                  "train/rollout_logp_abs_diff_mean", "rollout/informative_group_rate"):
+            assert np.isfinite(metrics[k]), k
+        assert metrics["train/skipped"] == 0
+    assert int(state.step) == 3 and lrn.prefix_len == int(np.min(np.asarray(traj.prompt_length)))
+    # The last step trained at step 2 of 3 (hold 0.5, end 0.8): on the ramp.
+    assert np.float32(metrics["train/forking_entropy_coef"]) == np.float32(
+        np.float32(0.1) * np.float32(host_forking_entropy_scale(2, 3, 0.5, 0.8)))
