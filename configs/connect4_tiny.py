@@ -1,8 +1,8 @@
-"""DRAFT: the embedded tiny model plays Connect Four (reno_jax.envs.connect4) through `drop_piece` tool calls.
+"""The embedded tiny model plays Connect Four (reno_jax.envs.connect4) through `drop_piece` tool calls.
 
-Not runnable yet: the generic TextEnv rollout and the chat compiler are being written; this config fixes the
-environment's settings and rollout sizes meant for a CPU run of at most ~30 minutes. Everything not set here is
-`tictactoe_tiny`'s (model, RL loss, optimiser, mesh, bookkeeping).
+Warm start on transcripts of a scripted centre-first player (wins, blocks, else the most central column),
+written by stepping the environment against the random opponent, then GSPO against it. Everything not set here
+is `tictactoe_tiny`'s (model, RL loss, optimiser, mesh, bookkeeping).
 
 Token budget with the shipped 512-token tokenizer (slot by slot, as the compiler renders):
   prompt        ~226 tokens: system turn with the tool line 155, user turn 63 + ChatML markers, assistant header
@@ -13,7 +13,8 @@ Token budget with the shipped 512-token tokenizer (slot by slot, as the compiler
   per turn      ~96 tokens with max_new_tokens = 28, so a full 21-turn game is ~2.2k tokens; games against the
                  random opponent end after ~8-12 agent moves (~1.2k tokens).
 
-  python -m experiments.train_tictactoe --config=configs/connect4_tiny.py --workdir=workdir/c4   (once wired)
+  python -m experiments.train --config=configs/connect4_tiny.py --workdir=workdir/c4
+  python -m experiments.evaluate --workdir=workdir/c4
 """
 
 import ml_collections

@@ -119,10 +119,11 @@ def validate_config(config) -> None:
     Cross-field rules too: `rl.train_groups` at most `rollout.boards_per_step`, trained rows divisible by
     `num_minibatches * num_microbatches`, a `model.path` / `env.boards_path` that exists.
     """
+    tictactoe = env_name(config) == "tictactoe"
     for name, ok, expected in _CHECKS:
         value = _field(config, name)
-        if value is _MISSING:
-            continue
+        if value is _MISSING or (name.startswith("env.") and name != "env.name" and not tictactoe):
+            continue  # another environment's `env` section is its own (its make_env validates it)
         try:
             good = bool(ok(value))
         except TypeError:
@@ -144,6 +145,11 @@ def validate_config(config) -> None:
         raise ConfigError(f"the {rows} trained rows per step (groups {trained} x --config.rollout.group_size="
                           f"{config.rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
                           f"--config.rl.num_microbatches = {splits}")
+    if not tictactoe:
+        try:
+            make_text_env(config)
+        except (ValueError, KeyError) as error:
+            raise ConfigError(f"--config.env: {error}") from None
     make_loss_fn(config)  # the loss's own cross-field rules (corrections, regularisers), before anything is written
     if "mesh" in config:
         mesh_config = parallel.MeshConfig.from_config(config.mesh)

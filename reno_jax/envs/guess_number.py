@@ -105,5 +105,10 @@ def sample_starts(key: jax.Array, num_groups: int) -> Start:
     return Start(secret=jax.random.randint(key, (num_groups,), 1, MAX_NUMBER + 1, jnp.int32))
 
 
+def make_teacher(config, env):
+    """Warm start: `consistent_guess` transcripts; call-table row k is `guess(number=k + 1)`."""
+    return consistent_guess, [("guess", {"number": k}) for k in range(1, MAX_NUMBER + 1)]
+
+
 registry.register("guess_number", lambda env_config, **overrides: GuessNumberEnv(),
-                  lambda config: sample_starts)
+                  lambda config: sample_starts, make_teacher)

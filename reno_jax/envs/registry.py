@@ -18,10 +18,13 @@ from typing import Any, Callable
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """`make_env(env_config, **overrides) -> TextEnv`; `make_sampler(config) -> (key, num_groups) -> starts`
-    (host function; called once per step outside jit)."""
+    (host function; called once per step outside jit); optional `make_teacher(config, env) -> (teacher, calls)`
+    for the supervised warm start (`rl.sft.env_transcripts`: `teacher(state, key) -> (row, support)` per episode,
+    `calls` the call-table rows as `(tool_name, {argument: value})`)."""
 
     make_env: Callable[..., Any]
     make_sampler: Callable[[Any], Callable[[Any, int], Any]]
+    make_teacher: Callable[..., Any] | None = None
 
 
 _ENTRIES: dict[str, Entry] = {}
@@ -29,9 +32,10 @@ _BUILTIN = {"tictactoe": "reno_jax.envs.tictactoe.env", "connect4": "reno_jax.en
             "guess_number": "reno_jax.envs.guess_number"}
 
 
-def register(name: str, make_env: Callable[..., Any], make_sampler: Callable[[Any], Callable[[Any, int], Any]]):
+def register(name: str, make_env: Callable[..., Any], make_sampler: Callable[[Any], Callable[[Any, int], Any]],
+             make_teacher: Callable[..., Any] | None = None):
     """Registers (or replaces) an environment under `name`."""
-    _ENTRIES[name] = Entry(make_env=make_env, make_sampler=make_sampler)
+    _ENTRIES[name] = Entry(make_env=make_env, make_sampler=make_sampler, make_teacher=make_teacher)
 
 
 def names() -> list[str]:

@@ -306,10 +306,44 @@ def make_sampler(config):
     return lambda key, num_groups: env.sample_starts(key, num_groups, side)
 
 
+CENTER_ORDER = (3, 2, 4, 1, 5, 0, 6)  # 0-based columns, the centre first
+
+
+def center_greedy_column(state: Connect4State) -> jax.Array:
+    """A scripted player for warm-start transcripts: win if it can, else block, else the most central legal
+    column (`CENTER_ORDER`); 0-based. Deterministic, so a small model can imitate it; against the random opponent
+    the centre order alone wins ~90% of games (docs/benchmarks.md)."""
+    game = state.game
+    legal = rules.legal_columns(game)
+    rank = jnp.zeros((rules.COLS,), jnp.int32).at[jnp.asarray(CENTER_ORDER)].set(jnp.arange(7, 0, -1))
+    score = (100 * opponents.winning_columns(game).astype(jnp.int32)
+             + 10 * opponents.blocking_columns(game).astype(jnp.int32) + rank)
+    return jnp.argmax(jnp.where(legal, score, -1)).astype(jnp.int32)
+
+
+def make_teacher(config, env: Connect4Env):
+    """`(teacher, calls)` for `rl.sft.env_transcripts`: `config.sft.teacher` is "center_greedy" (default),
+    "greedy", "negamax" or "random"; call-table row k is `drop_piece(column=k + 1)`."""
+    policy = str(config.sft.get("teacher", "center_greedy"))
+    if policy not in ("center_greedy", "greedy", "negamax", "random"):
+        raise ValueError(f"sft.teacher must be center_greedy, greedy, negamax or random, got {policy!r}")
+
+    def teacher(state, key):
+        legal = rules.legal_columns(state.game)
+        if policy == "center_greedy":
+            col = center_greedy_column(state)
+        else:
+            col = jnp.maximum(env.teacher_column(state, key, policy) - 1, 0)
+        return col, legal
+
+    calls = [("drop_piece", {"column": k}) for k in range(1, rules.COLS + 1)]
+    return teacher, calls
+
+
 def _register():
     from reno_jax.envs import registry
 
-    registry.register("connect4", _make_env, make_sampler)
+    registry.register("connect4", _make_env, make_sampler, make_teacher)
 
 
 _register()
