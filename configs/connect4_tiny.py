@@ -24,7 +24,7 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
-  c.num_steps = 120
+  c.num_steps = 30
 
   # --- environment (reno_jax.envs.connect4.env.Connect4Env / sample_starts) --------------------------------
   c.env = ml_collections.ConfigDict()  # none of tic-tac-toe's board-dataset fields apply
@@ -36,16 +36,17 @@ def get_config():
   c.env.max_agent_turns = 21       # every agent move of a full game
 
   # --- supervised warm start: transcripts of the env's greedy teacher (Connect4Env.teacher_call) ---------------
-  c.sft.num_steps = 150
+  c.sft.num_steps = 80
   c.sft.batch_size = 16            # whole games of ~1k tokens each
-  c.sft.teacher = "greedy"         # "greedy" (wins / blocks, else random) or "random" legal columns
+  c.sft.teacher = "center_greedy"  # win, else block, else the most central column (see connect4/env.py)
+  c.sft.learning_rate = 3e-3
 
   # --- rollout ------------------------------------------------------------------------------------------------
-  c.rollout.boards_per_step = 8    # groups (start records) per step
+  c.rollout.boards_per_step = 4    # groups (start records) per step
   c.rollout.group_size = 8
   c.rollout.max_new_tokens = 28    # a call is 23 tokens with the turn end
-  c.rollout.max_turns = 21
-  c.rollout.max_length = 0         # 0: prompt + max_turns * (max_new_tokens + tool response), ~2.3k tokens
+  c.rollout.max_turns = 9
+  c.rollout.max_length = 1024      # fits 9 agent moves; a longer game ends as truncated (reward -1)
   c.rollout.stop_at_tool_call = True
 
   # --- RL: the forking-token bonus was tuned for the one-token square of tic-tac-toe; off until measured here ---

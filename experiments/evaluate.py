@@ -13,6 +13,7 @@ one JSON line of figures.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -24,6 +25,7 @@ import tqdm
 
 from experiments import cli
 from reno_jax import pipeline
+from reno_jax.envs import registry
 from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.rollout import rollout as rollout_lib
@@ -33,8 +35,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.js
 _TASK = flags.DEFINE_enum("task", None, ["move", "game"], "Task; default: the run's task.")
 _BOARDS = flags.DEFINE_string("boards", "exhaustive", "Move task board set: exhaustive, train, heldout or a "
                               "JSONL path.")
-_OPPONENT = flags.DEFINE_enum("opponent", None, ["random", "minimax", "epsilon"], "Game task opponent; default: "
-                              "the run's.")
+_OPPONENT = flags.DEFINE_string("opponent", None, "Opponent. Tic-tac-toe game task: random, minimax or epsilon "
+                                "(default: the run's). Other environments: a comma-separated list of the "
+                                "environment's opponents (Connect Four default: random,greedy,negamax).")
 _EPSILON = flags.DEFINE_float("epsilon", None, "Epsilon of the epsilon opponent; default: the run's.")
 _SIDE = flags.DEFINE_enum("side", "both", ["x", "o", "both"], "Game task: the agent's side.")
 _NUM_EPISODES = flags.DEFINE_integer("num_episodes", 0, "Episodes (0: every board for the move task, 256 games).")
@@ -43,6 +46,10 @@ _BATCH = flags.DEFINE_integer("batch_size", 256, "Episodes per jitted rollout ca
 _SEED = flags.DEFINE_integer("seed", 0, "RNG seed (sampling, opponent).")
 _TRANSCRIPTS = flags.DEFINE_integer("transcripts", 3, "Rendered transcripts to write to workdir/eval_transcripts.txt.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_MAX_LENGTH = flags.DEFINE_integer("max_length", -1, "Conversation length L; -1: the run's, 0: whatever the "
+                                   "longest episode needs (no truncation).")
+
+ENV_OPPONENTS = {"connect4": ("random", "greedy", "negamax")}
 
 
 load_run = pipeline.load_run  # kept here too: the evaluation CLI's own entry point for scripts
@@ -119,6 +126,31 @@ def evaluate_game(params, model_config, env, config, opponent: str, epsilon: flo
     return summary, traj
 
 
+def evaluate_env(params, model_config, tokenizer, config, opponent: str, total: int, greedy: bool, batch: int,
+                 key, max_length: int):
+    """Any registered environment: `total` episodes against `opponent` (half with the agent first, half second,
+    where the environment has sides), summarised by the environment's own metrics."""
+    env = pipeline.make_compiled_env(config, tokenizer, model_config, opponent=opponent)
+    rc = pipeline.rollout_config(config, greedy=greedy, group_size=1)
+    if max_length >= 0:
+        rc = dataclasses.replace(rc, max_length=max_length)
+    k_start, k_policy = jax.random.split(key)
+    sampler = registry.get(pipeline.env_name(config)).make_sampler(config)
+
+    def starts_fn(start, size):
+        return sampler(jax.random.fold_in(k_start, start), size)
+
+    traj = run_episodes(params, model_config, env, rc, starts_fn, total, batch, k_policy)
+    summary = {"env": pipeline.env_name(config), "opponent": opponent, "greedy": bool(greedy),
+               "num_episodes": int(total), "max_length": rollout_lib.conversation_length(env, rc),
+               "mean_reward": float(np.mean(traj.reward)),
+               "invalid_or_illegal_rate": float(np.mean(~np.asarray(traj.stats.valid_call)
+                                                        | np.asarray(traj.env_info.get("illegal", False)))),
+               "mean_generated_tokens": float(np.mean(traj.stats.generated_tokens))}
+    summary.update({k.replace("rollout/", ""): v for k, v in env.env.metrics(traj.env_info).items()})
+    return summary, traj
+
+
 def write_transcripts(path: str, tokenizer, traj, count: int) -> None:
     with open(path, "w") as f:
         for i in range(min(count, len(traj.reward))):
@@ -134,10 +166,27 @@ def main(argv):
     workdir = _WORKDIR.value
     config, tokenizer, model_config, params, step = load_run(workdir, _STEP.value)
     logging.info("Evaluating %s at step %s", workdir, step)
-    task = _TASK.value or config.env.task
-    env = pipeline.make_compiled_env(config, tokenizer, model_config, task=task)
     key = jax.random.PRNGKey(_SEED.value)
     greedy = not _SAMPLED.value
+    name = pipeline.env_name(config)
+    if name != "tictactoe":
+        opponents = (_OPPONENT.value.split(",") if _OPPONENT.value
+                     else ENV_OPPONENTS.get(name, (config.env.get("opponent", ""),)))
+        results, traj = {}, None
+        for opponent in opponents:
+            summary, t = evaluate_env(params, model_config, tokenizer, config, opponent,
+                                      _NUM_EPISODES.value or 256, greedy, _BATCH.value, key, _MAX_LENGTH.value)
+            results[opponent] = summary
+            traj = t if traj is None else traj
+            tqdm.tqdm.write(json.dumps(summary))
+        if _TRANSCRIPTS.value:
+            write_transcripts(os.path.join(workdir, "eval_transcripts.txt"), tokenizer, traj, _TRANSCRIPTS.value)
+        print(json.dumps({"checkpoint_step": step, "env": name, **{
+            f"{opp}/{k}": v for opp, summ in results.items() for k, v in summ.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}}))
+        return
+    task = _TASK.value or config.env.task
+    env = pipeline.make_compiled_env(config, tokenizer, model_config, task=task)
     if task == "move":
         try:
             boards = pipeline.eval_boards(_BOARDS.value, config)
@@ -149,6 +198,8 @@ def main(argv):
         summary["boards"] = _BOARDS.value
     else:
         opponent = _OPPONENT.value or config.env.opponent
+        if opponent not in ("random", "minimax", "epsilon"):
+            raise cli.UserError(f"--opponent={opponent}: tic-tac-toe opponents are random, minimax or epsilon")
         epsilon = config.env.opponent_epsilon if _EPSILON.value is None else _EPSILON.value
         summary, traj = evaluate_game(params, model_config, env, config, opponent, epsilon, _SIDE.value,
                                       _NUM_EPISODES.value or 256, greedy, _BATCH.value, key)
