@@ -176,7 +176,7 @@ def main(argv):
         for opponent in opponents:
             summary, t = evaluate_env(params, model_config, tokenizer, config, opponent,
                                       _NUM_EPISODES.value or 256, greedy, _BATCH.value, key, _MAX_LENGTH.value)
-            results[opponent] = summary
+            results[opponent or "all"] = summary
             traj = t if traj is None else traj
             tqdm.tqdm.write(json.dumps(summary))
         if _TRANSCRIPTS.value:

@@ -1,0 +1,168 @@
+"""The TextEnv interface end to end on environments other than tic-tac-toe: the generic rollout (Connect Four,
+guess-the-number), SFT transcripts written by stepping the environment, the registry, the generic trainer and
+evaluation, and the typed rollout outputs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from reno_jax import pipeline
+from reno_jax.envs import guess_number, interface, registry
+from reno_jax.envs.connect4 import env as c4env
+from reno_jax.envs.connect4 import rules as c4rules
+from reno_jax.models import ling3
+from reno_jax.protocol import chat
+from reno_jax.protocol.tokenizer import load_tokenizer
+from reno_jax.rl import sft
+from reno_jax.rollout import rollout as R
+
+FAST = {"xla_backend_optimization_level": 0}
+MC = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=1)  # one MLA (MoE) layer: cheap to compile
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return ling3.init_params(MC, jax.random.PRNGKey(0))
+
+
+def _call_ids(tok, name, arg, value, turn_end):
+    text = f'<tool_call>{json.dumps({"name": name, "arguments": {arg: value}})}</tool_call>'
+    return list(tok.encode(text, add_special_tokens=False)) + [turn_end]
+
+
+def _decode(tok, ids):
+    return tok.decode([int(i) for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def test_connect4_rollout_plays_forced_columns_and_renders_the_environments_text(tok, params):
+    env = R.compile_env(c4env.Connect4Env(opponent="greedy"), tok, vocab_size=MC.vocab_size)
+    turns, m = 3, 24
+    rc = R.RolloutConfig(group_size=1, max_new_tokens=m, max_turns=turns, prefill_chunk=64)
+    starts = c4env.sample_starts(jax.random.PRNGKey(2), 2, "greedy", 1)  # agent X in both
+    forced = np.full((2, turns, m), -1, np.int32)
+    cols = [[4, 4, 4], [1, 9, 2]]  # row 1's second call is out of range: the episode ends there, invalid
+    for b in range(2):
+        for t in range(turns):
+            ids = _call_ids(tok, "drop_piece", "column", cols[b][t], env.chat.turn_end_id)
+            forced[b, t, :len(ids)] = ids
+    fn = jax.jit(functools.partial(R.rollout, model_config=MC, rollout_config=rc), compiler_options=FAST)
+    traj = jax.device_get(fn(params, jax.random.PRNGKey(0), starts, env=env, forced_tokens=jnp.asarray(forced)))
+    assert isinstance(traj.stats, R.RolloutStats)
+    np.testing.assert_array_equal(traj.stats.num_turns, [3, 2])
+    np.testing.assert_array_equal(traj.stats.parse_kind, [0, 3])
+    assert traj.env_info["invalid"][1] and traj.reward[1] == -1.0
+    # Stepping the environment by hand with the same calls gives the same episode.
+    state, _ = c4env.Connect4Env(opponent="greedy").reset(jax.tree.map(lambda a: a[0], starts))
+    e = c4env.Connect4Env(opponent="greedy")
+    texts = []
+    for t in range(turns):
+        out = e.step(state, interface.ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=jnp.array([4])))
+        state = out.state
+        texts.append(chat.tool_text(tok, e.chat(), out.message, add_turn_end=True))  # stopped at </tool_call>
+        if bool(out.done):
+            break
+    assert int(state.agent_moves) == 3 and int(traj.env_info["num_agent_moves"][0]) == 3
+    # The tokens between the policy turns are exactly the environment's tool responses, as the template writes them.
+    row = traj.tokens[0][traj.valid[0]]
+    mask = traj.loss_mask[0][traj.valid[0]]
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8)))
+    between = [_decode(tok, row[edges[2 * k + 1] + 1: edges[2 * k + 2] + 1]) for k in range(2)]
+    assert between == texts[:2]
+
+
+def test_guess_number_transcripts_step_the_environment(tok):
+    env = R.compile_env(guess_number.GuessNumberEnv(), tok)
+    teacher, calls = guess_number.make_teacher(None, env.env)
+    table = sft.build_call_table(tok, calls, env.chat.turn_end_id, env.pad_id, ["guess"])
+    assert table.ids.shape[0] == guess_number.MAX_NUMBER
+    starts = guess_number.sample_starts(jax.random.PRNGKey(0), 16)
+    length = R.conversation_length(env, R.RolloutConfig(max_new_tokens=16, max_turns=5))
+    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(1), starts, env, teacher, table, max_turns=5,
+                                             length=length))
+    info = out["info"]
+    assert info["found"].mean() > 0.5 and not info["invalid"].any()
+    for b in range(4):
+        text = _decode(tok, out["tokens"][b][out["valid"][b]])
+        secret = int(starts.secret[b])
+        assert text.startswith(chat.chat_text(tok, env.env.chat(), chat.user_messages(env.env.chat(),
+                                                                                    (0, [0, 0]))))
+        guesses = [int(g) for g in __import__("re").findall(r'"number": (\d+)', text)]
+        assert len(guesses) == int(info["guesses"][b])
+        for g in guesses[:-1]:  # every answer is consistent with the secret
+            assert ("is too high" if g > secret else "is too low") in text
+        assert (guesses[-1] == secret) == bool(info["found"][b])
+        # The loss mask covers exactly the calls (turn end included).
+        assert out["loss_mask"][b].sum() == sum(int(table.length[g - 1]) for g in guesses)
+
+
+def test_registry_and_config_validation():
+    assert {"tictactoe", "connect4", "guess_number"} <= set(registry.names())
+    with pytest.raises(KeyError, match="unknown environment"):
+        registry.get("chess")
+    from configs import connect4_tiny
+    c = connect4_tiny.get_config()
+    pipeline.validate_config(c)
+    c.env.name = "chess"
+    with pytest.raises(pipeline.ConfigError, match="env.name"):
+        pipeline.validate_config(c)
+    c = connect4_tiny.get_config()
+    c.env.opponent = "minimax"  # tic-tac-toe's, not Connect Four's
+    with pytest.raises(pipeline.ConfigError, match="opponent"):
+        pipeline.validate_config(c)
+
+
+def _guess_config(tmp_steps=1):
+    from configs import guess_number_tiny
+    c = guess_number_tiny.get_config()
+    c.num_steps = tmp_steps
+    c.sft.num_steps = 2
+    c.sft.batch_size = 4
+    c.rollout.boards_per_step = 2
+    c.rollout.group_size = 2
+    c.rollout.max_turns = 2
+    c.plot_every = 0
+    c.checkpoint_every = 1
+    return c
+
+
+def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
+    from experiments import train
+    rows = train.train(_guess_config(2), str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("rollout/found_rate", "rollout/guesses_mean", "rollout/rewards_mean", "train/loss"):
+        assert all(np.isfinite(r[key]) for r in rows), key
+    out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={tmp_path}",
+                          "--num_episodes=4", "--batch_size=4", "--transcripts=1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["env"] == "guess_number" and summary["checkpoint_step"] == 2
+    assert 0.0 <= summary["all/found_rate"] <= 1.0 and summary["all/num_episodes"] == 4
+
+
+def test_center_greedy_teacher_wins_blocks_and_prefers_the_centre():
+    e = c4env.Connect4Env()
+    start = jax.tree.map(lambda a: a[0], c4env.sample_starts(jax.random.PRNGKey(0), 1, "random", 1))
+    state, _ = e.reset(start)
+    assert int(c4env.center_greedy_column(state)) == 3  # empty board: the centre
+    board = np.zeros((6, 7), np.int8)
+    board[5, 0:3] = c4rules.X  # X to win at column 3 (0-based) ... and O threatens column 6 too
+    board[5, 4:6] = c4rules.O
+    board[4, 6] = c4rules.O
+    game = c4rules.state_from_board(jnp.asarray(board))
+    state = state.replace(game=game)
+    assert int(c4env.center_greedy_column(state)) == 3  # the win comes first
