@@ -7,8 +7,8 @@ One step of agentic RL post-training is
 * ``prepare_batch(traj, step) -> (batch, stats)``: group-relative advantages (``losses.group_advantages``),
   DAPO-style dynamic sampling (``select_groups``: train on the groups whose rewards vary most) and the
   forking-regulariser coefficient of this step (``forking_entropy_schedule`` evaluated on the device step
-  counter), all in one compiled program. ``stats`` holds device scalars: ``informative_group_rate`` and, for
-  shared-prefix training, ``shortest_prompt``.
+  counter), compiled (two programs, see ``make_prepare_batch``). ``stats`` holds device scalars:
+  ``informative_group_rate`` and, for shared-prefix training, ``shortest_prompt``.
 * ``Learner.learner_step(state, traj) -> (state, metrics)``: the composition, with ``metrics`` device arrays
   named like the experiments log them (``train/<loss metric>``, ``rollout/informative_group_rate``).
 * ``Learner.run_step(state, starts_fn) -> StepOutput``: draws the step's keys from ``state.rng``, rolls out and
@@ -251,7 +251,7 @@ def trajectory_fields(traj) -> dict:
 
 
 def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[dict, dict]]:
-    """`prepare_batch(traj, step) -> (batch, stats)`, one compiled program (see the module docstring).
+    """`prepare_batch(traj, step) -> (batch, stats)`: two compiled programs, no host sync.
 
     `batch` is the row-wise train batch of `trainer.make_train_step` (`tokens`, `valid`, `loss_mask`, `old_logp`,
     `advantages`, with `routing` when the rollout recorded it and `entropy_scale [B]` with `forking_schedule`);
@@ -260,10 +260,17 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[di
     schedule = (forking_entropy_schedule(config.num_steps, config.forking_entropy_hold, config.forking_entropy_end)
                 if config.forking_schedule else None)
 
+    # Two programs where one would do, to keep runs bit-identical to the loop the experiments ran before the
+    # learner (op-by-op advantages, then a jitted selection). Measured on CPU: with the advantages fused into the
+    # selection's program, about 1 in 8 moves by an ulp or two, and the selection's std, computed alongside, breaks
+    # ties between equally spread groups differently. The advantages' program is tiny (a few ops per row): compiled
+    # without LLVM's optimisations, its fused std reduction rounds like the op-by-op one.
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+    def advantages_of(reward):
+        return losses.group_advantages(reward, config.group_size, normalize_std=config.normalize_adv_std)
+
     @jax.jit
-    def prepare(fields, step):
-        advantages = losses.group_advantages(fields["reward"], config.group_size,
-                                             normalize_std=config.normalize_adv_std)
+    def assemble(fields, advantages, step):
         batch = {"tokens": fields["tokens"], "valid": fields["valid"], "loss_mask": fields["loss_mask"],
                  "old_logp": fields["behaviour_logp"], "advantages": advantages}
         if "routing" in fields:  # rollout routing [B, L, n_moe, K]: replayed and/or compared in the train step
@@ -277,7 +284,8 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[di
         return batch, stats
 
     def prepare_batch(traj, step):
-        return prepare(trajectory_fields(traj), step)
+        fields = trajectory_fields(traj)
+        return assemble(fields, advantages_of(fields["reward"]), step)
 
     return prepare_batch
 
