@@ -27,7 +27,7 @@ TOOL = {"type": "function", "function": {
         "number": {"type": "integer", "minimum": 1, "maximum": MAX_NUMBER}}, "required": ["number"]}}}
 
 # Message values: [the last guess, guesses left]. Tool templates: what the answer says.
-LOWER, HIGHER, FOUND, OUT, INVALID = range(5)
+TOO_HIGH, TOO_LOW, FOUND, OUT, INVALID = range(5)
 CHAT = ChatSpec(
     system=f"Find the secret number from 1 to {MAX_NUMBER} with the guess tool. Each answer says higher or lower.",
     tools=(TOOL,),
@@ -76,7 +76,7 @@ class GuessNumberEnv(interface.TextEnv):
         guesses = state.guesses + 1
         found = call.ok & (guess == state.secret)
         out = call.ok & ~found & (guesses >= MAX_GUESSES)
-        template = jnp.select([~call.ok, found, out, guess > state.secret], [INVALID, FOUND, OUT, LOWER], HIGHER)
+        template = jnp.select([~call.ok, found, out, guess > state.secret], [INVALID, FOUND, OUT, TOO_HIGH], TOO_LOW)
         reward = jnp.where(found, 1.0, jnp.where(call.ok, 0.0, -1.0))
         low = jnp.where(call.ok & (guess < state.secret), jnp.maximum(state.low, guess + 1), state.low)
         high = jnp.where(call.ok & (guess > state.secret), jnp.minimum(state.high, guess - 1), state.high)
