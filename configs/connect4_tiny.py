@@ -36,7 +36,7 @@ def get_config():
   c.env.max_agent_turns = 21       # every agent move of a full game
 
   # --- supervised warm start: transcripts of the env's greedy teacher (Connect4Env.teacher_call) ---------------
-  c.sft.num_steps = 80
+  c.sft.num_steps = 100
   c.sft.batch_size = 16            # whole games of ~1k tokens each
   c.sft.teacher = "center_greedy"  # win, else block, else the most central column (see connect4/env.py)
   c.sft.learning_rate = 3e-3
@@ -53,6 +53,8 @@ def get_config():
   c.rl.forking_entropy_coef = 0.0
   c.rl.entropy_top_k = 0
   c.rl.forking_per_turn = True
-  c.rl.learning_rate = 1.5e-3
-  c.rl.end_learning_rate = 2e-4
+  c.rollout.temperature = 0.7      # the 23-token call must come out whole in every turn; the train forward scores
+                                   # the same tempered policy
+  c.rl.learning_rate = 3e-4
+  c.rl.end_learning_rate = 5e-5
   return c

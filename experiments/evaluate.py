@@ -47,7 +47,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "RNG seed (sampling, opponent).")
 _TRANSCRIPTS = flags.DEFINE_integer("transcripts", 3, "Rendered transcripts to write to workdir/eval_transcripts.txt.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 _MAX_LENGTH = flags.DEFINE_integer("max_length", -1, "Conversation length L; -1: the run's, 0: whatever the "
-                                   "longest episode needs (no truncation).")
+                                   "longest episode needs, with every turn the environment allows (no "
+                                   "truncation).")
 
 ENV_OPPONENTS = {"connect4": ("random", "greedy", "negamax")}
 
@@ -132,8 +133,9 @@ def evaluate_env(params, model_config, tokenizer, config, opponent: str, total: 
     where the environment has sides), summarised by the environment's own metrics."""
     env = pipeline.make_compiled_env(config, tokenizer, model_config, opponent=opponent)
     rc = pipeline.rollout_config(config, greedy=greedy, group_size=1)
-    if max_length >= 0:
-        rc = dataclasses.replace(rc, max_length=max_length)
+    if max_length >= 0:  # 0: no truncation at all, so every turn the environment allows too
+        rc = dataclasses.replace(rc, max_length=max_length,
+                                 **({"max_turns": int(env.env.max_turns())} if max_length == 0 else {}))
     k_start, k_policy = jax.random.split(key)
     sampler = registry.get(pipeline.env_name(config)).make_sampler(config)
 

@@ -250,7 +250,8 @@ def train(config, workdir: str) -> list[dict]:
         pipeline.learner_config(config),
         pipeline.make_logp_fn(model_config, group_size=rc.group_size, remat=bool(r.get("remat", False)),
                               entropy_top_k=int(r.get("entropy_top_k", 0)),
-                              routing_replay=bool(r.get("routing_replay", False))),
+                              routing_replay=bool(r.get("routing_replay", False)),
+                              temperature=rc.temperature),
         pipeline.make_loss_fn(config), optimizer, ref_logp_fn=ref_logp_fn, ref_params=ref_params,
         rollout_fn=functools.partial(rollout_fn, env=env), num_groups=num_groups, rollout_metrics=True)
     sampler = registry.get(pipeline.env_name(config)).make_sampler(config)

@@ -231,8 +231,12 @@ def routing_stats(own: jax.Array, recorded: jax.Array) -> trainer.RoutingStats:
 
 
 def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None,
-                 remat: bool = False, entropy_top_k: int = 0, routing_replay: bool = False):
+                 remat: bool = False, entropy_top_k: int = 0, routing_replay: bool = False,
+                 temperature: float = 1.0):
     """`logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)` for `trainer.make_train_step`.
+
+    `temperature`: score the tempered policy `softmax(logits / temperature)`, the distribution a rollout with that
+    temperature samples from (so the policy-gradient ratio compares like with like); 1 leaves the logits untouched.
 
     `logp[:, t]` is `log p(tokens[t] | tokens[:t])` in float32; the entropy is that of the full next-token
     distribution at the same positions (a metric, and the entropy bonus when configured). With `group_size`, a
@@ -280,6 +284,8 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
             if recorded:
                 routing, full_recorded = out[-1], batch["routing"]
             targets, pad = tokens[:, 1:], 1
+        if temperature != 1.0:
+            logits = logits / jnp.float32(temperature)
         logz = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         logp = picked - logz

@@ -166,3 +166,15 @@ def test_center_greedy_teacher_wins_blocks_and_prefers_the_centre():
     game = c4rules.state_from_board(jnp.asarray(board))
     state = state.replace(game=game)
     assert int(c4env.center_greedy_column(state)) == 3  # the win comes first
+
+
+def test_logp_fn_scores_the_tempered_policy(params):
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 12), 0, MC.vocab_size)
+    logits, _ = ling3.forward(params, MC, tokens)
+    want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / 0.7, axis=-1),
+                               tokens[:, 1:, None], axis=-1)[..., 0]
+    got, _ = pipeline.make_logp_fn(MC, temperature=0.7)(params, {"tokens": tokens})
+    np.testing.assert_allclose(np.asarray(got[:, 1:]), np.asarray(want), rtol=1e-5, atol=1e-5)
+    plain, _ = pipeline.make_logp_fn(MC)(params, {"tokens": tokens})
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(pipeline.make_logp_fn(MC, temperature=1.0)(
+        params, {"tokens": tokens})[0]))
