@@ -1,7 +1,8 @@
 """The embedded tiny model plays Connect Four (reno_jax.envs.connect4) through `drop_piece` tool calls.
 
 Warm start on transcripts of a scripted centre-first player (wins, blocks, else the most central column),
-written by stepping the environment against the random opponent, then GSPO against it. Everything not set here
+written by stepping the environment against the random, greedy and negamax opponents, then GSPO against the
+random opponent. Everything not set here
 is `tictactoe_tiny`'s (model, RL loss, optimiser, mesh, bookkeeping).
 
 Token budget with the shipped 512-token tokenizer (slot by slot, as the compiler renders):
@@ -24,7 +25,7 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
-  c.num_steps = 30
+  c.num_steps = 20
 
   # --- environment (reno_jax.envs.connect4.env.Connect4Env / sample_starts) --------------------------------
   c.env = ml_collections.ConfigDict()  # none of tic-tac-toe's board-dataset fields apply
@@ -40,6 +41,9 @@ def get_config():
   c.sft.batch_size = 16            # whole games of ~1k tokens each
   c.sft.teacher = "center_greedy"  # win, else block, else the most central column (see connect4/env.py)
   c.sft.learning_rate = 3e-3
+  # Transcripts against all three opponents (by group): the random opponent alone rarely lets a column fill up,
+  # so a model warm-started on those games never sees the centre column full and keeps playing it (illegal).
+  c.sft.env = ml_collections.ConfigDict(dict(opponent="mixed"))
 
   # --- rollout ------------------------------------------------------------------------------------------------
   c.rollout.boards_per_step = 4    # groups (start records) per step

@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import tqdm
@@ -139,6 +140,11 @@ def env_warm_start(config, model_config, params, tokenizer, env, key) -> tuple[d
     if entry.make_teacher is None:
         raise pipeline.ConfigError(f"env.name={pipeline.env_name(config)!r} has no warm-start teacher; set "
                                    "--config.sft.num_steps=0 or register one (registry.register(make_teacher=...))")
+    overrides = dict(s.get("env", {}) or {})  # e.g. other opponents for the transcripts than for RL
+    if overrides:
+        config = ml_collections.ConfigDict(config.to_dict())
+        config.env.update(overrides)
+        env = pipeline.make_compiled_env(config, tokenizer, model_config)
     teacher, calls = entry.make_teacher(config, env.env)
     names = [t["function"]["name"] for t in env.env.chat().tools]
     table = sft.build_call_table(tokenizer, calls, int(env.chat.turn_end_id), env.pad_id, names)
