@@ -32,7 +32,6 @@ from ml_collections import config_flags
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 import tqdm
@@ -71,19 +70,6 @@ def say(message: str) -> None:
 
 def progress(*args, **kwargs):
     return tqdm.trange(*args, dynamic_ncols=True, disable=not distributed.is_main_process(), **kwargs)
-
-
-def to_host(tree):
-    """Device arrays to numpy: a multi-process run's global arrays are gathered from every process first."""
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-
-    def get(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return multihost_utils.process_allgather(x, tiled=True)  # the global value, not stacked per process
-        return jax.device_get(x)
-
-    return jax.tree.map(get, tree)
 
 
 # ---------------------------------------------------------------------------------------------- warm start
@@ -306,9 +292,9 @@ def train(config, workdir: str) -> list[dict]:
         # Host syncs for logging, once per step: the step counter, the rollout's summary and the metrics.
         step = int(state.step)
         row = {}
-        host_traj = to_host(traj)
+        host_traj = distributed.to_host(traj)
         row.update(step_summary(config, env, host_traj))
-        metrics = to_host(metrics)
+        metrics = distributed.to_host(metrics)
         for k, v in metrics.items():  # `train/loss`: the total minimised; `train/policy_loss`: its policy term
             if k.startswith("train/"):
                 row[k] = float(v)
