@@ -55,14 +55,20 @@ class Layout:
         return mesh_lib.batch_axes_size(self.mesh)
 
     def place_params(self, params):
-        return params if self.single_device else jax.tree.map(put, params, self.param_shardings)
+        return params if self.single_device else self._put_tree(params, self.param_shardings)
 
     def state_shardings(self, state):
         """Shardings of a train state (or its abstract skeleton): every leaf follows its parameter."""
         return rules.follow_params(state, self.param_shardings, self.mesh)
 
     def place_state(self, state):
-        return state if self.single_device else jax.tree.map(put, state, self.state_shardings(state))
+        return state if self.single_device else self._put_tree(state, self.state_shardings(state))
+
+    @staticmethod
+    def _put_tree(tree, shardings):
+        if jax.process_count() == 1:
+            return jax.device_put(tree, shardings)
+        return jax.tree.map(put, tree, shardings)
 
     def abstract_state(self, abstract):
         """`jax.ShapeDtypeStruct` leaves with this layout's shardings: a checkpoint restored into it lands on
