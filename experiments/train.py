@@ -72,6 +72,14 @@ def progress(*args, **kwargs):
     return tqdm.trange(*args, dynamic_ncols=True, disable=not distributed.is_main_process(), **kwargs)
 
 
+def place_state(layout, state):
+    return state if layout is None else layout.place_state(state)
+
+
+def place_batch(layout, batch):
+    return batch if layout is None else layout.place_batch(batch)
+
+
 # ---------------------------------------------------------------------------------------------- warm start
 
 def warm_start(config, workdir: str, model_config, params, tokenizer, env, key, layout=None) -> tuple[dict, dict]:
@@ -146,14 +154,6 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key, 
     summary = {"cached": False, "final_nll": nll, "seconds": time.time() - t0}
     say(f"Warm start done: {summary}")
     return params, summary
-
-
-def place_state(layout, state):
-    return state if layout is None else layout.place_state(state)
-
-
-def place_batch(layout, batch):
-    return batch if layout is None else layout.place_batch(batch)
 
 
 def env_warm_start(config, model_config, params, tokenizer, env, key, layout=None) -> tuple[dict, dict]:

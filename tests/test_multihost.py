@@ -16,7 +16,7 @@ from experiments import cli, distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config.sft.num_steps=2", "--config.sft.batch_size=8", "--config.rollout.boards_per_step=4",
-         "--config.rollout.group_size=2"]
+         "--config.rollout.group_size=2", "--config.model.tiny.num_hidden_layers=2"]
 
 
 def _free_port() -> int:
