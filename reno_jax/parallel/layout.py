@@ -85,7 +85,9 @@ class Layout:
 
         def place(x):
             if not jax.numpy.ndim(x):  # replicated; left to jit on one process, global across several
-                return x if jax.process_count() == 1 else put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+                if jax.process_count() == 1:
+                    return x
+                return put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
             mesh_lib.check_batch_divides(x.shape[0], self.mesh)
             return put(x, rules.batch_sharding(self.mesh, jax.numpy.ndim(x)))
 
