@@ -9,6 +9,10 @@ prints mean reward, invalid-call rate, illegal-move rate, optimal-move rate and 
 Game task: N games against the chosen opponent as X, as O or both; prints win/draw/loss/invalid rates and mean
 turns. Both report mean generated tokens, can write a few rendered transcripts (--transcripts), and end with
 one JSON line of figures.
+
+Several processes (the `experiments.distributed` flags, as for training): the checkpoint is restored onto a
+data-parallel mesh over every process's devices, each batch of episodes is split over it (every process builds
+the same starts from the same key), and process 0 prints and writes the transcripts.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import jax
 import numpy as np
 import tqdm
 
-from experiments import cli
-from reno_jax import pipeline
+from experiments import cli, distributed
+from reno_jax import parallel, pipeline
 from reno_jax.envs import registry
 from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.protocol import tokenizer as tokenizer_lib
@@ -64,10 +68,15 @@ def _batches(total: int, size: int):
 def run_episodes(params, model_config, env, rc, starts_fn, total: int, batch: int, key):
     """Runs `total` episodes in fixed-size jitted batches (the last one padded); returns host trajectories."""
     fn = rollout_lib.make_rollout_fn(model_config, rc)
+    place = lambda tree: tree  # noqa: E731
+    if jax.process_count() > 1:  # the starts split over the mesh the params were restored onto
+        mesh = jax.tree.leaves(params)[0].sharding.mesh
+        place = parallel.Layout(mesh, "dp", None).place_batch
     outs = []
-    for start, n in tqdm.tqdm(list(_batches(total, batch)), desc="evaluate", dynamic_ncols=True):
-        starts = starts_fn(start, batch)
-        traj = fn(params, jax.random.fold_in(key, start), starts, env=env)
+    for start, n in tqdm.tqdm(list(_batches(total, batch)), desc="evaluate", dynamic_ncols=True,
+                              disable=not distributed.is_main_process()):
+        starts = place(starts_fn(start, batch))
+        traj = distributed.to_host(fn(params, jax.random.fold_in(key, start), starts, env=env))
         outs.append(jax.tree.map(lambda x: np.asarray(x)[:n], traj))
     return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
 
@@ -163,10 +172,17 @@ def write_transcripts(path: str, tokenizer, traj, count: int) -> None:
 
 
 def main(argv):
+    distributed.initialize()  # first: JAX cannot join other processes once it has computed anything
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments: {argv[1:]}")
     workdir = _WORKDIR.value
-    config, tokenizer, model_config, params, step = load_run(workdir, _STEP.value)
+    mesh_config = None
+    if jax.process_count() > 1:
+        if _BATCH.value % jax.device_count():
+            raise cli.UserError(f"--batch_size={_BATCH.value} must be a multiple of the {jax.device_count()} devices "
+                                f"of the {jax.process_count()} processes")
+        mesh_config = parallel.MeshConfig(data=-1)
+    config, tokenizer, model_config, params, step = load_run(workdir, _STEP.value, mesh_config)
     logging.info("Evaluating %s at step %s", workdir, step)
     key = jax.random.PRNGKey(_SEED.value)
     greedy = not _SAMPLED.value
@@ -180,7 +196,10 @@ def main(argv):
                                       _NUM_EPISODES.value or 256, greedy, _BATCH.value, key, _MAX_LENGTH.value)
             results[opponent or "all"] = summary
             traj = t if traj is None else traj
-            tqdm.tqdm.write(json.dumps(summary))
+            if distributed.is_main_process():
+                tqdm.tqdm.write(json.dumps(summary))
+        if not distributed.is_main_process():
+            return
         if _TRANSCRIPTS.value:
             write_transcripts(os.path.join(workdir, "eval_transcripts.txt"), tokenizer, traj, _TRANSCRIPTS.value)
         print(json.dumps({"checkpoint_step": step, "env": name, **{
@@ -206,6 +225,8 @@ def main(argv):
         summary, traj = evaluate_game(params, model_config, env, config, opponent, epsilon, _SIDE.value,
                                       _NUM_EPISODES.value or 256, greedy, _BATCH.value, key)
     summary["checkpoint_step"] = step
+    if not distributed.is_main_process():
+        return
     if _TRANSCRIPTS.value:
         write_transcripts(os.path.join(workdir, "eval_transcripts.txt"), tokenizer, traj, _TRANSCRIPTS.value)
     print(json.dumps(summary))

@@ -12,6 +12,12 @@ Writes into --workdir: `config.json`, `metrics.jsonl` (one JSON object per step,
 TensorBoard event files, `learning_curves.png` (refreshed during the run), Orbax checkpoints under
 `checkpoints/`, and the cached supervised warm start under `warmstart/`. Running again with the same workdir
 resumes from the latest checkpoint.
+
+Several processes (`--coordinator_address --num_processes --process_id`, or a detected cluster; see
+`experiments.distributed`): the workdir must be one directory every process sees. Process 0 writes the files
+above and shows the progress bars; every process takes part in the Orbax saves and restores. By design every
+process builds the same whole host batch (episode starts, warm-start transcripts) from the same key, since
+these are tiny next to the rollout, and `Layout.place_batch` then materialises only its own devices' rows.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tqdm
 
-from experiments import cli
+from experiments import cli, distributed
 from reno_jax import pipeline
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
@@ -57,12 +63,31 @@ CURVE_KEYS = {  # panels of learning_curves.png, per tic-tac-toe task
 }
 
 
+def say(message: str) -> None:
+    """A console line from process 0 only (every process runs the same loop)."""
+    if distributed.is_main_process():
+        tqdm.tqdm.write(message)
+
+
+def progress(*args, **kwargs):
+    return tqdm.trange(*args, dynamic_ncols=True, disable=not distributed.is_main_process(), **kwargs)
+
+
+def place_state(layout, state):
+    return state if layout is None else layout.place_state(state)
+
+
+def place_batch(layout, batch):
+    return batch if layout is None else layout.place_batch(batch)
+
+
 # ---------------------------------------------------------------------------------------------- warm start
 
-def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) -> tuple[dict, dict]:
+def warm_start(config, workdir: str, model_config, params, tokenizer, env, key, layout=None) -> tuple[dict, dict]:
     """Supervised format warm start on random-legal-move transcripts; cached in `workdir/warmstart`.
 
     Move task: one call per dataset board. Game task: whole games (the agent's side and opponent as in RL).
+    `layout`: where the train state and the batches go (default: as they are, one device).
 
     Returns `(params, summary)`; a cached warm start is restored instead of retrained.
     """
@@ -71,21 +96,21 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) 
     if os.path.isdir(path):
         restored = checkpointer.restore(path, {"params": params})
         checkpointer.close()
-        tqdm.tqdm.write(f"Reusing the cached warm start in {path}")
+        say(f"Reusing the cached warm start in {path}")
         return restored["params"], {"cached": True}
     s = config.sft
     if pipeline.env_name(config) != "tictactoe":
-        params, summary = env_warm_start(config, model_config, params, tokenizer, env, key)
+        params, summary = env_warm_start(config, model_config, params, tokenizer, env, key, layout)
         checkpointer.save(path, {"params": params})
         checkpointer.wait_until_finished()
         checkpointer.close()
-        tqdm.tqdm.write(f"Warm start done: {summary}")
+        say(f"Warm start done: {summary}")
         return params, summary
     train_boards, _ = pipeline.load_boards(config)
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
     optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, s.num_steps), s.num_steps,
                                        weight_decay=0.0, clip_norm=1.0)
-    state = trainer.create_train_state(params, optimizer, key)
+    state = place_state(layout, trainer.create_train_state(params, optimizer, key))
     step_fn = trainer.make_train_step(pipeline.make_logp_fn(model_config, with_entropy=False), sft.sft_loss,
                                       optimizer)
     length = int(env.spec.prompt_len) + config.rollout.max_new_tokens
@@ -102,7 +127,7 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) 
     t0 = time.time()
     nll = float("nan")
     prompt_cache = {}
-    bar = tqdm.trange(s.num_steps, desc="warm start", dynamic_ncols=True)
+    bar = progress(s.num_steps, desc="warm start")
     for _ in bar:
         if game:
             key, k_starts, k_play = jax.random.split(key, 3)
@@ -120,7 +145,7 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) 
             batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "squares"}
         batch["old_logp"] = jnp.zeros(batch["tokens"].shape, jnp.float32)
         batch["advantages"] = jnp.zeros(batch["tokens"].shape[:1], jnp.float32)
-        state, m = step_fn(state, batch)
+        state, m = step_fn(state, place_batch(layout, batch))
         nll = float(m["nll"])
         bar.set_postfix(nll=f"{nll:.3f}")
     params = state.params
@@ -128,11 +153,11 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key) 
     checkpointer.wait_until_finished()
     checkpointer.close()
     summary = {"cached": False, "final_nll": nll, "seconds": time.time() - t0}
-    tqdm.tqdm.write(f"Warm start done: {summary}")
+    say(f"Warm start done: {summary}")
     return params, summary
 
 
-def env_warm_start(config, model_config, params, tokenizer, env, key) -> tuple[dict, dict]:
+def env_warm_start(config, model_config, params, tokenizer, env, key, layout=None) -> tuple[dict, dict]:
     """Supervised warm start on transcripts of the environment's scripted teacher (`registry` `make_teacher`),
     written by stepping the environment itself (`sft.env_transcripts`) against the configured opponents."""
     s = config.sft
@@ -153,11 +178,11 @@ def env_warm_start(config, model_config, params, tokenizer, env, key) -> tuple[d
     sampler = entry.make_sampler(config)
     optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, s.num_steps),
                                        s.num_steps, weight_decay=0.0, clip_norm=1.0)
-    state = trainer.create_train_state(params, optimizer, key)
+    state = place_state(layout, trainer.create_train_state(params, optimizer, key))
     step_fn = trainer.make_train_step(pipeline.make_logp_fn(model_config, with_entropy=False), sft.sft_loss,
                                       optimizer)
     t0, nll, outcomes = time.time(), float("nan"), []
-    bar = tqdm.trange(s.num_steps, desc="warm start", dynamic_ncols=True)
+    bar = progress(s.num_steps, desc="warm start")
     for _ in bar:
         key, k_starts, k_play = jax.random.split(key, 3)
         out = sft.env_transcripts(k_play, sampler(k_starts, s.batch_size), env, teacher, table,
@@ -165,7 +190,7 @@ def env_warm_start(config, model_config, params, tokenizer, env, key) -> tuple[d
         batch = {k: out[k] for k in ("tokens", "valid", "loss_mask")}
         batch["old_logp"] = jnp.zeros(batch["tokens"].shape, jnp.float32)
         batch["advantages"] = jnp.zeros(batch["tokens"].shape[:1], jnp.float32)
-        state, m = step_fn(state, batch)
+        state, m = step_fn(state, place_batch(layout, batch))
         nll = float(m["nll"])
         outcomes.append(jax.device_get(out["info"]))
         bar.set_postfix(nll=f"{nll:.3f}")
@@ -210,8 +235,10 @@ def train(config, workdir: str) -> list[dict]:
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise pipeline.ConfigError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    main_process = distributed.is_main_process()
+    if main_process:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
 
     key = jax.random.PRNGKey(config.seed)
     key_model, key_sft, key_rl = jax.random.split(key, 3)
@@ -235,17 +262,17 @@ def train(config, workdir: str) -> list[dict]:
     warm = not config.model.get("path", "") and config.sft.num_steps > 0
     if state is None or (anchored and warm):  # the anchor of the forking KL is the warm start (or the checkpoint)
         if warm:
-            params, _ = warm_start(config, workdir, model_config, params, tokenizer, env, key_sft)
+            params, _ = warm_start(config, workdir, model_config, params, tokenizer, env, key_sft, layout)
     ref_params = jax.tree.map(jnp.copy, params) if anchored else None
     if state is None:
         state = layout.place_state(trainer.create_train_state(params, optimizer, key_rl))
         start = 0
     else:
         start = int(state.step)
-        tqdm.tqdm.write(f"Resumed from step {start} (checkpoint in {ckpt.directory})")
+        say(f"Resumed from step {start} (checkpoint in {ckpt.directory})")
     del abstract
 
-    writer = metrics_lib.MetricsWriter(workdir, start_step=start)
+    writer = metrics_lib.MetricsWriter(workdir, start_step=start) if main_process else None
     rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
     ref_logp_fn = None
     if anchored:  # the forking KL's reference: the warm start, scored on every train batch
@@ -263,8 +290,7 @@ def train(config, workdir: str) -> list[dict]:
     sampler = registry.get(pipeline.env_name(config)).make_sampler(config)
     starts_fn = lambda k: layout.place_batch(sampler(k, num_groups))  # noqa: E731
     rows = []
-    bar = tqdm.trange(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO",
-                      dynamic_ncols=True)
+    bar = progress(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO")
     for _ in bar:
         t0 = time.time()
         # The rollout is waited for only to time it apart from the train step (perf/rollout_seconds).
@@ -272,8 +298,9 @@ def train(config, workdir: str) -> list[dict]:
         # Host syncs for logging, once per step: the step counter, the rollout's summary and the metrics.
         step = int(state.step)
         row = {}
-        row.update(step_summary(config, env, traj))
-        metrics = jax.device_get(metrics)
+        host_traj = distributed.to_host(traj)
+        row.update(step_summary(config, env, host_traj))
+        metrics = distributed.to_host(metrics)
         for k, v in metrics.items():  # `train/loss`: the total minimised; `train/policy_loss`: its policy term
             if k.startswith("train/"):
                 row[k] = float(v)
@@ -283,16 +310,17 @@ def train(config, workdir: str) -> list[dict]:
         row["rollout/informative_group_rate"] = float(metrics["rollout/informative_group_rate"])
         row["perf/step_seconds"] = dt
         row["perf/rollout_seconds"] = t_rollout
-        row["perf/rollout_tokens_per_s"] = float(np.asarray(traj.loss_mask).sum()) / max(t_rollout, 1e-9)
-        rows.append(writer.write(step, row))
+        row["perf/rollout_tokens_per_s"] = float(np.asarray(host_traj.loss_mask).sum()) / max(t_rollout, 1e-9)
+        rows.append(writer.write(step, row) if writer is not None else {"step": step, **row})
         bar.set_postfix(reward=f"{row['rollout/rewards_mean']:+.3f}",
                         valid=f"{row.get('rollout/tool_call_valid_rate', float('nan')):.2f}")
         ckpt.save(state, config, force=step == config.num_steps)
-        if config.plot_every and (step % config.plot_every == 0 or step == config.num_steps):
+        if main_process and config.plot_every and (step % config.plot_every == 0 or step == config.num_steps):
             metrics_lib.plot_learning_curves(writer.path, os.path.join(workdir, "learning_curves.png"),
                                              keys=curve_keys(config, row))
     ckpt.close()
-    writer.close()
+    if writer is not None:
+        writer.close()
     return rows
 
 
@@ -306,6 +334,7 @@ def curve_keys(config, row: dict) -> tuple[str, ...]:
 
 
 def main(argv):
+    distributed.initialize()  # first: JAX cannot join other processes once it has computed anything
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments: {argv[1:]}")
     cli.check_workdir_for_writing(_WORKDIR.value)
@@ -321,7 +350,8 @@ def main(argv):
                     k.startswith("rollout/") and k.endswith("_rate") and pipeline.env_name(config) != "tictactoe"
                     or k in ("rollout/win_rate", "rollout/loss_rate")):
                 summary[f"last20/{k}"] = float(np.mean([row[k] for row in last]))
-    print(json.dumps(summary))
+    if distributed.is_main_process():
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 The programs themselves (rollout, train step) are written for one device and jitted as they are: given inputs
 placed here, GSPMD partitions them and inserts the collectives (parameter all-gathers, gradient reduce-scatters).
 On a one-device mesh every method returns its input unchanged, so the default run is bit-for-bit what it was.
+
+Several processes (`jax.distributed`): the mesh spans every process's devices and each array is global. Host
+values (the parameters a process initialised, a batch built on the host) are taken to be the same in every
+process (they are computed from the same key) and placed with `jax.make_array_from_callback`, so a process
+materialises only the shards on its own devices; an array that is already global is resharded on the devices.
 """
 
 from __future__ import annotations
@@ -11,9 +16,20 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from reno_jax.parallel import mesh as mesh_lib
 from reno_jax.parallel import rules
+
+
+def put(x, sharding):
+    """`jax.device_put(x, sharding)`, also where `sharding` spans devices of other processes: there a host or
+    process-local value (identical in every process) becomes a global array of which this process builds only
+    its own shards."""
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +55,20 @@ class Layout:
         return mesh_lib.batch_axes_size(self.mesh)
 
     def place_params(self, params):
-        return params if self.single_device else jax.device_put(params, self.param_shardings)
+        return params if self.single_device else self._put_tree(params, self.param_shardings)
 
     def state_shardings(self, state):
         """Shardings of a train state (or its abstract skeleton): every leaf follows its parameter."""
         return rules.follow_params(state, self.param_shardings, self.mesh)
 
     def place_state(self, state):
-        return state if self.single_device else jax.device_put(state, self.state_shardings(state))
+        return state if self.single_device else self._put_tree(state, self.state_shardings(state))
+
+    @staticmethod
+    def _put_tree(tree, shardings):
+        if jax.process_count() == 1:
+            return jax.device_put(tree, shardings)
+        return jax.tree.map(put, tree, shardings)
 
     def abstract_state(self, abstract):
         """`jax.ShapeDtypeStruct` leaves with this layout's shardings: a checkpoint restored into it lands on
@@ -61,10 +83,12 @@ class Layout:
         if self.single_device:
             return tree
 
-        def put(x):
-            if not jax.numpy.ndim(x):
-                return x
+        def place(x):
+            if not jax.numpy.ndim(x):  # replicated; left to jit on one process, global across several
+                if jax.process_count() == 1:
+                    return x
+                return put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
             mesh_lib.check_batch_divides(x.shape[0], self.mesh)
-            return jax.device_put(x, rules.batch_sharding(self.mesh, jax.numpy.ndim(x)))
+            return put(x, rules.batch_sharding(self.mesh, jax.numpy.ndim(x)))
 
-        return jax.tree.map(put, tree)
+        return jax.tree.map(place, tree)
