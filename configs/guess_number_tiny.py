@@ -15,7 +15,7 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
-  c.num_steps = 60
+  c.num_steps = 40
   c.env = ml_collections.ConfigDict()
   c.env.name = "guess_number"
 
