@@ -19,7 +19,7 @@ def get_config():
   c.env = ml_collections.ConfigDict()
   c.env.name = "guess_number"
 
-  c.sft.num_steps = 60
+  c.sft.num_steps = 120
   c.sft.batch_size = 32
 
   c.rollout.boards_per_step = 8    # secrets per step
@@ -27,6 +27,7 @@ def get_config():
   c.rollout.max_new_tokens = 20    # a call is 14-15 tokens with the turn end
   c.rollout.max_turns = 5
   c.rollout.max_length = 0
+  c.rollout.temperature = 0.7      # sampled calls stay well-formed; the train forward scores the same policy
 
   c.rl.forking_entropy_coef = 0.0  # tic-tac-toe's one-token exploration bonus does not apply here
   c.rl.entropy_top_k = 0

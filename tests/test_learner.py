@@ -259,6 +259,7 @@ def test_tiny_ling3_run_steps():
     """A few rollout + learner steps of the tiny Ling-3.0 policy on the move task, through `run_step`."""
     from configs import tictactoe_tiny
     from reno_jax import pipeline
+    from reno_jax.envs.tictactoe import env as ttt_env
     from reno_jax.rollout import rollout as rollout_lib
     c = tictactoe_tiny.get_config()
     c.num_steps = 3
@@ -267,7 +268,7 @@ def test_tiny_ling3_run_steps():
     c.rl.train_groups = 1
     tokenizer = pipeline.build_tokenizer(c)
     model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)
-    env = rollout_lib.make_env(tokenizer, vocab_size=model_config.vocab_size)
+    env = pipeline.make_compiled_env(c, tokenizer, model_config)
     boards, _ = pipeline.load_boards(c)
     rc = pipeline.rollout_config(c)
     optimizer = pipeline.make_optimizer(c)
@@ -275,7 +276,7 @@ def test_tiny_ling3_run_steps():
                           pipeline.make_logp_fn(model_config, group_size=rc.group_size, entropy_top_k=9),
                           pipeline.make_loss_fn(c), optimizer, num_groups=2,
                           rollout_fn=functools.partial(rollout_lib.make_rollout_fn(model_config, rc), env=env))
-    starts_fn = lambda key: rollout_lib.move_starts(boards[:2])
+    starts_fn = lambda key: ttt_env.move_starts(boards[:2])
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
     for step in range(c.num_steps):
         state, traj, metrics, seconds = lrn.run_step(state, starts_fn, time_rollout=step == 0)
