@@ -77,15 +77,9 @@ def call_token_table(tokenizer, turn_end_id: int, pad_id: int) -> tuple[np.ndarr
     """``(ids int32 [9, W], lengths int32 [9], square_offset)``: the call for square k+1 followed by the turn-end
     token; ``square_offset`` is the one position where the nine calls differ (the square's token) when they all
     have the same length and differ in exactly one token, else -1."""
-    calls = [list(tokenizer.encode(call_text(k), add_special_tokens=False)) + [int(turn_end_id)]
-             for k in range(1, 10)]
-    width = max(len(c) for c in calls)
-    ids = np.full((9, width), pad_id, np.int32)
-    for k, c in enumerate(calls):
-        ids[k, :len(c)] = c
-    differs = np.flatnonzero((ids != ids[:1]).any(axis=0))
-    offset = int(differs[0]) if len({len(c) for c in calls}) == 1 and len(differs) == 1 else -1
-    return ids, np.asarray([len(c) for c in calls], np.int32), offset
+    table = build_call_table(tokenizer, [(text.TOOL_NAME, {"square": k}) for k in range(1, 10)], turn_end_id,
+                             pad_id, [text.TOOL_NAME])
+    return np.asarray(table.ids), np.asarray(table.length), table.choice_offset
 
 
 @flax.struct.dataclass
