@@ -1,0 +1,173 @@
+"""Seed sweep: trains one config from fresh workdirs under several seeds, evaluates each run, and tabulates.
+
+Each seed is a separate `python -m experiments.train` process (a fresh workdir, warm start included), timed
+wall-clock, then one `python -m experiments.evaluate` per evaluation spec. The run's own `metrics.jsonl` gives the
+curve figures; each evaluation's last output line (its JSON figures) gives the rest. Prints one Markdown row per
+seed and the mean / min / max over seeds, writes every seed's reward curve into one PNG, and ends with one JSON
+line of figures.
+
+    python benchmarks/seed_sweep.py --config=configs/tictactoe_tiny.py --seeds=0,1,2 --root=workdir/sweep
+    python benchmarks/seed_sweep.py --config=configs/tictactoe_tiny_game.py --seeds=0,1,2 --root=workdir/sweep_game \
+        --eval="minimax:--opponent=minimax --num_episodes=1024" --eval="random:--opponent=random --num_episodes=1024"
+
+Runs run one after another: on a small machine two trainings at once would each take twice as long and the times
+would mean nothing. `--config_override` flags (e.g. `--config.num_steps=100`) are passed to every training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REWARD = "rollout/rewards_mean"
+VALID = "rollout/tool_call_valid_rate"
+
+
+def read_metrics(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    if not rows:
+        raise SystemExit(f"{path}: no training steps were logged")
+    return rows
+
+
+def curve_figures(rows: list[dict], first: int = 5, last: int = 20) -> dict:
+    rewards = np.array([r[REWARD] for r in rows if REWARD in r], np.float64)
+    valid = np.array([r[VALID] for r in rows if VALID in r], np.float64)
+    out = {"steps": len(rows), "first5_reward": float(rewards[:first].mean()),
+           "last20_reward": float(rewards[-last:].mean())}
+    if valid.size:
+        out["last20_valid"] = float(valid[-last:].mean())
+    return out
+
+
+def last_json_line(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            return json.loads(line)
+    raise ValueError("no JSON line in the output")
+
+
+def run(cmd: list[str], log_path: str) -> tuple[str, float]:
+    """Runs `cmd`, tees its output into `log_path`, returns (stdout+stderr, wall seconds); exits on failure."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log.write(proc.stdout)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+        raise SystemExit(f"{shlex.join(cmd)} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+    return proc.stdout, wall
+
+
+def parse_evals(specs: list[str]) -> list[tuple[str, list[str]]]:
+    out = []
+    for spec in specs:
+        name, sep, args = spec.partition(":")
+        if not sep or not name:
+            raise SystemExit(f"--eval={spec!r}: expected NAME:FLAGS, e.g. 'minimax:--opponent=minimax'")
+        out.append((name, shlex.split(args)))
+    return out
+
+
+def plot(curves: dict[int, list[dict]], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for seed, rows in curves.items():
+        steps = [r["step"] for r in rows if REWARD in r]
+        rewards = np.array([r[REWARD] for r in rows if REWARD in r])
+        window = min(20, len(rewards))
+        smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
+        line, = ax.plot(steps, rewards, alpha=0.25)
+        ax.plot(steps[window - 1:], smooth, color=line.get_color(), label=f"seed {seed} ({window}-step mean)")
+    ax.set_xlabel("GSPO step")
+    ax.set_ylabel(REWARD)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/tictactoe_tiny.py")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated config.seed values")
+    parser.add_argument("--root", required=True, help="parent of the per-seed workdirs (must not hold them yet)")
+    parser.add_argument("--eval", action="append", default=[], metavar="NAME:FLAGS",
+                        help="an evaluation: a name and the experiments.evaluate flags (repeatable; default: "
+                             "'greedy:' = the run's own task, greedy)")
+    parser.add_argument("--trainer", default="experiments.train")
+    parser.add_argument("--plot", default="", help="PNG of every seed's curve (default: ROOT/seed_sweep.png)")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        parser.error(f"unknown arguments {bad}: only --config.* overrides are passed through")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds={args.seeds!r}: expected comma-separated integers")
+    if not seeds:
+        parser.error("--seeds is empty")
+    evals = parse_evals(args.eval or ["greedy:"])
+    os.makedirs(args.root, exist_ok=True)
+    taken = [s for s in seeds if os.path.exists(os.path.join(args.root, f"seed{s}"))]
+    if taken:
+        parser.error(f"{args.root} already holds seed{taken[0]}: the sweep measures fresh workdirs; use a new --root")
+
+    rows, curves = [], {}
+    for i, seed in enumerate(seeds):
+        workdir = os.path.join(args.root, f"seed{seed}")
+        print(f"[{i + 1}/{len(seeds)}] seed {seed}: training into {workdir}", flush=True)
+        cmd = [sys.executable, "-m", args.trainer, f"--config={args.config}", f"--workdir={workdir}",
+               f"--config.seed={seed}", *overrides]
+        _, train_wall = run(cmd, os.path.join(args.root, f"seed{seed}.train.log"))
+        metrics = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+        curves[seed] = metrics
+        row = {"seed": seed, "train_wall_s": round(train_wall, 1), **curve_figures(metrics)}
+        for name, flags in evals:
+            print(f"      evaluating {name} {shlex.join(flags)}", flush=True)
+            out, wall = run([sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", *flags],
+                            os.path.join(args.root, f"seed{seed}.eval_{name}.log"))
+            figures = last_json_line(out)
+            row[f"{name}/eval_wall_s"] = round(wall, 1)
+            row.update({f"{name}/{k}": v for k, v in figures.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        rows.append(row)
+        print("      " + json.dumps(row), flush=True)
+
+    keys = [k for k in rows[0] if k != "seed" and all(k in r for r in rows)]
+    print("\n| seed | " + " | ".join(keys) + " |")
+    print("| --- " * (len(keys) + 1) + "|")
+    for r in rows:
+        print(f"| {r['seed']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + " |")
+    summary = {}
+    for k in keys:
+        values = np.array([r[k] for r in rows], np.float64)
+        summary[k] = {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max())}
+    for stat in ("mean", "min", "max"):
+        print(f"| {stat} | " + " | ".join(f"{summary[k][stat]:.4g}" for k in keys) + " |")
+    plot_path = args.plot or os.path.join(args.root, "seed_sweep.png")
+    plot(curves, plot_path, f"{os.path.basename(args.config)}: {len(seeds)} seeds")
+    print(f"curves: {plot_path}")
+    print(json.dumps({"config": args.config, "seeds": seeds, "overrides": overrides, "per_seed": rows,
+                      "summary": summary}))
+
+
+if __name__ == "__main__":
+    main()
