@@ -311,7 +311,8 @@ def test_reset_agent_second_sees_the_opening():
         assert (opening == 0) == (i % 2 == 0)
         assert values[i, wording.V_OPPONENT] == opening
         text = wording.user_text(values[i])
-        assert text.startswith("You are X.\n1234567\n" if i % 2 == 0 else f"You are O.\nOpponent played {opening}.\n")
+        assert text.startswith("You are X.\n.......\n" if i % 2 == 0 else f"You are O.\nOpponent played {opening}.\n")
+        assert text.endswith("\n1234567")
         if opening:
             assert np.asarray(state.game.board[i])[5, opening - 1] == rules.X
     # The opening is a function of the key only.
@@ -390,11 +391,15 @@ def test_chat_spec_slots_and_texts():
     board = board_of(["......."] * 4 + ["..O...."] + ["..XX..."])
     values = wording.host_values(board, agent_player=2, opponent_column=4)
     assert resolve(spec.user[0], values) == (
-        "You are O.\nOpponent played 4.\n1234567\n.......\n.......\n.......\n.......\n..O....\n..XX..."
+        "You are O.\nOpponent played 4.\n.......\n.......\n.......\n.......\n..O....\n..XX...\n1234567"
     )
+    full = board_of(["..X...."] + ["..O...."] * 4 + ["..XX..."])
+    assert wording.render_board(full).endswith("\n..XX...\n12-4567")
+    np.testing.assert_array_equal(np.asarray(wording.message_values(jnp.asarray(full), 1))[wording.V_OPEN0:],
+                                  [1, 1, 0, 1, 1, 1, 1])
     texts = [resolve(p, values) for p in spec.tool]
     assert texts[0] == "Opponent played 4.\n" + wording.render_board(board)
-    assert texts[1].endswith("\n..XX...\nYou won.") and texts[3].endswith("You lost.")
+    assert texts[1].endswith("\n..XX...\n1234567\nYou won.") and texts[3].endswith("You lost.")
     assert texts[2].endswith("\nDraw.") and texts[4] == "Invalid call. You lost."
     # The jit values vector equals the host one.
     got = np.asarray(wording.message_values(jnp.asarray(board), 2, 4, 0))

@@ -1,19 +1,25 @@
 """Connect Four text: the system prompt, the ``drop_piece`` tool, the message templates as parts (literal strings
 and ``Slot``s), the values vector that fills them, and host renderers for debugging.
 
-Board text: a column header, then the six rows top to bottom, one character per cell with no separator::
+Board text: the six rows top to bottom, one character per cell with no separator, then a line of column numbers::
 
-    1234567
-    .......
-    .......
-    .......
-    ...O...
+    ..X....
+    ..O....
+    ..X....
+    ..OO...
     ..XX...
     .OXX.O.
+    12-4567
+
+The number line names the columns that can still be played; a full column's number is replaced by ``-``. The
+policy answers with a column number, and this line, the last thing before its turn, holds exactly the legal
+numbers, in line with their columns. With a plain ``1234567`` header above the rows, knowing whether a column was
+full meant attending to its top cell or to a header ~50 tokens back, and the tiny model dropped into full columns
+in 10-13% of its games against a random opponent (docs/benchmarks.md).
 
 Every cell is its own ``Slot`` with options ``(".", "X", "O")``, so the compiler tokenizes each cell as one token
-(the shipped 512-token BPE has single tokens for ".", "X", "O"), and the header's digits are single tokens too, so
-a column's header digit and its cells line up by position. Separating the cells with spaces would read closer to
+(the shipped 512-token BPE has single tokens for ".", "X", "O"), and the number line's digits are single tokens too, so
+a column's number and its cells line up by position. Separating the cells with spaces would read closer to
 the usual ``". X O . . . ."`` but costs a token per separator (84 instead of 48 board tokens): the tool response
 would be ~100 tokens instead of ~68, every turn, for 21 turns.
 
@@ -60,7 +66,8 @@ V_CELL0 = 0  # 0..41: cells row-major from the top left (0 empty, 1 X, 2 O)
 V_SIDE = rules.NUM_CELLS  # 42: the agent's side (0 X, 1 O)
 V_OPPONENT = V_SIDE + 1  # 43: the opponent's latest column 1..7, 0 when it did not move
 V_COLUMN = V_SIDE + 2  # 44: the agent's column 1..7 (the illegal-move message names it)
-NUM_VALUES = V_SIDE + 3
+V_OPEN0 = V_SIDE + 3  # 45..51: 1 where the column still has an empty square (the number line shows it)
+NUM_VALUES = V_OPEN0 + rules.COLS
 
 SYSTEM_PROMPT = (
     "You play Connect Four. Columns are numbered 1-7 from the left; a piece falls to the lowest empty square. "
@@ -68,7 +75,7 @@ SYSTEM_PROMPT = (
 )
 CELL_OPTIONS = (".", "X", "O")
 SIDE_OPTIONS = ("X", "O")
-HEADER = "".join(str(c + 1) for c in range(rules.COLS)) + "\n"
+FULL_COLUMN_MARK = "-"
 OPPONENT_OPTIONS = ("",) + tuple(f"Opponent played {c + 1}.\n" for c in range(rules.COLS))
 COLUMN_OPTIONS = tuple(str(c) for c in range(rules.COLS + 1))  # 0 is never shown (only illegal names a column)
 WIN_TEXT = "\nYou won."
@@ -95,12 +102,12 @@ def tool_schema() -> dict:
 
 
 def board_parts() -> Parts:
-    parts: list = [HEADER]
+    parts: list = []
     for r in range(rules.ROWS):
         for c in range(rules.COLS):
             parts.append(Slot(V_CELL0 + r * rules.COLS + c, CELL_OPTIONS))
-        if r < rules.ROWS - 1:
-            parts.append("\n")
+        parts.append("\n")
+    parts += [Slot(V_OPEN0 + c, (FULL_COLUMN_MARK, str(c + 1))) for c in range(rules.COLS)]
     return tuple(parts)
 
 
@@ -156,7 +163,8 @@ def message_values(board, agent_player=1, opponent_column=0, agent_column=0) -> 
             jnp.clip(jnp.asarray(agent_column, jnp.int32), 0, rules.COLS),
         ]
     )
-    return jnp.concatenate([board.reshape(-1).astype(jnp.int32), tail])
+    open_columns = (board[0] == 0).astype(jnp.int32)
+    return jnp.concatenate([board.reshape(-1).astype(jnp.int32), tail, open_columns])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,11 +181,12 @@ def host_values(board=None, agent_player: int = 1, opponent_column: int = 0, age
     for name, col in (("opponent_column", opponent_column), ("agent_column", agent_column)):
         if not 0 <= int(col) <= rules.COLS:
             raise ValueError(f"{name} must be 0 (none) or 1..7, got {col}")
-    return [int(v) for v in b.reshape(-1)] + [int(agent_player) - 1, int(opponent_column), int(agent_column)]
+    return ([int(v) for v in b.reshape(-1)] + [int(agent_player) - 1, int(opponent_column), int(agent_column)]
+            + [int(v == 0) for v in b[0]])
 
 
 def render_board(board) -> str:
-    """The board text (header and six rows) of an ``int [6, 7]`` board."""
+    """The board text (six rows and the number line) of an ``int [6, 7]`` board."""
     return resolve(board_parts(), host_values(board))
 
 
