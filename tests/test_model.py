@@ -173,13 +173,13 @@ def test_init_distributions_and_what_the_values_depend_on():
     assert not np.array_equal(np.asarray(att["q_proj"]["kernel"]), np.asarray(att["k_proj"]["kernel"]))
 
     path = ("model", "layers_0", "attention", "q_conv1d", "kernel")
-    leaf_key = ling3._leaf_key(np.asarray(jax.random.PRNGKey(0)), path)
+    leaf_key = ling3._leaf_keys(np.asarray(jax.random.PRNGKey(0)), [path])[0]
     uniform = jax.random.uniform(jax.random.wrap_key_data(leaf_key), conv.shape, minval=-bound, maxval=bound)
     assert jax.config.jax_threefry_partitionable  # jax.random's bits are then a function of the index alone
     np.testing.assert_array_equal(np.asarray(uniform), conv)
     shape = tuple(att["q_proj"]["kernel"].shape)
     family, mode, p0, p1 = ling3._recipe("linear", shape, config)
-    key = ling3._leaf_key(np.asarray(jax.random.PRNGKey(0)), ("model", "layers_0", "attention", "q_proj", "kernel"))
+    key = ling3._leaf_keys(np.asarray(jax.random.PRNGKey(0)), [("model", "layers_0", "attention", "q_proj", "kernel")])[0]
     for dtype in (jnp.float32, jnp.bfloat16):
         device = ling3._leaf_program(shape, np.dtype(dtype), family, None)(key, np.int32(mode), np.float32(p0),
                                                                              np.float32(p1))

@@ -190,14 +190,17 @@ def _threefry2x32(k1, k2, x1, x2):
     return x1, x2
 
 
-def _leaf_key(key_data, path: tuple[str, ...]):
-    """uint32 [2] threefry key of a leaf: threefry2x32 of two words hashed from its path under the run key
-    (64 bits: no two leaves of a model share a key). numpy for a concrete key, jax for a traced one."""
-    words = np.frombuffer(hashlib.blake2s("/".join(path).encode(), digest_size=8).digest(), dtype="<u4")
+def _leaf_keys(key_data, paths) -> np.ndarray | jax.Array:
+    """uint32 [len(paths), 2] threefry keys of leaves: threefry2x32 of two words hashed from each path under the
+    run key (64 bits: no two leaves of a model share a key). numpy for a concrete key (no compile), jax for a
+    traced one (one vectorised hash for all leaves, so tracing a real-size model stays quick)."""
+    words = np.stack([np.frombuffer(hashlib.blake2s("/".join(path).encode(), digest_size=8).digest(), dtype="<u4")
+                      for path in paths]).astype(np.uint32)
     xp = np if isinstance(key_data, np.ndarray) else jnp
     key_data = xp.asarray(key_data, np.uint32)
-    k1, k2 = _threefry2x32(key_data[0:1], key_data[1:2], xp.asarray(words[0:1]), xp.asarray(words[1:2]))
-    return xp.concatenate([k1, k2])
+    # [1]-shaped keys: numpy warns on overflowing uint32 scalars (but not arrays), and the hash wraps by design
+    k1, k2 = _threefry2x32(key_data[0:1], key_data[1:2], xp.asarray(words[:, 0]), xp.asarray(words[:, 1]))
+    return xp.stack([k1, k2], axis=1)
 
 
 def _flat_index(shape) -> jax.Array:
@@ -345,14 +348,13 @@ def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, sharding
         concrete = None
     small = concrete is not None and sum(math.prod(shape) for _, (shape, _) in items) <= host_draw_max
     leaves, on_host = {}, []
-    for path, (shape, kind) in items:
+    # host data when the key is concrete: a multi-process program takes it as one value for every process
+    keys = _leaf_keys(key_data if concrete is None else concrete, [path for path, _ in items])
+    for (path, (shape, kind)), leaf_key in zip(items, keys):
         if math.prod(shape) >= 2**32:  # pragma: no cover - far beyond any Ling-3.0 leaf
             raise ValueError(f"{'/'.join(path)} has {math.prod(shape)} elements; the init counts them in 32 bits")
         leaf_dtype, sharding = _leaf_dtype(kind, dtype), flat_shardings.get(path)
         family, mode, p0, p1 = recipe = _recipe(kind, shape, config)
-        # host data when the key is concrete: a multi-process program takes it as one value for every process
-        leaf_key = np.zeros(2, np.uint32) if family == _CONST else \
-            _leaf_key(key_data if concrete is None else concrete, path)
         if small and (sharding is None or sharding.is_fully_replicated):
             on_host.append((path, sharding, (leaf_key, shape, leaf_dtype, recipe)))
         else:
