@@ -116,7 +116,10 @@ class Checkpointer:
         # The interval is applied in ``save`` (orbax would also save the very first step it sees, whatever it is).
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=async_save)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # The item handlers are named up front so that `item_metadata` can read a checkpoint before any restore.
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
 
     # -- queries ---------------------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
