@@ -3,6 +3,8 @@
   python tests/_sharded_io.py eight OUT      # 8 CPU devices: sharded init, load and save, a checkpoint written
                                              # on (data 2, fsdp 2, expert 2) / fsdp_ep; host values under OUT
   python tests/_sharded_io.py four RUN OUT   # 4 CPU devices: RUN's one-device checkpoint restored onto fsdp 4
+  python tests/_sharded_io.py process ADDRESS ID   # one of 2 processes (2 CPU devices each): init and load onto
+                                                   # an fsdp mesh over both (tests/test_multihost.py)
 
 Each prints one JSON line of findings; the arrays it wrote go to OUT as .npz files (bf16 as its uint16 bits).
 """
@@ -187,6 +189,25 @@ def four(run: str, out: str) -> dict:
                 sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state)))
 
 
+def process(address: str, process_id: str) -> dict:
+    """Process `process_id` of 2: the model drawn and the golden checkpoint read straight onto fsdp 4 over both
+    processes' devices; this process's shards against its own one-device init and load."""
+    jax.distributed.initialize(coordinator_address=address, num_processes=2, process_id=int(process_id))
+    mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, preset="fsdp"))
+
+    def same_shards(sharded, whole) -> bool:
+        return all(np.array_equal(np.asarray(shard.data), np.asarray(w)[shard.index])
+                   for x, w in zip(jax.tree.leaves(sharded), jax.tree.leaves(whole)) for shard in x.addressable_shards)
+
+    shardings = parallel.param_shardings(MODEL, mesh, "fsdp")
+    params = ling3.init_params(MODEL, jax.random.PRNGKey(0), shardings=shardings)
+    _, loaded = conversion.from_pretrained(GOLDEN, shardings=(mesh, "fsdp"))
+    return dict(process=jax.process_index(), devices=jax.device_count(), placed=_placed(params, shardings),
+                sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params)),
+                init_equal=same_shards(params, ling3.init_params(MODEL, jax.random.PRNGKey(0))),
+                load_equal=same_shards(loaded, conversion.from_pretrained(GOLDEN)[1]))
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    print(json.dumps({"eight": eight, "four": four}[mode](*args)))
+    print(json.dumps({"eight": eight, "four": four, "process": process}[mode](*args)))

@@ -98,6 +98,28 @@ def test_two_processes_train_one_run_and_one_process_resumes_it(tmp_path):
     assert "3" in os.listdir(os.path.join(workdir, "checkpoints"))
 
 
+def test_two_processes_draw_and_load_the_model_straight_onto_their_shards():
+    """init_params(shardings=) and from_pretrained(shardings=) over a mesh of both processes' devices: each
+    process makes only its own shards, equal to the one-device values (tests/_sharded_io.py process)."""
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "_sharded_io.py"), "process", address,
+                               str(i)], cwd=REPO, env=_env(2, cache=False), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}"
+        found = json.loads(out.strip().splitlines()[-1])
+        assert found["process"] == i and found["devices"] == 4, found
+        assert found["placed"] and found["sharded_leaves"] >= 20 and found["init_equal"] and found["load_equal"], found
+
+
 def test_a_process_id_out_of_range_is_one_line_naming_the_flag(tmp_path):
     out = subprocess.run([sys.executable, "-m", "experiments.train_tictactoe", f"--workdir={tmp_path / 'w'}",
                           "--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"],
