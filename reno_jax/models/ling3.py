@@ -134,24 +134,26 @@ def _unflatten(flat: dict) -> dict:
 
 
 # Random init in JAX. Every element's value is a function of (key, leaf path, the element's row-major index in
-# its leaf) only: the leaf's key is the run key folded with two words hashed from the path, the element's bits
-# are threefry2x32(leaf key, index) (exactly `jax.random.bits(leaf_key, shape)` under the partitionable threefry,
-# JAX's default), and an elementwise transform turns bits into the kind's distribution (`_draw`, the float steps
-# of `jax.random.uniform` / `normal`). Nothing depends on how a leaf is cut into shards, so a model drawn on 8
-# devices is bit for bit the one drawn on one, and a leaf's values do not change when other leaves come or go
-# (another layer count, a tied head).
+# its leaf) only: the leaf's key is threefry2x32 of two words hashed from the path under the run key, the
+# element's bits are threefry2x32(leaf key, index) (exactly `jax.random.bits(leaf_key, shape)` under the
+# partitionable threefry, JAX's default; here whatever that flag says), and an elementwise transform turns bits
+# into the kind's distribution (`_values`, the float steps of `jax.random.uniform` / `normal`). Nothing depends on
+# how a leaf is cut into shards, so a model drawn on 8 devices is bit for bit the one drawn on one, and a leaf's
+# values do not change when other leaves come or go (another layer count, a tied head).
 #
-# Two routes run the same `_draw`:
+# Two routes run `_values`:
 #   on the devices  one jitted program per (leaf shape, dtype, family, sharding), cached, with `out_shardings` =
 #                   the leaf's sharding: each device computes only its own shard (iota and threefry partition
-#                   without communication); no host ever holds the leaf.
-#   on the host     unsharded leaves of small models (at most `HOST_DRAW_MAX` elements): `_draw` at one fixed
-#                   shape, `_CHUNK` consecutive elements of a leaf per call (compiled once per process and family),
-#                   the host joining the chunks into leaves. XLA:CPU spends ~0.1-0.3 s compiling each per-shape
-#                   program and a tiny model has ~20 leaf shapes, which the test suite, building dozens of tiny
-#                   models, would pay again and again.
-# Both call the same function, because XLA only promises the same float bits for the same computation: a
-# differently written one (other ops fused next to erf_inv, say) may round a last bit differently.
+#                   without communication); no host ever holds the leaf. The leaf's scalars are broadcast.
+#   on the host     unsharded leaves of small models (at most `HOST_DRAW_MAX` elements): the leaves of a family
+#                   laid end to end, `_CHUNK` elements per call of one fixed-shape program (compiled once per
+#                   process and family), each element carrying its leaf's key and parameters; the host cuts the
+#                   flat values into leaves. XLA:CPU spends ~0.1-0.3 s compiling each per-shape program and a tiny
+#                   model has ~20 leaf shapes, which the test suite, building dozens of tiny models, would pay
+#                   again and again.
+# XLA promises the same float bits only for the same computation: written differently (the families merged into
+# one select, or sqrt(2) as a multiply of its own) the two routes did round a last bit apart on CPU.
+# tests/test_model.py and tests/test_sharded_io.py compare them.
 _NORMAL, _UNIFORM, _CONST = "normal", "uniform", "const"  # transform families
 _PLAIN, _LOG, _INV_SOFTPLUS_EXP = 0, 1, 2  # what the uniform family does to its U(p0, p1) draw
 _CHUNK = 1 << 16  # elements per call of the host route
@@ -159,7 +161,7 @@ HOST_DRAW_MAX = 1 << 22  # models up to this many elements take the host route f
 
 
 def _recipe(kind: str, shape, config: Ling3Config) -> tuple[str, int, float, float]:
-    """(family, mode, p0, p1) of an init kind; see `_draw`."""
+    """(family, mode, p0, p1) of an init kind; see `_values`."""
     if kind in ("linear", "embed", "router"):  # N(0, std) = std * sqrt(2) * erf_inv(U(-1, 1))
         return _NORMAL, 0, config.initializer_range * math.sqrt(2.0), 0.0
     if kind == "conv":  # torch's default Conv1d init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = W
@@ -336,7 +338,7 @@ def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, sharding
     `host_draw_max` elements are drawn by one fixed-shape program on the default device and cut into leaves on
     the host, which needs one compile per process instead of one per leaf shape (0: every leaf on its devices;
     same values either way). Under `jax.jit` / `jax.eval_shape` (a traced key) every leaf takes the device
-    route, so `jax.eval_shape` gives the shapes, dtypes and shardings without drawing anything.
+    route, so `jax.eval_shape` gives the shapes and dtypes without drawing anything.
     Returns the nested dict described in the module docstring.
     """
     items = sorted(param_shapes(config).items())
