@@ -259,7 +259,7 @@ def train(config, workdir: str) -> list[dict]:
     warm_cache = os.path.join(os.path.abspath(workdir), "warmstart")
     try:
         state = ckpt.restore(abstract)
-        if warm and os.path.isdir(warm_cache):
+        if warm and (state is None or anchored) and os.path.isdir(warm_cache):  # the cache will be restored
             ckpt_lib.check_item(warm_cache, {"params": abstract.params})
     except ckpt_lib.RestoreError:
         ckpt.close()
