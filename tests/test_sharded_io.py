@@ -162,6 +162,22 @@ def test_restore_into_another_model_names_the_leaf_and_both_shapes(one_device_ru
     _assert_same(sio.host_tree(state), want)
 
 
+def test_restore_item_into_another_model(tmp_path):
+    """The same check for a plain Orbax item (train.py's cached warm start)."""
+    import orbax.checkpoint as ocp
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "warm", {"params": {"w": jnp.zeros((3, 4)), "b": jnp.ones(4)}})
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    with pytest.raises(ckpt_lib.RestoreError, match=r"params/w is \[3, 4\] in the checkpoint but \[3, 5\] here"):
+        ckpt_lib.restore_item(str(tmp_path / "warm"), {"params": {"w": jnp.zeros((3, 5)), "b": jnp.ones(4)}})
+    with pytest.raises(ckpt_lib.RestoreError, match=r"this model has 1 leaves the checkpoint lacks \(e.g. params/c\)"):
+        ckpt_lib.restore_item(str(tmp_path / "warm"), {"params": {"w": jnp.zeros((3, 4)), "b": jnp.ones(4),
+                                                                   "c": jnp.ones(2)}})
+    restored = ckpt_lib.restore_item(str(tmp_path / "warm"), {"params": {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}})
+    assert float(restored["params"]["w"].sum()) == 0.0
+
+
 def test_train_cli_on_another_models_checkpoint_ends_in_one_line_and_changes_nothing(one_device_run):
     run, _ = one_device_run
     before = _files(run)
