@@ -644,9 +644,6 @@ def _host_blocks(leaf: Any) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
     if not isinstance(leaf, jax.Array):
         yield _normalise((slice(None),) * len(shape), shape), np.asarray(leaf)
         return
-    if not leaf.is_fully_addressable:
-        raise CheckpointError("save_pretrained needs every shard of the parameters in this process (a "
-                              "multi-process array: gather it first, e.g. restore the checkpoint on one host)")
     seen = set()
     for shard in leaf.addressable_shards:
         block = _normalise(shard.index, shape)
@@ -696,11 +693,17 @@ def _write_safetensors(files: Sequence[tuple[Path, Sequence[tuple[str, str, tupl
             views[name] = data[begin:end].view(_ST_TO_NP[st_dtype]).reshape(shape)
         tmps.append((tmp, file))
         maps.append(data)
-    fill(views)
-    views.clear()
-    for data in maps:
-        data.flush()
-    maps.clear()
+    try:
+        fill(views)
+        for data in maps:
+            data.flush()
+    except BaseException:
+        for tmp, _ in tmps:  # no half-written file is left behind
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        views.clear()
+        maps.clear()
     for tmp, file in tmps:
         os.replace(tmp, file)
 
@@ -718,8 +721,17 @@ def save_pretrained(
     table order into `model-0000k-of-0000n.safetensors` files of at most that size (a bigger tensor gets a shard
     of its own) plus `model.safetensors.index.json`; a single shard is written as `model.safetensors`.
     Previous weight files in `path` are replaced.
+
+    Sharded params are written from their shards: each distinct addressable shard of a leaf is copied to the host
+    on its own and written into place (memory-mapped files), so the host holds one shard at a time. Every shard
+    must be in this process (a multi-process array raises CheckpointError).
     """
     check_params(params, config)
+    elsewhere = ["/".join(p) for p, leaf in _leaf_paths(params) if isinstance(leaf, jax.Array)
+                 and not leaf.is_fully_addressable]
+    if elsewhere:  # checked before anything in `path` is touched
+        raise CheckpointError(f"save_pretrained needs every shard in this process; {_list_names(elsewhere, 3)} "
+                              "span other processes' devices (restore the checkpoint in one process to export it)")
     table = param_table(config)
     path = Path(path)
     if path.exists() and not path.is_dir():
