@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
         hf_dir = args.hf_dir
         if not hf_dir:
             config = default_tiny_config(len(tok))
-            params = jax.jit(ling3.init_params, static_argnums=0)(config, jax.random.key(args.seed))
+            params = ling3.init_params(config, jax.random.key(args.seed))
             hf_dir = os.path.join(tmp, "tiny")
             conversion.save_pretrained(params, config, hf_dir)
         vocab_size = conversion.read_config_dict(hf_dir)["vocab_size"]

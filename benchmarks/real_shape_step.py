@@ -18,7 +18,8 @@ driver). It reports the compiled program's memory analysis (arguments, outputs, 
 instead of timings: the memory XLA will ask for on that device, without running anything.
 
 Phases, each printed as it finishes (compile time reported separately from the timed runs):
-  init     random bf16 parameters created on the device (jax.random per leaf, HF-style kinds).
+  init     random bf16 parameters, `ling3.init_params` (HF-style kinds; at the real shape one jitted
+           program per leaf shape, drawn on the device).
   rollout  `rollout.make_rollout_fn` on the move task (prefill, decode with caches, parse, reward);
            first call = compile + run, then --steps timed calls.
   train    `trainer.make_train_step` with the GSPO loss on that rollout's batch (random advantages, so the
@@ -50,46 +51,6 @@ from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
 from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
-
-
-def device_init(config: ling3.Ling3Config, key: jax.Array, dtype) -> dict:
-    """Random parameters made on the device (ling3.init_params draws on the host: minutes for 7.9B values).
-
-    One N(0, 1) buffer as large as the largest leaf is drawn once; every leaf is a differently offset slice of it,
-    scaled by its init kind (one random-number kernel to compile instead of hundreds). Leaves are correlated,
-    which does not matter for timing and memory.
-    """
-    items = sorted(ling3.param_shapes(config).items())
-    std = config.initializer_range
-    fp32_kinds = ("A_log", "dt_bias", "conv", "router", "zeros32")
-    biggest = max(math.prod(shape) for _, (shape, _) in items)
-
-    @jax.jit
-    def make(key):
-        noise = jax.random.normal(key, (biggest + 65537,), jnp.float32)
-        leaves = []
-        for i, (_, (shape, kind)) in enumerate(items):
-            size = math.prod(shape)
-            z = jax.lax.dynamic_slice(noise, ((i * 7919) % 65537,), (size,)).reshape(shape)
-            u = jax.nn.sigmoid(1.7 * z)  # ~U(0, 1)
-            if kind == "ones":
-                x = jnp.ones(shape, jnp.float32)
-            elif kind == "zeros32":
-                x = jnp.zeros(shape, jnp.float32)
-            elif kind == "conv":
-                x = (2.0 * u - 1.0) / math.sqrt(shape[0])
-            elif kind == "A_log":
-                x = jnp.log(1.0 + 15.0 * u)
-            elif kind == "dt_bias":
-                dt = jnp.exp(math.log(1e-3) + u * (math.log(1e-1) - math.log(1e-3)))
-                x = dt + jnp.log(-jnp.expm1(-dt))
-            else:  # linear, embed, router
-                x = std * z
-            leaves.append(x.astype(jnp.float32 if kind in fp32_kinds else dtype))
-        return leaves
-
-    leaves = make(key)
-    return ling3._unflatten({path: x for (path, _), x in zip(items, leaves)})
 
 
 def tree_bytes(tree) -> int:
@@ -172,7 +133,7 @@ def compile_only(args, config, res):
     """Lower + compile the train step for a compile-only device and report XLA's memory plan (nothing runs)."""
     device = compile_only_device(args.compile_only)
     res.update(backend="compile-only", device=str(device.device_kind), target_config=args.compile_only)
-    params = jax.eval_shape(lambda k: device_init(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
+    params = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
     res["param_bytes"] = tree_bytes(params)
     optimizer, step_fn = make_step(args, config)
     state = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), params)
@@ -281,7 +242,7 @@ def main():
     res.update(params_total=counts["total"], params_active=counts["active"])
     if args.compile_only:
         return compile_only(args, config, res)
-    params, res["init_s"] = timed(device_init, config, jax.random.PRNGKey(0), dtype)
+    params, res["init_s"] = timed(ling3.init_params, config, jax.random.PRNGKey(0), dtype)
     res["param_bytes"] = tree_bytes(params)
     report("init")
 

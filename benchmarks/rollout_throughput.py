@@ -179,7 +179,7 @@ def main(argv=None):
 
     tok = load_tokenizer(None)
     mc = model_config(len(tok))
-    params = jax.jit(ling3.init_params, static_argnums=0)(mc, jax.random.key(0))
+    params = ling3.init_params(mc, jax.random.key(0))
     env = R.compile_env(ttt_env.TicTacToeEnv.create("move"), tok, vocab_size=mc.vocab_size)
     pool = np.asarray(boards_lib.generate_boards(max(batches) // GROUP, seed=0), np.int8)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; model "

@@ -9,6 +9,7 @@ from typing import Callable
 from absl import app
 
 from reno_jax import pipeline
+from reno_jax.checkpoint.orbax import RestoreError
 from reno_jax.models.conversion import CheckpointError
 
 
@@ -18,13 +19,13 @@ class UserError(app.UsageError):
 
 def run(main: Callable) -> None:
     """`absl.app.run(main)`, with `UserError`, `pipeline.ConfigError`, `pipeline.RunError` (a workdir without
-    the run or checkpoint asked for) and `CheckpointError` (a bad model directory) printed as one line, exit
-    status 2."""
+    the run or checkpoint asked for), `CheckpointError` (a bad model directory) and `RestoreError` (a checkpoint
+    of another model: its leaf and both shapes) printed as one line, exit status 2."""
 
     def guarded(argv):
         try:
             return main(argv)
-        except (UserError, pipeline.ConfigError, pipeline.RunError, CheckpointError) as error:
+        except (UserError, pipeline.ConfigError, pipeline.RunError, CheckpointError, RestoreError) as error:
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
             sys.exit(2)
 

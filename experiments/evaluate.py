@@ -10,15 +10,22 @@ Game task: N games against the chosen opponent as X, as O or both; prints win/dr
 turns. Both report mean generated tokens, can write a few rendered transcripts (--transcripts), and end with
 one JSON line of figures.
 
-Several processes (the `experiments.distributed` flags, as for training): the checkpoint is restored onto a
-data-parallel mesh over every process's devices, each batch of episodes is split over it (every process builds
-the same starts from the same key), and process 0 prints and writes the transcripts.
+Any mesh (`--mesh`, the fields of a training config's `mesh` section): the checkpoint, whatever mesh and
+number of processes wrote it, is restored straight onto this mesh with the preset's parameter shardings, and
+each batch of episodes is split over its batch axes:
+
+  python -m experiments.evaluate --workdir=workdir/tiny --mesh=fsdp=4,preset=fsdp
+
+Several processes (the `experiments.distributed` flags, as for training): the mesh spans every process's devices
+(default: data-parallel over all of them), every process builds the same starts from the same key, and process
+0 prints and writes the transcripts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 from absl import flags, logging
@@ -50,6 +57,10 @@ _BATCH = flags.DEFINE_integer("batch_size", 256, "Episodes per jitted rollout ca
 _SEED = flags.DEFINE_integer("seed", 0, "RNG seed (sampling, opponent).")
 _TRANSCRIPTS = flags.DEFINE_integer("transcripts", 3, "Rendered transcripts to write to workdir/eval_transcripts.txt.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_MESH = flags.DEFINE_string("mesh", "", "Mesh to restore the checkpoint onto and evaluate on: comma-separated "
+                            "fields of a training config's mesh section, e.g. 'fsdp=4,preset=fsdp' or "
+                            "'data=2,fsdp=2,expert=2,preset=fsdp_ep' (one axis may be -1: the devices left). "
+                            "Default: one device; several processes: data=-1.")
 _MAX_LENGTH = flags.DEFINE_integer("max_length", -1, "Conversation length L; -1: the run's, 0: whatever the "
                                    "longest episode needs, with every turn the environment allows (no "
                                    "truncation).")
@@ -69,9 +80,10 @@ def run_episodes(params, model_config, env, rc, starts_fn, total: int, batch: in
     """Runs `total` episodes in fixed-size jitted batches (the last one padded); returns host trajectories."""
     fn = rollout_lib.make_rollout_fn(model_config, rc)
     place = lambda tree: tree  # noqa: E731
-    if jax.process_count() > 1:  # the starts split over the mesh the params were restored onto
-        mesh = jax.tree.leaves(params)[0].sharding.mesh
-        place = parallel.Layout(mesh, "dp", None).place_batch
+    sharding = jax.tree.leaves(params)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+        # the starts split over the batch axes of the mesh the params were restored onto
+        place = parallel.Layout(sharding.mesh, "dp", None).place_batch
     outs = []
     for start, n in tqdm.tqdm(list(_batches(total, batch)), desc="evaluate", dynamic_ncols=True,
                               disable=not distributed.is_main_process()):
@@ -171,17 +183,33 @@ def write_transcripts(path: str, tokenizer, traj, count: int) -> None:
             f.write("\n\n")
 
 
+def mesh_from_flags(text: str, batch_size: int) -> parallel.MeshConfig | None:
+    """The evaluation mesh of `--mesh` (None: one device; several processes: data-parallel over all devices);
+    `UserError` naming the flag if it cannot be built here or `--batch_size` does not split over it."""
+    if not text and jax.process_count() == 1:
+        return None
+    try:
+        mesh_config = parallel.MeshConfig.from_string(text) if text else parallel.MeshConfig(data=-1)
+        parallel.preset_rules(mesh_config.preset)
+        sizes = mesh_config.resolve(1 if all(v == 1 for v in mesh_config.sizes().values()) else jax.device_count())
+    except (parallel.MeshError, parallel.ShardingError) as error:
+        raise cli.UserError(f"--mesh={text}: {error}") from None
+    if jax.process_count() > 1 and math.prod(sizes.values()) != jax.device_count():
+        raise cli.UserError(f"--mesh={text}: a run of {jax.process_count()} processes needs a mesh over all "
+                            f"{jax.device_count()} devices (e.g. data=-1)")
+    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if batch_size % ways:
+        raise cli.UserError(f"--batch_size={batch_size} does not split over the mesh's batch axes (data "
+                            f"{sizes['data']} x fsdp {sizes['fsdp']} x expert {sizes['expert']} = {ways})")
+    return mesh_config
+
+
 def main(argv):
     distributed.initialize()  # first: JAX cannot join other processes once it has computed anything
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments: {argv[1:]}")
     workdir = _WORKDIR.value
-    mesh_config = None
-    if jax.process_count() > 1:
-        if _BATCH.value % jax.device_count():
-            raise cli.UserError(f"--batch_size={_BATCH.value} must be a multiple of the {jax.device_count()} devices "
-                                f"of the {jax.process_count()} processes")
-        mesh_config = parallel.MeshConfig(data=-1)
+    mesh_config = mesh_from_flags(_MESH.value, _BATCH.value)
     config, tokenizer, model_config, params, step = load_run(workdir, _STEP.value, mesh_config)
     logging.info("Evaluating %s at step %s", workdir, step)
     key = jax.random.PRNGKey(_SEED.value)

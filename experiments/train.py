@@ -92,12 +92,11 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key, 
     Returns `(params, summary)`; a cached warm start is restored instead of retrained.
     """
     path = os.path.abspath(os.path.join(workdir, "warmstart"))
-    checkpointer = ocp.StandardCheckpointer()
     if os.path.isdir(path):
-        restored = checkpointer.restore(path, {"params": params})
-        checkpointer.close()
+        restored = ckpt_lib.restore_item(path, {"params": params})
         say(f"Reusing the cached warm start in {path}")
         return restored["params"], {"cached": True}
+    checkpointer = ocp.StandardCheckpointer()
     s = config.sft
     if pipeline.env_name(config) != "tictactoe":
         params, summary = env_warm_start(config, model_config, params, tokenizer, env, key, layout)
@@ -236,16 +235,12 @@ def train(config, workdir: str) -> list[dict]:
         raise pipeline.ConfigError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
     os.makedirs(workdir, exist_ok=True)
     main_process = distributed.is_main_process()
-    if main_process:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
 
     key = jax.random.PRNGKey(config.seed)
     key_model, key_sft, key_rl = jax.random.split(key, 3)
     tokenizer = pipeline.build_tokenizer(config)
-    model_config, params = pipeline.build_model(config, key_model, tokenizer)
+    model_config, abstract_params = pipeline.abstract_model(config, tokenizer)
     layout = pipeline.make_layout(config, model_config)
-    params = layout.place_params(params)
     env = pipeline.make_compiled_env(config, tokenizer, model_config)
     rc = pipeline.rollout_config(config)
     num_groups = int(config.rollout.boards_per_step)
@@ -253,14 +248,29 @@ def train(config, workdir: str) -> list[dict]:
     r = config.rl
     optimizer = pipeline.make_optimizer(config)
 
+    # Restore (onto this run's mesh, whatever mesh wrote the checkpoint) before writing anything: a checkpoint of
+    # another model raises RestoreError naming the leaf and both shapes, and the run's files stay as they were.
     ckpt = ckpt_lib.Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
                                  max_to_keep=config.keep_checkpoints)
     abstract = layout.abstract_state(jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, key_rl),
-                                                    params))
-    state = ckpt.restore(abstract)
+                                                    abstract_params))
     anchored = bool(r.get("forking_kl_coef", 0.0))
     warm = not config.model.get("path", "") and config.sft.num_steps > 0
-    if state is None or (anchored and warm):  # the anchor of the forking KL is the warm start (or the checkpoint)
+    warm_cache = os.path.join(os.path.abspath(workdir), "warmstart")
+    try:
+        state = ckpt.restore(abstract)
+        if warm and (state is None or anchored) and os.path.isdir(warm_cache):  # the cache will be restored
+            ckpt_lib.check_item(warm_cache, {"params": abstract.params})
+    except ckpt_lib.RestoreError:
+        ckpt.close()
+        raise
+    if main_process:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+    params = None
+    if state is None or anchored:  # the forking KL's anchor is the warm start (or the initial model)
+        # Drawn (or read) straight onto the mesh: each device makes only its own shards.
+        _, params = pipeline.build_model(config, key_model, tokenizer, layout)
         if warm:
             params, _ = warm_start(config, workdir, model_config, params, tokenizer, env, key_sft, layout)
     ref_params = jax.tree.map(jnp.copy, params) if anchored else None
@@ -269,7 +279,7 @@ def train(config, workdir: str) -> list[dict]:
         start = 0
     else:
         start = int(state.step)
-        say(f"Resumed from step {start} (checkpoint in {ckpt.directory})")
+        say(f"Resumed from step {start} onto {layout.mesh.size} device(s) (checkpoint in {ckpt.directory})")
     del abstract
 
     writer = metrics_lib.MetricsWriter(workdir, start_step=start) if main_process else None

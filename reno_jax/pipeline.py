@@ -188,27 +188,37 @@ def tiny_model_config(config, vocab_size: int) -> Ling3Config:
     return Ling3Config(**fields)
 
 
+def model_architecture(config, tokenizer) -> Ling3Config:
+    """The run's `Ling3Config`: the HF directory's config.json (`config.model.path`; no weights are read), else
+    the embedded tiny architecture `config.model.tiny` sized to the tokenizer."""
+    if config.model.get("path", ""):
+        from reno_jax.models import conversion
+        return conversion.as_config(conversion.read_config_dict(config.model.path))
+    return tiny_model_config(config, len(tokenizer))
+
+
 def abstract_model(config, tokenizer) -> tuple[Ling3Config, Any]:
     """(model_config, params as `jax.ShapeDtypeStruct`s) of `build_model`, without reading or drawing weights.
 
     A restore target for checkpoints: `evaluate` and resumed runs need the tree's shapes and dtypes only.
     """
-    dtype = dtype_of(config.model.dtype)
-    if config.model.get("path", ""):
-        from reno_jax.models import conversion
-        model_config = conversion.as_config(conversion.read_config_dict(config.model.path))
-        return model_config, conversion.abstract_params(model_config, dtype)
-    model_config = tiny_model_config(config, len(tokenizer))
-    return model_config, jax.eval_shape(lambda k: ling3.init_params(model_config, k, dtype), jax.random.PRNGKey(0))
+    from reno_jax.models import conversion
+    model_config = model_architecture(config, tokenizer)
+    return model_config, conversion.abstract_params(model_config, dtype_of(config.model.dtype))
 
 
-def build_model(config, key: jax.Array, tokenizer) -> tuple[Ling3Config, Any]:
-    """(model_config, params): from the HF directory `config.model.path`, else a fresh tiny model."""
+def build_model(config, key: jax.Array, tokenizer, layout: parallel.Layout | None = None) -> tuple[Ling3Config, Any]:
+    """(model_config, params): from the HF directory `config.model.path`, else a fresh tiny model (`key`).
+
+    `layout`: the parameters are read or drawn straight onto its mesh, each device making only its own shards
+    (`from_pretrained(shardings=)`, `init_params(shardings=)`); default, or a one-device layout: one device.
+    """
     dtype = dtype_of(config.model.dtype)
+    shardings = None if layout is None or layout.single_device else layout.param_shardings
     if config.model.get("path", ""):
-        return ling3.from_pretrained(config.model.path, dtype=dtype)
+        return ling3.from_pretrained(config.model.path, dtype=dtype, shardings=shardings)
     model_config = tiny_model_config(config, len(tokenizer))
-    return model_config, ling3.init_params(model_config, key, dtype)
+    return model_config, ling3.init_params(model_config, key, dtype, shardings)
 
 
 def make_layout(config, model_config: Ling3Config) -> parallel.Layout:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.models import ling3
+from reno_jax.models import conversion, ling3
 from reno_jax.models.config import Ling3Config, ling3_tiny_real, tiny_test_config
 from reno_jax.models import kda
 from reno_jax.models.layers import blocked_dispatch_pays, moe_dense_reference, moe_experts, moe_experts_blocked, route
@@ -143,13 +143,61 @@ def test_params_layout_matches_golden_checkpoint():
     assert shapes(init) == shapes(params)
     chex.assert_trees_all_equal_shapes(init, params)
     assert init["model"]["layers_1"]["mlp"]["gate"]["expert_bias"].dtype == jnp.float32
-    jitted = jax.jit(ling3.init_params, static_argnums=(0, 2))(config, jax.random.PRNGKey(0), jnp.bfloat16)
-    chex.assert_trees_all_equal(ling3.init_params(config, jax.random.PRNGKey(0), jnp.bfloat16), jitted)
-    assert jitted["model"]["layers_0"]["attention"]["q_proj"]["kernel"].dtype == jnp.bfloat16
-    assert jitted["model"]["layers_0"]["attention"]["A_log"].dtype == jnp.float32
+    bf16 = ling3.init_params(config, jax.random.PRNGKey(0), jnp.bfloat16)
+    assert bf16["model"]["layers_0"]["attention"]["q_proj"]["kernel"].dtype == jnp.bfloat16
+    assert bf16["model"]["layers_0"]["attention"]["A_log"].dtype == jnp.float32
+    # Under jax.eval_shape nothing is drawn and the tree is what from_pretrained's restore targets expect.
+    abstract = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
+    assert abstract == conversion.abstract_params(config, jnp.bfloat16)
     assert set(init["model"]["layers_0"]["attention"]) == {
         "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias", "b_proj",
         "f_proj", "g_proj", "o_norm", "o_proj"}
+
+
+def test_init_distributions_and_what_the_values_depend_on():
+    """HF-style init drawn with jax.random's threefry: the kinds' distributions; one leaf through the on-device
+    route equals the host route (bf16 too) and jax.random.uniform itself; a leaf's values depend on its path and
+    the key, not on the other leaves; the hand-written threefry is JAX's."""
+    config = tiny_test_config(num_hidden_layers=2)
+    p = ling3.init_params(config, jax.random.PRNGKey(0))
+    att, mlp = p["model"]["layers_0"]["attention"], p["model"]["layers_1"]["mlp"]
+    emb = np.asarray(p["model"]["word_embeddings"]["embedding"])
+    assert abs(emb.std() - config.initializer_range) < 2e-3 and abs(emb.mean()) < 1e-3
+    a = np.exp(np.asarray(att["A_log"]))
+    dt = np.log1p(np.exp(np.asarray(att["dt_bias"])))  # softplus undoes the inverse softplus
+    bound = 1 / np.sqrt(config.short_conv_kernel_size)
+    conv = np.asarray(att["q_conv1d"]["kernel"])
+    assert a.min() >= 1 and a.max() <= 16 and dt.min() >= 1e-3 * 0.999 and dt.max() <= 0.1 * 1.001
+    assert np.abs(conv).max() <= bound and conv.std() > 0.4 * bound
+    assert np.all(np.asarray(mlp["gate"]["expert_bias"]) == 0) and np.all(np.asarray(p["model"]["norm"]["scale"]) == 1)
+    assert not np.array_equal(np.asarray(att["q_proj"]["kernel"]), np.asarray(att["k_proj"]["kernel"]))
+
+    path = ("model", "layers_0", "attention", "q_conv1d", "kernel")
+    leaf_key = ling3._leaf_keys(np.asarray(jax.random.PRNGKey(0)), [path])[0]
+    uniform = jax.random.uniform(jax.random.wrap_key_data(leaf_key), conv.shape, minval=-bound, maxval=bound)
+    assert jax.config.jax_threefry_partitionable  # jax.random's bits are then a function of the index alone
+    np.testing.assert_array_equal(np.asarray(uniform), conv)
+    shape = tuple(att["q_proj"]["kernel"].shape)
+    family, mode, p0, p1 = ling3._recipe("linear", shape, config)
+    key = ling3._leaf_keys(np.asarray(jax.random.PRNGKey(0)), [("model", "layers_0", "attention", "q_proj", "kernel")])[0]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        device = ling3._leaf_program(shape, np.dtype(dtype), family, None)(key, np.int32(mode), np.float32(p0),
+                                                                             np.float32(p1))
+        host = ling3.init_params(config, jax.random.PRNGKey(0), dtype)["model"]["layers_0"]["attention"]["q_proj"]
+        np.testing.assert_array_equal(np.asarray(device), np.asarray(host["kernel"]))
+
+    deeper = ling3.init_params(tiny_test_config(num_hidden_layers=3, tie_word_embeddings=True), jax.random.PRNGKey(0))
+    chex.assert_trees_all_equal(deeper["model"]["layers_1"], p["model"]["layers_1"])
+    other = ling3.init_params(config, jax.random.key(1))
+    assert not np.array_equal(np.asarray(other["model"]["word_embeddings"]["embedding"]), emb)
+
+    rng = np.random.default_rng(0)
+    words = [rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32) for _ in range(4)]
+    from jax.extend.random import threefry2x32_p
+    want = threefry2x32_p.bind(*map(jnp.asarray, words))
+    for got in (ling3._threefry2x32(*words), jax.jit(ling3._threefry2x32)(*words)):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_golden_forward_logits_and_hidden():

@@ -1,5 +1,6 @@
 """Multi-process training on JAX's own engine: two real processes on 127.0.0.1 (two CPU devices each, gloo
-collectives) train one run over a 4-device mesh; a single process on one device then resumes its checkpoint.
+collectives) train one run over a 4-device mesh, each writing its own part of the checkpoint; this (one-device)
+process restores it, and a single process on one device then resumes it.
 
 What this cannot show: real GPUs or TPUs, a network between hosts, a shared file system other than /tmp.
 """
@@ -10,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from experiments import cli, distributed
@@ -69,16 +72,52 @@ def test_two_processes_train_one_run_and_one_process_resumes_it(tmp_path):
     for name in ("config.json", "learning_curves.png", "tensorboard", "warmstart"):
         assert os.path.exists(os.path.join(workdir, name)), name
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+    # Each process wrote its own shards of the checkpoint (the data of Orbax's OCDBT store, one per process).
+    state_dir = os.path.join(workdir, "checkpoints", "2", "state")
+    assert sorted(d for d in os.listdir(state_dir) if d.startswith("ocdbt.process_")) == [
+        "ocdbt.process_0", "ocdbt.process_1"]
+
+    # This test process (one device) restores what the two processes wrote: the trained parameters, not the
+    # warm start they started from.
+    from reno_jax import pipeline
+    from reno_jax.checkpoint import orbax as ckpt_lib
+    _, _, _, params, step = pipeline.load_run(workdir)
+    assert step == 2 and {x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(params)} == {True}
+    warm = ckpt_lib.restore_item(os.path.join(workdir, "warmstart"), {"params": params})["params"]
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(warm))]
+    assert sum(moved) > len(moved) // 2 and all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
     # One process, one device, no distributed flags: restores the 4-device checkpoint and continues the curve.
     p = _train([f"--workdir={workdir}", "--config.num_steps=3", *SMALL], _env(1))
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
-    assert "Resumed from step 2" in out + err
+    assert "Resumed from step 2 onto 1 device(s)" in out + err
     resumed = _rows(workdir)
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert resumed[:2] == rows
     assert "3" in os.listdir(os.path.join(workdir, "checkpoints"))
+
+
+def test_two_processes_draw_and_load_the_model_straight_onto_their_shards():
+    """init_params(shardings=) and from_pretrained(shardings=) over a mesh of both processes' devices: each
+    process makes only its own shards, equal to the one-device values (tests/_sharded_io.py process)."""
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "_sharded_io.py"), "process", address,
+                               str(i)], cwd=REPO, env=_env(2, cache=False), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}"
+        found = json.loads(out.strip().splitlines()[-1])
+        assert found["process"] == i and found["devices"] == 4, found
+        assert found["placed"] and found["sharded_leaves"] >= 20 and found["init_equal"] and found["load_equal"], found
 
 
 def test_a_process_id_out_of_range_is_one_line_naming_the_flag(tmp_path):

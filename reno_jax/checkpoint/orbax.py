@@ -61,6 +61,42 @@ def _abstract(target_state: Any) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
 
 
+class RestoreError(ValueError):
+    """A checkpoint that does not fit the state it is restored into (another model: other shapes or leaves).
+    The message names the leaves and both shapes; nothing was restored and nothing on disk was changed."""
+
+
+def check_fits(saved: Any, target: Any, what: str) -> None:
+    """Raises `RestoreError` unless the saved tree (Orbax metadata: `ArrayMetadata` leaves) has exactly the
+    leaves of `target` (arrays or `jax.ShapeDtypeStruct`s) with the same shapes. Dtypes may differ (Orbax
+    casts), so a run may resume in another parameter dtype; shapes and structure may not.
+
+    Orbax itself only says "Requested shape (4, 2) is not compatible with the stored shape (4, 3)" without the
+    leaf, after starting every read; this names the parameter first (`params/...`) and reads nothing.
+    """
+    def flat(tree):
+        return {"/".join(map(str, k)): v for k, v in ocp.tree.to_flat_dict(tree).items()}
+
+    saved = flat(saved)
+    wanted = flat(ocp.tree.serialize_tree(_abstract(target), keep_empty_nodes=True))
+    params_first = lambda k: (not k.startswith("params/"), k)  # noqa: E731
+    shapes = sorted((k for k in wanted if k in saved and tuple(saved[k].shape) != tuple(wanted[k].shape)),
+                    key=params_first)
+    only_saved = sorted(set(saved) - set(wanted), key=params_first)
+    only_here = sorted(set(wanted) - set(saved), key=params_first)
+    if not (shapes or only_saved or only_here):
+        return
+    problems = [f"{k} is {list(saved[k].shape)} in the checkpoint but {list(wanted[k].shape)} here" for k in shapes[:3]]
+    if len(shapes) > 3:
+        problems.append(f"{len(shapes) - 3} more leaves have other shapes")
+    for names, where in ((only_saved, "the checkpoint has {n} leaves this model lacks"),
+                         (only_here, "this model has {n} leaves the checkpoint lacks")):
+        if names:
+            problems.append(where.format(n=len(names)) + f" (e.g. {', '.join(names[:2])})")
+    raise RestoreError(f"{what} does not fit this model: " + "; ".join(problems) +
+                       " (was it written with another model config? nothing was restored)")
+
+
 class Checkpointer:
     """Saves / restores a ``TrainState`` and the run config under ``<workdir>/checkpoints``.
 
@@ -80,7 +116,10 @@ class Checkpointer:
         # The interval is applied in ``save`` (orbax would also save the very first step it sees, whatever it is).
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=async_save)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # The item handlers are named up front so that `item_metadata` can read a checkpoint before any restore.
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
 
     # -- queries ---------------------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -106,11 +145,15 @@ class Checkpointer:
 
     def restore(self, target_state: Any, step: int | None = None) -> Any | None:
         """Restores the checkpoint at ``step`` (default: the latest) with the structure, dtypes and shardings of
-        ``target_state`` (concrete or ``jax.ShapeDtypeStruct`` leaves). Returns ``None`` if there is none."""
+        ``target_state`` (concrete or ``jax.ShapeDtypeStruct`` leaves): onto the target's mesh, whatever mesh or
+        number of processes wrote it. Returns ``None`` if there is none; raises `RestoreError` (naming the leaf
+        and both shapes) if the checkpoint holds another model, before reading anything."""
         self.wait()
         step = self._manager.latest_step() if step is None else step
         if step is None:
             return None
+        check_fits(self._manager.item_metadata(step)["state"].tree, target_state,
+                   f"checkpoint {step} in {self.directory}")
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_abstract(target_state))))
         return restored.state
@@ -145,6 +188,26 @@ def restore_latest(workdir: str, target_state: Any, *, subdir: str = CHECKPOINT_
         return None
     with Checkpointer(workdir, subdir=subdir, async_save=False) as ckpt:
         return ckpt.restore(target_state)
+
+
+def check_item(path: str, target: Any) -> None:
+    """`check_fits` for an ``ocp.StandardCheckpointer`` item (such as the training script's cached warm start)."""
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        check_fits(checkpointer.metadata(path).item_metadata.tree, target, f"the checkpoint in {path}")
+    finally:
+        checkpointer.close()
+
+
+def restore_item(path: str, target: Any) -> Any:
+    """An ``ocp.StandardCheckpointer`` item restored with the structure, dtypes and shardings of ``target``;
+    raises `RestoreError` if it holds another model."""
+    check_item(path, target)
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        return checkpointer.restore(path, _abstract(target))
+    finally:
+        checkpointer.close()
 
 
 def load_config(workdir: str, step: int | None = None, *, subdir: str = CHECKPOINT_SUBDIR) -> dict | None:

@@ -16,10 +16,12 @@ HF experts are one module per expert (`mlp.experts.{e}.gate_proj.weight` [Im, D]
 along a leading expert axis (`experts.gate_proj` [E, D, Im], `experts.down_proj` [E, Im, D]).
 Short-conv kernels are HF [P, 1, W] and Flax [W, P].
 
-Files are read with `safetensors.safe_open(..., framework="numpy")` one tensor at a time (each tensor is
-converted, moved to a jax array and its host copy dropped), and written by a small streaming safetensors
-writer, so neither direction ever holds a second full copy of the model (at most one tensor, or one layer's
-expert stack, is on the host at a time). No pickle, no remote code.
+Files are read with `safetensors.safe_open(..., framework="numpy")` one leaf at a time (each tensor is
+converted, moved to a jax array and its host copy dropped); given shardings, each device's block of a leaf is
+read on its own (`get_slice`) and placed straight onto that device. They are written by a small streaming
+safetensors writer: the files are sized from their headers and memory-mapped, and every leaf is written shard
+by shard from the devices into place. So neither direction ever holds a second full copy of the model (at most
+one leaf, or one shard of it, is on the host at a time). No pickle, no remote code.
 
 Dtypes: bf16 files are read through safetensors' numpy backend (ml_dtypes.bfloat16; a raw-bytes reader covers
 releases without it). `from_pretrained(dtype=None)` keeps every stored dtype (bit-exact round trips);
@@ -147,7 +149,8 @@ class Entry:
             raise AssertionError(f"{self.hf_name}: unknown logical axes {unknown}")
 
     def hf_to_flax(self, x: np.ndarray) -> np.ndarray:
-        """HF tensor -> Flax leaf (for EXPERT: the [in, out] slice that goes into slot `expert`)."""
+        """HF tensor -> Flax leaf (for EXPERT: the [in, out] slice that goes into slot `expert`). Also maps any
+        block of the HF tensor to the matching block of the leaf (see `_hf_index`)."""
         if self.transform == IDENTITY:
             return x
         if self.transform in (TRANSPOSE, EXPERT):
@@ -156,19 +159,16 @@ class Entry:
             return x[:, 0, :].T
         raise AssertionError(self.transform)
 
-    def flax_to_hf(self, leaf: np.ndarray) -> np.ndarray:
-        """Flax leaf (the full stacked leaf for EXPERT) -> HF tensor, C-contiguous."""
+    def flax_to_hf(self, x: np.ndarray) -> np.ndarray:
+        """The inverse of `hf_to_flax` (for EXPERT: slot `expert`'s [in, out] slice -> the HF tensor), on whole
+        tensors or on matching blocks; a view where it can be (the writer casts and copies on assignment)."""
         if self.transform == IDENTITY:
-            out = leaf
-        elif self.transform == TRANSPOSE:
-            out = leaf.T
-        elif self.transform == EXPERT:
-            out = leaf[self.expert].T
-        elif self.transform == CONV:
-            out = leaf.T[:, None, :]
-        else:
-            raise AssertionError(self.transform)
-        return np.ascontiguousarray(out)
+            return x
+        if self.transform in (TRANSPOSE, EXPERT):
+            return x.T
+        if self.transform == CONV:
+            return x.T[:, None, :]
+        raise AssertionError(self.transform)
 
     def describe(self) -> str:
         flax = "/".join(self.flax_path) + ("" if self.expert is None else f"[{self.expert}]")
@@ -425,26 +425,26 @@ def _open(stack: ExitStack, file: Path) -> Any:
 
 
 def _read_raw(file: Path, name: str) -> np.ndarray:
-    """Reads one tensor straight from the file bytes (used when safetensors' numpy backend lacks the dtype)."""
+    """One tensor mapped straight from the file bytes (used when safetensors' numpy backend lacks the dtype):
+    a read-only memory map, so indexing it reads only the pages of that block."""
     with open(file, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         info = json.loads(f.read(header_len))[name]
-        begin, end = info["data_offsets"]
-        f.seek(8 + header_len + begin)
-        data = f.read(end - begin)
+    begin, end = info["data_offsets"]
     dtype = _ST_TO_NP[info["dtype"]]
-    if len(data) != end - begin:
+    if os.path.getsize(file) < 8 + header_len + end:
         raise CheckpointError(f"tensor {name} in {str(file)!r} is truncated")
     # safetensors data is little-endian, as are the hosts jax runs on.
-    return np.frombuffer(data, dtype=dtype).reshape(info["shape"])
+    return np.memmap(file, dtype=dtype, mode="r", offset=8 + header_len + begin, shape=tuple(info["shape"]))
 
 
-def _read_tensor(file: Path, handle: Any, name: str, st_dtype: str) -> np.ndarray:
+def _read_block(file: Path, handle: Any, name: str, st_dtype: str, index: tuple[slice, ...]) -> np.ndarray:
+    """The block `index` (one slice per dimension) of a stored tensor; only that block is read."""
     try:
-        return handle.get_tensor(name)
+        return handle.get_slice(name)[index]
     except Exception as exc:
         if st_dtype == "BF16":  # older safetensors releases have no bf16 in their numpy backend
-            return _read_raw(file, name)
+            return np.array(_read_raw(file, name)[index])
         raise CheckpointError(f"cannot read tensor {name} from {str(file)!r}: {exc}") from exc
 
 
@@ -453,12 +453,56 @@ def _mtp_skip(name: str, num_layers: int, num_mtp: int) -> bool:
     return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp
 
 
-def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32) -> tuple[Any, dict]:
+def leaf_groups(table: Sequence[Entry]) -> list[list[Entry]]:
+    """The table's entries by Flax leaf, in table order of each leaf's first entry (an expert leaf: its E
+    entries, by expert index; every other leaf: its one entry)."""
+    groups: dict[tuple[str, ...], list[Entry]] = {}
+    for entry in table:
+        groups.setdefault(entry.flax_path, []).append(entry)
+    return list(groups.values())
+
+
+def _hf_index(entry: Entry, index: tuple[slice, ...]) -> tuple[slice, ...]:
+    """The block of the HF tensor that holds the block `index` of its Flax leaf (for EXPERT: of one expert's
+    [in, out] slice)."""
+    if entry.transform == IDENTITY:
+        return index
+    if entry.transform in (TRANSPOSE, EXPERT):  # Flax [in, out] <- HF [out, in]
+        return index[1], index[0]
+    if entry.transform == CONV:  # Flax [W, P] <- HF [P, 1, W]
+        return index[1], slice(None), index[0]
+    raise AssertionError(entry.transform)
+
+
+def _normalise(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+
+
+def _shardings_for(shardings: Any, config: Any) -> Any:
+    """`from_pretrained`'s `shardings` argument as a params tree of shardings (or None)."""
+    if shardings is None or isinstance(shardings, Mapping):
+        return shardings
+    if callable(shardings):
+        return shardings(config)
+    mesh, preset = shardings  # (jax.sharding.Mesh, preset name)
+    from reno_jax.parallel import rules  # local import: reno_jax.parallel builds on this module
+    return rules.param_shardings(config, mesh, preset)
+
+
+def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None) -> tuple[Any, dict]:
     """Loads a Ling-3.0 HF checkpoint directory into (Ling3Config, Flax params).
 
     Reads `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards. Tensors are read one
     at a time, converted (transposed / reshaped / stacked), cast to `dtype` (None: keep the stored dtype) and
     turned into jax arrays. MTP layers (`model.layers.{L..L+n-1}` with n = num_nextn_predict_layers) are skipped.
+
+    shardings: where the leaves go. None: the default device (the whole leaf is read, converted and moved).
+    Otherwise a params tree of `jax.sharding.Sharding`, a function `config -> such a tree` (the config is only
+    known once config.json is read) or a `(mesh, preset)` pair (`reno_jax.parallel.param_shardings`): each leaf
+    is built with `jax.make_array_from_callback`, every addressable shard reading only its own block of the
+    stored tensor (and of only the experts it holds), so no host and no device ever holds more than its shards
+    plus one block; a block that several devices hold (replication) is read once. Several processes: each reads
+    the blocks of its own devices.
     Raises CheckpointError naming the problem on any bad input.
     """
     path = Path(path)
@@ -468,6 +512,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32) -> tuple[
     target = None if dtype is None else np.dtype(dtype)
     if target is not None and target not in _NP_TO_ST:
         raise CheckpointError(f"unsupported target dtype {target}: use float32, bfloat16, float16 or float64")
+    shardings = _shardings_for(shardings, config)
 
     index = _weight_files(path)
     with ExitStack() as stack:
@@ -512,31 +557,51 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32) -> tuple[
             raise CheckpointError(f"checkpoint {str(path)!r} does not match the config: " + "; ".join(problems))
 
         params: dict = {}
-        stacks: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}  # expert leaf -> (buffer, slots filled)
-        for entry in table:
-            file, handle = sources[entry.hf_name]
-            x = _read_tensor(file, handle, entry.hf_name, stored_dtype[entry.hf_name])
+        for entries in leaf_groups(table):
+            first = entries[0]
             if target is None:
-                out_dtype = x.dtype
-            elif entry.float32 and target.itemsize < 4:
+                out_dtype = _ST_TO_NP[stored_dtype[first.hf_name]]
+            elif first.float32 and target.itemsize < 4:
                 out_dtype = np.dtype(np.float32)  # see Entry.float32
             else:
                 out_dtype = target
-            y = entry.hf_to_flax(x)
-            if entry.transform != EXPERT:
-                _set_leaf(params, entry.flax_path, jnp.asarray(np.asarray(y, dtype=out_dtype)))
+
+            def read(block: tuple[slice, ...], entries=entries, out_dtype=out_dtype) -> np.ndarray:
+                """The Flax leaf's `block` (one slice per Flax dimension), read and converted."""
+                head = entries[0]
+                if head.transform != EXPERT:
+                    file, handle = sources[head.hf_name]
+                    x = _read_block(file, handle, head.hf_name, stored_dtype[head.hf_name], _hf_index(head, block))
+                    return np.asarray(head.hf_to_flax(x), dtype=out_dtype)
+                experts = range(*block[0].indices(len(entries)))
+                out = np.empty((len(experts),) + tuple(s.stop - s.start for s in block[1:]), out_dtype)
+                for k, e in enumerate(experts):  # only the experts this block holds
+                    file, handle = sources[entries[e].hf_name]
+                    x = _read_block(file, handle, entries[e].hf_name, stored_dtype[entries[e].hf_name],
+                                    _hf_index(entries[e], block[1:]))
+                    out[k] = entries[e].hf_to_flax(x)  # cast on assignment
+                return out
+
+            shape = first.flax_shape
+            if shardings is None:
+                leaf = jnp.asarray(read(_normalise((slice(None),) * len(shape), shape)))
             else:
-                buf, filled = stacks.get(entry.flax_path, (None, 0))
-                if buf is None:
-                    buf = np.empty(entry.flax_shape, dtype=out_dtype)
-                buf[entry.expert] = y  # cast on assignment
-                if filled + 1 == entry.flax_shape[0]:
-                    _set_leaf(params, entry.flax_path, jnp.asarray(buf))
-                    stacks.pop(entry.flax_path, None)
-                else:
-                    stacks[entry.flax_path] = (buf, filled + 1)
-            del x, y  # drop the host copy before reading the next tensor
-        assert not stacks, "every expert stack is complete after the table walk"
+                try:
+                    sharding = _get_leaf(shardings, first.flax_path)
+                except (KeyError, TypeError):
+                    raise CheckpointError(f"shardings have no entry for {'/'.join(first.flax_path)}") from None
+                blocks: dict[tuple, np.ndarray] = {}  # one read per distinct block (replicas share it)
+
+                def shard(block, read=read, shape=shape, blocks=blocks):
+                    block = _normalise(block, shape)
+                    key = tuple((s.start, s.stop) for s in block)
+                    if key not in blocks:
+                        blocks[key] = read(block)
+                    return blocks[key]
+
+                leaf = jax.make_array_from_callback(shape, sharding, shard)
+                blocks.clear()  # the host copies: the devices hold their shards now
+            _set_leaf(params, first.flax_path, leaf)
     return config, params
 
 
@@ -572,31 +637,75 @@ def check_params(params: Mapping, config: Any) -> None:
         raise CheckpointError("params do not match the config: " + "; ".join(problems))
 
 
-def _write_safetensors(file: Path, items: Sequence[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]]) -> None:
-    """Streaming safetensors writer: header from metadata first, then each tensor produced and written in turn.
+def _host_blocks(leaf: Any) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+    """(block index, host array) pairs covering a leaf, one at a time: each distinct addressable shard of a
+    jax.Array (a replicated block once), copied to the host only when its turn comes; a host array whole."""
+    shape = tuple(np.shape(leaf))
+    if not isinstance(leaf, jax.Array):
+        yield _normalise((slice(None),) * len(shape), shape), np.asarray(leaf)
+        return
+    seen = set()
+    for shard in leaf.addressable_shards:
+        block = _normalise(shard.index, shape)
+        key = tuple((s.start, s.stop) for s in block)
+        if key not in seen:
+            seen.add(key)
+            yield block, np.asarray(shard.data)
 
-    `items` are (name, safetensors dtype, shape, produce) in file order; `produce()` returns the C-contiguous
-    array (it is called once and dropped after writing).
+
+def _write_block(entries: Sequence[Entry], views: Mapping[str, np.ndarray], block: tuple[slice, ...],
+                 data: np.ndarray) -> None:
+    """Writes the Flax leaf's `block` (`data`) into the HF tensors of its entries (cast on assignment)."""
+    head = entries[0]
+    if head.transform != EXPERT:
+        views[head.hf_name][_hf_index(head, block)] = head.flax_to_hf(data)
+        return
+    for k, e in enumerate(range(*block[0].indices(len(entries)))):  # the experts this block holds
+        views[entries[e].hf_name][_hf_index(entries[e], block[1:])] = entries[e].flax_to_hf(data[k])
+
+
+def _write_safetensors(files: Sequence[tuple[Path, Sequence[tuple[str, str, tuple[int, ...]]]]],
+                       fill: Callable[[Mapping[str, np.ndarray]], None]) -> None:
+    """Writes safetensors files without holding their tensors: each file's header comes first, the file is
+    sized and memory-mapped, `fill(views)` writes every tensor through `views` ({name: the C-contiguous
+    ndarray of that tensor inside its file}), and the files replace their final names only once complete.
+
+    `files` are (path, [(name, safetensors dtype, shape)] in file order).
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, st_dtype, shape, _ in items:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_TO_NP[st_dtype].itemsize
-        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
-    tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(header_bytes).to_bytes(8, "little"))
-        f.write(header_bytes)
-        for name, st_dtype, shape, produce in items:
-            arr = produce()
-            if arr.dtype != _ST_TO_NP[st_dtype] or tuple(arr.shape) != tuple(shape):
-                raise AssertionError(f"{name}: produced {arr.dtype}{arr.shape}, header says {st_dtype}{shape}")
-            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-            del arr
-    os.replace(tmp, file)
+    tmps, maps, views = [], [], {}
+    for file, items in files:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, st_dtype, shape in items:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_TO_NP[st_dtype].itemsize
+            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header_bytes = json.dumps(header, separators=(",", ":")).encode()
+        header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
+        tmp = file.with_name(file.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(len(header_bytes).to_bytes(8, "little"))
+            f.write(header_bytes)
+            f.truncate(8 + len(header_bytes) + offset)
+        data = np.memmap(tmp, dtype=np.uint8, mode="r+", offset=8 + len(header_bytes), shape=(offset,))
+        for name, st_dtype, shape in items:
+            begin, end = header[name]["data_offsets"]
+            views[name] = data[begin:end].view(_ST_TO_NP[st_dtype]).reshape(shape)
+        tmps.append((tmp, file))
+        maps.append(data)
+    try:
+        fill(views)
+        for data in maps:
+            data.flush()
+    except BaseException:
+        for tmp, _ in tmps:  # no half-written file is left behind
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        views.clear()
+        maps.clear()
+    for tmp, file in tmps:
+        os.replace(tmp, file)
 
 
 def save_pretrained(
@@ -612,8 +721,17 @@ def save_pretrained(
     table order into `model-0000k-of-0000n.safetensors` files of at most that size (a bigger tensor gets a shard
     of its own) plus `model.safetensors.index.json`; a single shard is written as `model.safetensors`.
     Previous weight files in `path` are replaced.
+
+    Sharded params are written from their shards: each distinct addressable shard of a leaf is copied to the host
+    on its own and written into place (memory-mapped files), so the host holds one shard at a time. Every shard
+    must be in this process (a multi-process array raises CheckpointError).
     """
     check_params(params, config)
+    elsewhere = ["/".join(p) for p, leaf in _leaf_paths(params) if isinstance(leaf, jax.Array)
+                 and not leaf.is_fully_addressable]
+    if elsewhere:  # checked before anything in `path` is touched
+        raise CheckpointError(f"save_pretrained needs every shard in this process; {_list_names(elsewhere, 3)} "
+                              "span other processes' devices (restore the checkpoint in one process to export it)")
     table = param_table(config)
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -623,30 +741,11 @@ def save_pretrained(
     if out_dtype is not None and out_dtype not in _NP_TO_ST:
         raise CheckpointError(f"unsupported output dtype {out_dtype}")
 
-    # Host copies of stacked expert leaves, kept only while their layer's experts are written.
-    host_cache: dict[tuple[str, ...], np.ndarray] = {}
-
-    def producer(entry: Entry, st_dtype: str) -> Callable[[], np.ndarray]:
-        def produce() -> np.ndarray:
-            leaf_path = entry.flax_path
-            if entry.transform == EXPERT:
-                if leaf_path not in host_cache:
-                    layer = leaf_path[:2]
-                    for p in [p for p in host_cache if p[:2] != layer]:
-                        del host_cache[p]
-                    host_cache[leaf_path] = np.asarray(jax.device_get(_get_leaf(params, leaf_path)))
-                leaf = host_cache[leaf_path]
-            else:
-                leaf = np.asarray(jax.device_get(_get_leaf(params, leaf_path)))
-            return np.ascontiguousarray(entry.flax_to_hf(leaf), dtype=_ST_TO_NP[st_dtype])
-
-        return produce
-
     items = []
     for entry in table:
         leaf = _get_leaf(params, entry.flax_path)
         st_dtype = _NP_TO_ST[out_dtype if out_dtype is not None else np.dtype(leaf.dtype)]
-        items.append((entry.hf_name, st_dtype, entry.hf_shape, producer(entry, st_dtype)))
+        items.append((entry.hf_name, st_dtype, entry.hf_shape))
 
     shards: list[list] = [[]]
     size = 0
@@ -658,22 +757,23 @@ def save_pretrained(
         shards[-1].append(item)
         size += nbytes
 
+    def fill(views: Mapping[str, np.ndarray]) -> None:
+        # Leaf by leaf, block by block: one shard on the host at a time, written where its HF tensors live.
+        for entries in leaf_groups(table):
+            for block, data in _host_blocks(_get_leaf(params, entries[0].flax_path)):
+                _write_block(entries, views, block, data)
+                del data
+
     for old in path.iterdir():  # stale weights would make the directory ambiguous
         if old.name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(old.name):
             old.unlink()
     (path / CONFIG_NAME).write_text(json.dumps(config_to_json_dict(config), indent=2, sort_keys=True) + "\n")
     if len(shards) == 1:
-        _write_safetensors(path / WEIGHTS_NAME, shards[0])
-        host_cache.clear()
+        _write_safetensors([(path / WEIGHTS_NAME, shards[0])], fill)
         return
-    weight_map: dict[str, str] = {}
-    total = 0
-    for k, shard in enumerate(shards):
-        shard_name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(path / shard_name, shard)
-        for name, st_dtype, shape, _ in shard:
-            weight_map[name] = shard_name
-            total += int(np.prod(shape, dtype=np.int64)) * _ST_TO_NP[st_dtype].itemsize
-    host_cache.clear()
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    _write_safetensors([(path / name, shard) for name, shard in zip(names, shards)], fill)
+    weight_map = {item[0]: name for name, shard in zip(names, shards) for item in shard}
+    total = sum(int(np.prod(shape, dtype=np.int64)) * _ST_TO_NP[st_dtype].itemsize for _, st_dtype, shape in items)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -22,12 +22,14 @@ are dropped, so the caller must size the cache for the whole sequence.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from reno_jax.models.config import Ling3Config, ling3_tiny_real, tiny_test_config  # noqa: F401 (re-export)
 from reno_jax.models.kda import kda_attention
@@ -117,35 +119,8 @@ def param_shapes(config: Ling3Config) -> dict:
 _FP32_KINDS = ("A_log", "dt_bias", "conv", "router", "zeros32")
 
 
-def _init_leaf(rng: np.random.Generator, shape, kind, config: Ling3Config, dtype) -> np.ndarray:
-    std = config.initializer_range
-    if kind == "ones":
-        x = np.ones(shape, np.float32)
-    elif kind == "zeros32":
-        x = np.zeros(shape, np.float32)
-    elif kind in ("linear", "embed", "router"):
-        x = std * rng.standard_normal(shape, dtype=np.float32)
-    elif kind == "conv":  # torch's default Conv1d init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = W
-        bound = 1.0 / math.sqrt(shape[0])
-        x = rng.uniform(-bound, bound, shape).astype(np.float32)
-    elif kind == "A_log":  # A ~ U(1, 16)
-        x = np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-    elif kind == "dt_bias":  # inverse softplus of dt ~ logU(1e-3, 1e-1)
-        dt = np.maximum(np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape)), 1e-4)
-        x = (dt + np.log(-np.expm1(-dt))).astype(np.float32)
-    else:  # pragma: no cover - internal table
-        raise AssertionError(kind)
-    return x if kind in _FP32_KINDS else x.astype(dtype)
-
-
 def _leaf_dtype(kind, dtype):
     return np.dtype(np.float32) if kind in _FP32_KINDS else np.dtype(dtype)
-
-
-def _host_init(config: Ling3Config, key_data: np.ndarray, dtype) -> list:
-    """numpy leaves in sorted-path order, from a Generator seeded with the key's bits."""
-    rng = np.random.default_rng(np.random.SeedSequence([int(v) for v in np.asarray(key_data).ravel()]))
-    return [_init_leaf(rng, shape, kind, config, dtype) for _, (shape, kind) in sorted(param_shapes(config).items())]
 
 
 def _unflatten(flat: dict) -> dict:
@@ -158,25 +133,238 @@ def _unflatten(flat: dict) -> dict:
     return tree
 
 
-def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random parameters (HF-style init: N(0, initializer_range) linears and embeddings, unit norms, zero
-    expert_bias, A = exp(A_log) ~ U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1)).
+# Random init in JAX. Every element's value is a function of (key, leaf path, the element's row-major index in
+# its leaf) only: the leaf's key is threefry2x32 of two words hashed from the path under the run key, the
+# element's bits are threefry2x32(leaf key, index) (exactly `jax.random.bits(leaf_key, shape)` under the
+# partitionable threefry, JAX's default; here whatever that flag says), and an elementwise transform turns bits
+# into the kind's distribution (`_values`, the float steps of `jax.random.uniform` / `normal`). Nothing depends on
+# how a leaf is cut into shards, so a model drawn on 8 devices is bit for bit the one drawn on one, and a leaf's
+# values do not change when other leaves come or go (another layer count, a tied head).
+#
+# Two routes run `_values`:
+#   on the devices  one jitted program per (leaf shape, dtype, family, sharding), cached, with `out_shardings` =
+#                   the leaf's sharding: each device computes only its own shard (iota and threefry partition
+#                   without communication); no host ever holds the leaf. The leaf's scalars are broadcast.
+#   on the host     unsharded leaves of small models (at most `HOST_DRAW_MAX` elements): the leaves of a family
+#                   laid end to end, `_CHUNK` elements per call of one fixed-shape program (compiled once per
+#                   process and family), each element carrying its leaf's key and parameters; the host cuts the
+#                   flat values into leaves. XLA:CPU spends ~0.1-0.3 s compiling each per-shape program and a tiny
+#                   model has ~20 leaf shapes, which the test suite, building dozens of tiny models, would pay
+#                   again and again.
+# XLA promises the same float bits only for the same computation: written differently (the families merged into
+# one select, or sqrt(2) as a multiply of its own) the two routes did round a last bit apart on CPU.
+# tests/test_model.py and tests/test_sharded_io.py compare them.
+_NORMAL, _UNIFORM, _CONST = "normal", "uniform", "const"  # transform families
+_PLAIN, _LOG, _INV_SOFTPLUS_EXP = 0, 1, 2  # what the uniform family does to its U(p0, p1) draw
+_CHUNK = 1 << 16  # elements per call of the host route
+HOST_DRAW_MAX = 1 << 22  # models up to this many elements take the host route for their unsharded leaves
 
-    The values come from a numpy Generator seeded with the key's bits, on the host: XLA:CPU needs tens of seconds
-    to compile ~100 differently shaped jax.random calls, numpy needs milliseconds. Under jit the same host code
-    runs through `jax.pure_callback` (same values); under `jax.eval_shape` nothing is generated.
+
+def _recipe(kind: str, shape, config: Ling3Config) -> tuple[str, int, float, float]:
+    """(family, mode, p0, p1) of an init kind; see `_values`."""
+    if kind in ("linear", "embed", "router"):  # N(0, std) = std * sqrt(2) * erf_inv(U(-1, 1))
+        return _NORMAL, 0, config.initializer_range * math.sqrt(2.0), 0.0
+    if kind == "conv":  # torch's default Conv1d init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = W
+        bound = 1.0 / math.sqrt(shape[0])
+        return _UNIFORM, _PLAIN, -bound, bound
+    if kind == "A_log":  # A ~ U(1, 16)
+        return _UNIFORM, _LOG, 1.0, 16.0
+    if kind == "dt_bias":  # inverse softplus of dt ~ logU(1e-3, 1e-1)
+        return _UNIFORM, _INV_SOFTPLUS_EXP, math.log(1e-3), math.log(1e-1)
+    if kind in ("ones", "zeros32"):
+        return _CONST, 0, 1.0 if kind == "ones" else 0.0, 0.0
+    raise AssertionError(kind)  # pragma: no cover - internal table
+
+
+def _threefry2x32(k1, k2, x1, x2):
+    """Threefry-2x32 (20 rounds; Salmon et al., SC'11), the hash under `jax.random`'s default key, written with
+    plain uint32 operators so that one code runs on numpy arrays (no compile) and on traced jax values (equal
+    to `jax.extend.random.threefry2x32_p`, which tests/test_model.py checks)."""
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    ks = (k1, k2, k1 ^ k2 ^ 0x1BD11BDA)
+    x1, x2 = x1 + ks[0], x2 + ks[1]
+    for i in range(5):
+        for r in rotations[i % 2]:
+            x1 = x1 + x2
+            x2 = (x2 << r) | (x2 >> (32 - r))
+            x2 = x2 ^ x1
+        x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + (i + 1)
+    return x1, x2
+
+
+def _leaf_keys(key_data, paths) -> np.ndarray | jax.Array:
+    """uint32 [len(paths), 2] threefry keys of leaves: threefry2x32 of two words hashed from each path under the
+    run key (64 bits: no two leaves of a model share a key). numpy for a concrete key (no compile), jax for a
+    traced one (one vectorised hash for all leaves, so tracing a real-size model stays quick)."""
+    words = np.stack([np.frombuffer(hashlib.blake2s("/".join(path).encode(), digest_size=8).digest(), dtype="<u4")
+                      for path in paths]).astype(np.uint32)
+    xp = np if isinstance(key_data, np.ndarray) else jnp
+    key_data = xp.asarray(key_data, np.uint32)
+    # [1]-shaped keys: numpy warns on overflowing uint32 scalars (but not arrays), and the hash wraps by design
+    k1, k2 = _threefry2x32(key_data[0:1], key_data[1:2], xp.asarray(words[:, 0]), xp.asarray(words[:, 1]))
+    return xp.stack([k1, k2], axis=1)
+
+
+def _flat_index(shape) -> jax.Array:
+    """uint32 row-major element index of an array of `shape` (a sum of iotas, so the SPMD partitioner gives
+    each device the indices of its own shard without materialising the others)."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride)
+        stride *= shape[dim]
+    return index
+
+
+def _uniform(bits, lo, hi):
+    """U(lo, hi) float32 from 32 random bits, as `jax.random.uniform` makes it (23 mantissa bits in [1, 2))."""
+    mantissa = lax.shift_right_logical(bits, jnp.uint32(32 - 23)) | jnp.uint32(0x3F800000)
+    u01 = lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0)
+    return lax.max(lo, u01 * (hi - lo) + lo)
+
+
+def _values(k1, k2, index, mode, p0, p1, *, family: str, dtype):
+    """`dtype` values of the elements `index` (uint32, any shape) of leaves keyed (k1, k2) (uint32), drawn by
+    `family` with `mode` (int32) and p0, p1 (float32); every argument broadcasts against `index` (the device route
+    passes one leaf's scalars, the host route an entry per element).
+
+    _NORMAL: p0 * erf_inv(U(-1, 1)) (`jax.random.normal`'s transform, its sqrt(2) folded into p0 on the host:
+    one multiply after erf_inv); _UNIFORM: U(p0, p1), its log (`_LOG`) or softplus^-1(max(exp(.), 1e-4))
+    (`_INV_SOFTPLUS_EXP`).
+    """
+    # bits: threefry2x32 of the 64-bit counter (0, index), the two words xored (= jax.random.bits, partitionable)
+    b1, b2 = _threefry2x32(k1, k2, jnp.zeros_like(index), index)
+    bits = b1 ^ b2
+    if family == _NORMAL:
+        lo = jnp.float32(np.nextafter(np.float32(-1.0), np.float32(0.0)))
+        return (p0 * lax.erf_inv(_uniform(bits, lo, jnp.float32(1.0)))).astype(dtype)
+    u = _uniform(bits, p0, p1)
+    dt = lax.max(jnp.exp(u), jnp.float32(1e-4))
+    out = jnp.where(mode == _LOG, jnp.log(u), u)
+    return jnp.where(mode == _INV_SOFTPLUS_EXP, dt + jnp.log(-jnp.expm1(-dt)), out).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _leaf_program(shape: tuple[int, ...], dtype, family: str, sharding):
+    """The device route: one leaf of `shape` and `dtype` straight onto `sharding` (None: the default device).
+    Arguments: the leaf's key uint32 [2], mode int32 [], p0 / p1 float32 []."""
+
+    def draw(leaf_key, mode, p0, p1):
+        if family == _CONST:
+            return jnp.full(shape, p0, dtype)
+        return _values(leaf_key[0], leaf_key[1], _flat_index(shape), mode, p0, p1, family=family, dtype=dtype)
+
+    return jax.jit(draw, out_shardings=sharding)
+
+
+_chunk_program = jax.jit(_values, static_argnames=("family", "dtype"))  # the host route: [_CHUNK] per argument
+
+
+def _host_draw(leaves: list) -> list:
+    """The host route: numpy values of `leaves` [(leaf key, shape, dtype, (family, mode, p0, p1))]. The leaves of
+    each (family, dtype) are laid end to end and drawn `_CHUNK` elements per call, each element carrying its
+    leaf's key, mode and parameters and its index in the leaf (the last call's tail is drawn and dropped)."""
+    out = [None] * len(leaves)
+    groups: dict = {}
+    for i, (_, shape, dtype, (family, _, p0, _)) in enumerate(leaves):
+        if family == _CONST:
+            out[i] = np.full(shape, p0, dtype)
+        else:
+            groups.setdefault((family, np.dtype(dtype)), []).append(i)
+    for (family, dtype), members in groups.items():
+        keys = np.stack([leaves[i][0] for i in members]).astype(np.uint32)  # [n, 2]
+        mode = np.asarray([leaves[i][3][1] for i in members], np.int32)
+        p0, p1 = (np.asarray([leaves[i][3][j] for i in members], np.float32) for j in (2, 3))
+        starts = np.cumsum([0] + [math.prod(leaves[i][1]) for i in members])  # leaf j: flat[starts[j]:starts[j+1]]
+        flat = np.empty(int(starts[-1]), dtype)
+        for begin in range(0, len(flat), _CHUNK):
+            pos = begin + np.arange(_CHUNK)
+            owner = np.minimum(np.searchsorted(starts, pos, side="right") - 1, len(members) - 1)
+            index = (pos - starts[owner]).astype(np.uint32)
+            values = _chunk_program(keys[owner, 0], keys[owner, 1], index, mode[owner], p0[owner], p1[owner],
+                                    family=family, dtype=dtype)
+            flat[begin:begin + _CHUNK] = np.asarray(values)[:len(flat) - begin]
+        for j, i in enumerate(members):
+            out[i] = flat[starts[j]:starts[j + 1]].reshape(leaves[i][1])
+    return out
+
+
+def _threefry_key_data(key):
+    """uint32 [2] data of a threefry key (a typed `jax.random.key` or a raw `jax.random.PRNGKey`)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        impl = str(jax.random.key_impl(key))
+        if "threefry2x32" not in impl:
+            raise TypeError(f"init_params needs a threefry2x32 key, got a {impl} key")
+        key = jax.random.key_data(key)
+    if key.shape != (2,) or key.dtype != jnp.uint32:
+        raise TypeError(f"init_params needs one threefry2x32 key (uint32 [2]), got {key.dtype} {key.shape}")
+    return key
+
+
+def _put(x: np.ndarray, sharding) -> jax.Array:
+    """A host array placed on `sharding` (each device, of every process, gets its own slice)."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _flat_shardings(shardings, paths) -> dict:
+    flat = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, prefix + (k,))
+        else:
+            flat[prefix] = node
+
+    walk(shardings, ())
+    if set(flat) != set(paths):
+        missing, extra = sorted(set(paths) - set(flat)), sorted(set(flat) - set(paths))
+        raise ValueError(f"shardings do not match the parameters: missing {['/'.join(p) for p in missing][:5]}, "
+                         f"unexpected {['/'.join(p) for p in extra][:5]}")
+    return flat
+
+
+def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, shardings=None, *,
+                host_draw_max: int = HOST_DRAW_MAX) -> dict:
+    """Random parameters (HF-style init: N(0, initializer_range) linears and embeddings, unit norms, zero
+    expert_bias, A = exp(A_log) ~ U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1), short-conv
+    kernels U(-1/sqrt(W), 1/sqrt(W))), drawn with JAX's threefry; see the comment above `_NORMAL` for what each
+    value depends on (the key, the leaf's path, the element's index: never the mesh).
+
+    key: a threefry key (`jax.random.PRNGKey` / `jax.random.key`). shardings: None (the default device) or a
+    params tree of `jax.sharding.Sharding` (`parallel.Layout.param_shardings`): every leaf is created on its
+    sharding, each device computing only its own shard (a jitted program per leaf shape and sharding), so no
+    device and no host ever holds a whole real-size model. Unsharded leaves of models of at most
+    `host_draw_max` elements are drawn by one fixed-shape program on the default device and cut into leaves on
+    the host, which needs one compile per process instead of one per leaf shape (0: every leaf on its devices;
+    same values either way). Under `jax.jit` / `jax.eval_shape` (a traced key) every leaf takes the device
+    route, so `jax.eval_shape` gives the shapes and dtypes without drawing anything.
     Returns the nested dict described in the module docstring.
     """
     items = sorted(param_shapes(config).items())
-    key_data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    flat_shardings = {} if shardings is None else _flat_shardings(shardings, [p for p, _ in items])
+    key_data = _threefry_key_data(key)
     try:
         concrete = np.asarray(key_data)
     except jax.errors.TracerArrayConversionError:
-        out_types = [jax.ShapeDtypeStruct(shape, _leaf_dtype(kind, dtype)) for _, (shape, kind) in items]
-        leaves = jax.pure_callback(lambda kd: _host_init(config, kd, dtype), out_types, key_data)
-    else:
-        leaves = [jnp.asarray(x) for x in _host_init(config, concrete, dtype)]
-    return _unflatten({path: leaf for (path, _), leaf in zip(items, leaves)})
+        concrete = None
+    small = concrete is not None and sum(math.prod(shape) for _, (shape, _) in items) <= host_draw_max
+    leaves, on_host = {}, []
+    # host data when the key is concrete: a multi-process program takes it as one value for every process
+    keys = _leaf_keys(key_data if concrete is None else concrete, [path for path, _ in items])
+    for (path, (shape, kind)), leaf_key in zip(items, keys):
+        if math.prod(shape) >= 2**32:  # pragma: no cover - far beyond any Ling-3.0 leaf
+            raise ValueError(f"{'/'.join(path)} has {math.prod(shape)} elements; the init counts them in 32 bits")
+        leaf_dtype, sharding = _leaf_dtype(kind, dtype), flat_shardings.get(path)
+        family, mode, p0, p1 = recipe = _recipe(kind, shape, config)
+        if small and (sharding is None or sharding.is_fully_replicated):
+            on_host.append((path, sharding, (leaf_key, shape, leaf_dtype, recipe)))
+        else:
+            program = _leaf_program(tuple(shape), leaf_dtype, family, sharding)
+            leaves[path] = program(leaf_key, np.int32(mode), np.float32(p0), np.float32(p1))
+    for (path, sharding, _), x in zip(on_host, _host_draw([leaf for *_, leaf in on_host])):
+        leaves[path] = jnp.asarray(x) if sharding is None else _put(x, sharding)
+    return _unflatten({path: leaves[path] for path, _ in items})
 
 
 def count_params(config: Ling3Config) -> dict:

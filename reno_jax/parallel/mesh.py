@@ -48,6 +48,23 @@ class MeshConfig:
         fields = {f.name: get(f.name, f.default) for f in dataclasses.fields(cls)}
         return cls(**fields)
 
+    @classmethod
+    def from_string(cls, text: str) -> "MeshConfig":
+        """From `"axis=size,...,preset=name"` (e.g. `"fsdp=4,preset=fsdp"`; absent fields: defaults, "" the
+        single-device mesh): the command-line form of a `config.mesh` section. Raises `MeshError`."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep or name not in fields:
+                raise MeshError(f"expected comma-separated NAME=VALUE with NAME one of {sorted(fields)}, got {part!r}")
+            try:
+                values[name] = value.strip() if name == "preset" else int(value)
+            except ValueError:
+                raise MeshError(f"mesh axis {name} must be an integer, got {value!r}") from None
+        return cls(**values)
+
     def sizes(self) -> dict[str, int]:
         return {name: int(getattr(self, name)) for name in MESH_AXES}
 

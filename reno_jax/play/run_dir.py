@@ -18,7 +18,6 @@ import orbax.checkpoint as ocp
 from reno_jax import pipeline
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
-from reno_jax.models import ling3
 from reno_jax.rl import trainer
 
 WARM_START_STEP = 0
@@ -55,7 +54,7 @@ class RunDir:
         self.workdir = os.path.abspath(workdir)
         self.config = load_config(self.workdir)
         self.tokenizer = pipeline.build_tokenizer(self.config)
-        self.model_config, self._abstract_params = _abstract_model(self.config, self.tokenizer)
+        self.model_config, self._abstract_params = pipeline.abstract_model(self.config, self.tokenizer)
         optimizer = pipeline.make_optimizer(self.config)
         # The restore target of a checkpoint's TrainState, from shapes only (nothing is initialised).
         self._abstract_state = jax.eval_shape(
@@ -106,13 +105,3 @@ class RunDir:
     def metrics(self) -> list[dict]:
         """Rows of `metrics.jsonl` (a half-written last line of a live run is left for the next read)."""
         return metrics_lib.read_metrics(os.path.join(self.workdir, metrics_lib.METRICS_FILE))
-
-
-def _abstract_model(config, tokenizer):
-    """(model_config, params as `jax.ShapeDtypeStruct`s) of a run, without building its parameters."""
-    if config.model.get("path", ""):  # a pretrained model: its config lives in the HF directory
-        model_config, params = pipeline.build_model(config, jax.random.PRNGKey(0), tokenizer)
-        return model_config, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    model_config = pipeline.tiny_model_config(config, len(tokenizer))
-    dtype = pipeline.dtype_of(config.model.dtype)
-    return model_config, jax.eval_shape(lambda k: ling3.init_params(model_config, k, dtype), jax.random.PRNGKey(0))
