@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Callable
 
+import jax
 from absl import app
 
-from reno_jax import pipeline
+from reno_jax import parallel, pipeline
 from reno_jax.checkpoint.orbax import RestoreError
 from reno_jax.models.conversion import CheckpointError
 
@@ -36,3 +38,24 @@ def check_workdir_for_writing(workdir: str) -> None:
     """A training workdir must be a directory or not exist yet (it is created)."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise UserError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
+
+
+def mesh_from_flags(text: str, batch_size: int) -> parallel.MeshConfig | None:
+    """The evaluation mesh of `--mesh` (None: one device; several processes: data-parallel over all devices);
+    `UserError` naming the flag if it cannot be built here or `--batch_size` does not split over it."""
+    if not text and jax.process_count() == 1:
+        return None
+    try:
+        mesh_config = parallel.MeshConfig.from_string(text) if text else parallel.MeshConfig(data=-1)
+        parallel.preset_rules(mesh_config.preset)
+        sizes = mesh_config.resolve(1 if all(v == 1 for v in mesh_config.sizes().values()) else jax.device_count())
+    except (parallel.MeshError, parallel.ShardingError) as error:
+        raise UserError(f"--mesh={text}: {error}") from None
+    if jax.process_count() > 1 and math.prod(sizes.values()) != jax.device_count():
+        raise UserError(f"--mesh={text}: a run of {jax.process_count()} processes needs a mesh over all "
+                            f"{jax.device_count()} devices (e.g. data=-1)")
+    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if batch_size % ways:
+        raise UserError(f"--batch_size={batch_size} does not split over the mesh's batch axes (data "
+                            f"{sizes['data']} x fsdp {sizes['fsdp']} x expert {sizes['expert']} = {ways})")
+    return mesh_config

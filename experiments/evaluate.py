@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 from absl import flags, logging
@@ -183,25 +182,7 @@ def write_transcripts(path: str, tokenizer, traj, count: int) -> None:
             f.write("\n\n")
 
 
-def mesh_from_flags(text: str, batch_size: int) -> parallel.MeshConfig | None:
-    """The evaluation mesh of `--mesh` (None: one device; several processes: data-parallel over all devices);
-    `UserError` naming the flag if it cannot be built here or `--batch_size` does not split over it."""
-    if not text and jax.process_count() == 1:
-        return None
-    try:
-        mesh_config = parallel.MeshConfig.from_string(text) if text else parallel.MeshConfig(data=-1)
-        parallel.preset_rules(mesh_config.preset)
-        sizes = mesh_config.resolve(1 if all(v == 1 for v in mesh_config.sizes().values()) else jax.device_count())
-    except (parallel.MeshError, parallel.ShardingError) as error:
-        raise cli.UserError(f"--mesh={text}: {error}") from None
-    if jax.process_count() > 1 and math.prod(sizes.values()) != jax.device_count():
-        raise cli.UserError(f"--mesh={text}: a run of {jax.process_count()} processes needs a mesh over all "
-                            f"{jax.device_count()} devices (e.g. data=-1)")
-    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    if batch_size % ways:
-        raise cli.UserError(f"--batch_size={batch_size} does not split over the mesh's batch axes (data "
-                            f"{sizes['data']} x fsdp {sizes['fsdp']} x expert {sizes['expert']} = {ways})")
-    return mesh_config
+mesh_from_flags = cli.mesh_from_flags  # the `--mesh` flag's parser, in `cli` so tests import it with no flags
 
 
 def main(argv):

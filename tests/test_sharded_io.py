@@ -193,7 +193,8 @@ def test_train_cli_on_another_models_checkpoint_ends_in_one_line_and_changes_not
 
 
 def test_evaluate_mesh_flag():
-    from experiments import evaluate
+    # `cli`, not `evaluate`: this process has imported `experiments.train`, whose absl flags clash with evaluate's
+    evaluate = cli
     assert parallel.MeshConfig.from_string("fsdp=4, preset=fsdp") == parallel.MeshConfig(fsdp=4, preset="fsdp")
     assert parallel.MeshConfig.from_string("") == parallel.MeshConfig()
     assert evaluate.mesh_from_flags("", 8) is None
