@@ -245,6 +245,11 @@ def train(config, workdir: str) -> list[dict]:
     tokenizer = pipeline.build_tokenizer(config)
     model_config, params = pipeline.build_model(config, key_model, tokenizer)
     layout = pipeline.make_layout(config, model_config)
+    with layout.activate():  # the programs' sharding constraints see the mesh (no-op on one device)
+        return _train(config, workdir, layout, tokenizer, model_config, params, key_sft, key_rl, main_process)
+
+
+def _train(config, workdir, layout, tokenizer, model_config, params, key_sft, key_rl, main_process) -> list[dict]:
     params = layout.place_params(params)
     env = pipeline.make_compiled_env(config, tokenizer, model_config)
     rc = pipeline.rollout_config(config)

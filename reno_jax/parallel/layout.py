@@ -12,6 +12,7 @@ materialises only the shards on its own devices; an array that is already global
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -53,6 +54,11 @@ class Layout:
     @property
     def batch_ways(self) -> int:
         return mesh_lib.batch_axes_size(self.mesh)
+
+    def activate(self):
+        """A context in which traced programs see this mesh (`jax.set_mesh`), so their sharding constraints
+        (`reno_jax.parallel.constraints`) apply; on one device a context that does nothing."""
+        return contextlib.nullcontext() if self.single_device else jax.set_mesh(self.mesh)
 
     def place_params(self, params):
         return params if self.single_device else self._put_tree(params, self.param_shardings)
