@@ -5,7 +5,9 @@
 `-start`/`-done` async pairs, or wrapped in an `async-start` computation), and adds up, per kind:
 
 * ``count``: executions (an op inside a while loop counts once per iteration, using the loop's
-  ``known_trip_count``; a loop without one counts once and is listed in ``unknown_trip_counts``);
+  ``known_trip_count``; a loop without one, like a decode loop that can stop early, counts once and is listed
+  in ``unknown_trip_counts``; ``per_unknown_loop_iteration`` then gives the part of the figures inside such
+  loops, per iteration, to multiply by the iterations run);
 * ``operand_bytes`` / ``result_bytes``: the per-device shapes the op reads and writes (shapes in a partitioned
   module are already per device);
 * ``traffic_bytes``: what one device sends over the links with the usual ring / pairwise algorithms, from the op's
@@ -104,23 +106,28 @@ def _multipliers(comps, entry):
                     unknown.append(f"{comp}/{name}")
             for key, callee in _CALLEE.findall(rest):
                 if callee in comps:
-                    calls[comp].append((callee, factor if key == "body" else 1))
+                    unknown_body = key == "body" and opcode == "while" and not _TRIP.search(rest)
+                    calls[comp].append((callee, factor if key == "body" else 1,
+                                        f"{comp}/{name}" if unknown_body else None))
             for group in _BRANCHES.findall(rest):
                 for callee in re.findall(r"%?([\w.\-]+)", group):
                     if callee in comps:
-                        calls[comp].append((callee, 1))
+                        calls[comp].append((callee, 1, None))
     mult = {c: 0 for c in comps}
+    in_unknown: dict = {}  # computation -> the innermost loop of unknown trip count it runs in
 
-    def visit(comp, factor, depth=0):
+    def visit(comp, factor, loop, depth=0):
         if depth > 64:
             return
         mult[comp] += factor
-        for callee, f in calls[comp]:
-            visit(callee, factor * f, depth + 1)
+        if loop is not None:
+            in_unknown[comp] = loop
+        for callee, f, unknown_loop in calls[comp]:
+            visit(callee, factor * f, unknown_loop or loop, depth + 1)
 
     if entry is not None:
-        visit(entry, 1)
-    return mult, unknown
+        visit(entry, 1, None)
+    return mult, unknown, in_unknown
 
 
 def _kind(opcode: str):
@@ -130,12 +137,13 @@ def _kind(opcode: str):
     return None
 
 
-def collective_bytes(hlo_text: str) -> dict:
-    """Per-kind ``{count, operand_bytes, result_bytes, traffic_bytes}`` of one compiled module (see module
-    docstring), plus ``"total"`` (the sums over kinds) and ``unknown_trip_counts`` (loops counted once)."""
+def collective_ops(hlo_text: str) -> tuple[list[dict], list[str]]:
+    """Every collective of one compiled module: ``({kind, name, computation, times, group_size, operand_bytes,
+    result_bytes, traffic_bytes, op_name}, ...)`` with the bytes of ONE execution, and the loops without a known
+    trip count (counted once). ``op_name`` is the jax source op XLA's metadata names (``jit(f)/while/body/...``)."""
     comps, entry, num_partitions = _parse(hlo_text)
-    mult, unknown = _multipliers(comps, entry)
-    out = {k: {"count": 0, "operand_bytes": 0, "result_bytes": 0, "traffic_bytes": 0} for k in KINDS}
+    mult, unknown, in_unknown = _multipliers(comps, entry)
+    ops = []
     for comp, instrs in comps.items():
         times = mult.get(comp, 0)
         if not times:
@@ -154,25 +162,63 @@ def collective_bytes(hlo_text: str) -> dict:
             args = rest.split(")", 1)[0]
             operand = sum(shape_bytes(types.get(a, "")) for a in re.findall(r"%([\w.\-]+)", args))
             result = shape_bytes(done_type.get(name, typ)) if opcode.endswith("-start") else shape_bytes(typ)
+            n = group_size(rest, num_partitions)
             if kind == "collective-permute":
                 pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
                 moving = [p for p in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}") if p[0] != p[1]] if pairs \
                     else [None]
                 traffic = operand if moving else 0
             else:
-                n = group_size(rest, num_partitions)
                 frac = (n - 1) / n if n > 0 else 0.0
                 traffic = {"all-gather": result * frac, "reduce-scatter": operand * frac,
                            "all-reduce": 2 * operand * frac, "all-to-all": operand * frac}[kind]
-            o = out[kind]
-            o["count"] += times
-            o["operand_bytes"] += times * operand
-            o["result_bytes"] += times * result
-            o["traffic_bytes"] += int(round(times * traffic))
+            meta = re.search(r'op_name="([^"]*)"', rest)
+            ops.append({"kind": kind, "name": name, "computation": comp, "times": times, "group_size": n,
+                        "operand_bytes": operand, "result_bytes": result, "traffic_bytes": traffic,
+                        "op_name": meta.group(1) if meta else "", "unknown_loop": in_unknown.get(comp)})
+    return ops, unknown
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """Per-kind ``{count, operand_bytes, result_bytes, traffic_bytes}`` of one compiled module (see module
+    docstring), plus ``"total"`` (the sums over kinds) and ``unknown_trip_counts`` (loops counted once)."""
+    ops, unknown = collective_ops(hlo_text)
+    out = {k: {"count": 0, "operand_bytes": 0, "result_bytes": 0, "traffic_bytes": 0} for k in KINDS}
+    for op in ops:
+        o, t = out[op["kind"]], op["times"]
+        o["count"] += t
+        o["operand_bytes"] += t * op["operand_bytes"]
+        o["result_bytes"] += t * op["result_bytes"]
+        o["traffic_bytes"] += int(round(t * op["traffic_bytes"]))
     out["total"] = {f: sum(out[k][f] for k in KINDS) for f in ("count", "operand_bytes", "result_bytes",
                                                                  "traffic_bytes")}
     out["unknown_trip_counts"] = unknown
+    # The part of the above inside each loop of unknown trip count (a decode loop that stops early), per
+    # iteration of that loop (ops of a loop nested in it are listed under the inner loop, not here).
+    loops: dict = {}
+    for op in ops:
+        if op["unknown_loop"]:
+            loop = loops.setdefault(op["unknown_loop"], {k: {"count": 0, "traffic_bytes": 0} for k in KINDS})
+            loop[op["kind"]]["count"] += op["times"]
+            loop[op["kind"]]["traffic_bytes"] += int(round(op["times"] * op["traffic_bytes"]))
+    for loop in loops.values():
+        loop["total"] = {f: sum(loop[k][f] for k in KINDS) for f in ("count", "traffic_bytes")}
+    out["per_unknown_loop_iteration"] = loops
     return out
+
+
+def by_source(hlo_text: str, depth: int = 0) -> dict:
+    """Traffic bytes per (kind, jax op name), the op name cut to its last ``depth`` path parts (0: whole), largest
+    first: which source ops the communication comes from."""
+    ops, _ = collective_ops(hlo_text)
+    out: dict = {}
+    for op in ops:
+        name = op["op_name"] if not depth else "/".join(op["op_name"].split("/")[-depth:])
+        key = f"{op['kind']} {name}"
+        row = out.setdefault(key, {"count": 0, "traffic_bytes": 0})
+        row["count"] += op["times"]
+        row["traffic_bytes"] += int(round(op["times"] * op["traffic_bytes"]))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["traffic_bytes"]))
 
 
 def format_table(rows: Iterable[tuple[str, dict]], field: str = "traffic_bytes", unit: float = 1e9) -> str:
