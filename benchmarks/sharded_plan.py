@@ -93,6 +93,18 @@ def batch_shardings(tree, mesh):
     return jax.tree.map(one, tree)
 
 
+def hlo_path(dump_dir: str, key: str) -> str:
+    return os.path.join(dump_dir, key.replace("/", "_").replace(" ", "") + ".hlo.txt")
+
+
+def collective_figures(figs: dict, text: str) -> None:
+    figs["collectives"] = hlo_stats.collective_bytes(text)
+    loops = figs["collectives"]["per_unknown_loop_iteration"]
+    if loops:  # the rollout: its innermost loop of unknown trip count is the decode loop (one token per row)
+        inner = max(loops.values(), key=lambda v: v["nesting"])
+        figs["decode_step_traffic_bytes"] = {k: inner[k]["traffic_bytes"] for k in hlo_stats.KINDS + ("total",)}
+
+
 def compile_program(label, fn_lower, res, key):
     t0 = time.perf_counter()
     lowered = fn_lower()
@@ -102,9 +114,9 @@ def compile_program(label, fn_lower, res, key):
     figs = rs.memory_figures(compiled)
     figs.update(lower_s=round(t1 - t0, 1), compile_s=round(t2 - t1, 1))
     text = compiled.as_text()
-    figs["collectives"] = hlo_stats.collective_bytes(text)
+    collective_figures(figs, text)
     if res.get("dump_dir"):
-        with open(os.path.join(res["dump_dir"], key.replace("/", "_").replace(" ", "") + ".hlo.txt"), "w") as f:
+        with open(hlo_path(res["dump_dir"], key), "w") as f:
             f.write(text)
     del text, compiled, lowered
     res["programs"][key] = figs
@@ -214,12 +226,37 @@ def fit(res, target_layers: int = 24):
         for kind in hlo_stats.KINDS + ("total",):
             series[f"{kind}_traffic_bytes"] = [f["collectives"][kind]["traffic_bytes"] for f in fs]
             series[f"{kind}_count"] = [f["collectives"][kind]["count"] for f in fs]
+            if all("decode_step_traffic_bytes" in f for f in fs):
+                series[f"decode_step_{kind}_traffic_bytes"] = [f["decode_step_traffic_bytes"][kind] for f in fs]
         for k, ys in series.items():
             slope, icpt = np.polyfit(x, np.array(ys, float), 1)
             row[k] = int(round(icpt + slope * target_layers))
             row[k + "_per_layer"] = int(round(slope))
         out[f"{program} / {mesh_label(parallel.MeshConfig(preset=preset, **row['mesh']))} / fit {target_layers}"] = row
     return out
+
+
+def decode_table(rows, steps: int) -> str:
+    """Rollouts: collectives per decode step (the decode loop's body, sent per device) and for `steps` steps."""
+    lines = ["| rollout | mesh / preset | layers | per decode step: all-gather / reduce-scatter / all-reduce / "
+             "all-to-all / permute | per step, total | x " + str(steps) + " steps | outside the decode loop |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for key, f in rows.items():
+        if not key.startswith("rollout"):
+            continue
+        if "decode_step_traffic_bytes" in f:
+            step = f["decode_step_traffic_bytes"]
+        elif "decode_step_total_traffic_bytes" in f:
+            step = {k: f[f"decode_step_{k}_traffic_bytes"] for k in hlo_stats.KINDS + ("total",)}
+        else:
+            continue
+        total = f["collectives"]["total"]["traffic_bytes"] if "collectives" in f else f["total_traffic_bytes"]
+        parts = key.split(" / ")
+        lines.append(f"| rollout | {' / '.join(parts[1:-1])} | {parts[-1]} | "
+                     + " / ".join(f"{step[k] / 1e6:.2f}" for k in hlo_stats.KINDS)
+                     + f" MB | {step['total'] / 1e6:.2f} MB | {step['total'] * steps / GB:.2f} GB | "
+                     f"{(total - step['total']) / GB:.2f} GB |")
+    return "\n".join(lines)
 
 
 def table(rows) -> str:
@@ -253,16 +290,31 @@ def main():
                     help="micro-batches where a --microbatches one does not split over the batch axes")
     ap.add_argument("--state-dtype", default="int8", choices=["int8", "bfloat16", "float32"])
     ap.add_argument("--moe-layer", action="store_true",
-                    help="only one MoE layer's forward + backward at a micro-batch's shape (the dispatch's collectives)")
+                    help="only one MoE layer's forward + backward at a micro-batch's shape (the dispatch's "
+                         "collectives)")
+    ap.add_argument("--global-dispatch", action="store_true",
+                    help="one MoE dispatch over all rows, partitioned by GSPMD (layers.GROUPED_DISPATCH = False)")
     ap.add_argument("--dump-dir", default="", help="also write each optimised HLO module here")
     ap.add_argument("--out", default="", help="write the JSON figures here after each program")
+    ap.add_argument("--reread", default="", metavar="JSON",
+                    help="compile nothing: re-read the collectives of a previous run's programs from the HLO it "
+                         "wrote to --dump-dir (after a change to reno_jax.parallel.hlo_stats) and print the tables")
     args = ap.parse_args()
     args.programs = tuple(p for p in args.programs.split(",") if p)
+    if args.reread:
+        with open(args.reread) as f:
+            res = json.load(f)
+        for key, figs in res["programs"].items():
+            with open(hlo_path(args.dump_dir or res["dump_dir"], key)) as f:
+                collective_figures(figs, f.read())
+        return report(args, res)
     meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=2:fsdp"])]
+    layers.GROUPED_DISPATCH = not args.global_dispatch
     res = {"jax": jax.__version__, "backend": "cpu" if args.cpu_devices else "compile-only gpu",
            "target_config": None if args.cpu_devices else args.target, "boards": args.boards,
            "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "remat": True,
            "share_prefix": True, "optimizer_state_dtype": args.state_dtype, "programs": {},
+           "moe_dispatch": "global (GSPMD)" if args.global_dispatch else "per device's rows on a mesh",
            "dump_dir": args.dump_dir}
     if args.dump_dir:
         os.makedirs(args.dump_dir, exist_ok=True)
@@ -277,10 +329,16 @@ def main():
                 if args.out:
                     with open(args.out, "w") as f:
                         json.dump(res, f, indent=1)
+    report(args, res)
+
+
+def report(args, res):
     res["fit"] = fit(res)
     print(table(res["programs"]))
     if res["fit"]:
         print(table(res["fit"]))
+    if any(k.startswith("rollout") for k in res["programs"]):
+        print(decode_table({**res["programs"], **res["fit"]}, res["max_new_tokens"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

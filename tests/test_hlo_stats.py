@@ -85,3 +85,29 @@ def test_tiny_sharded_programs_on_eight_cpu_devices():
     # XLA:CPU lowers a reduce-scatter as an all-reduce of the f32[64,256] partial products + a slice
     rs = only("reduce_scatter")
     assert sum(v["operand_bytes"] for v in rs.values()) == 64 * 256 * 4
+
+
+def test_loops_without_a_trip_count_are_reported_per_iteration():
+    text = """\
+HloModule jit_g, num_partitions=2
+
+%decode (p: f32[16,8]) -> f32[16,8] {
+  %p = f32[16,8]{1,0} parameter(0)
+  ROOT %ar = f32[16,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+}
+
+%cond (p: f32[16,8]) -> pred[] {
+  %p = f32[16,8]{1,0} parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[16,8]) -> f32[16,8] {
+  %x = f32[16,8]{1,0} parameter(0)
+  ROOT %w = f32[16,8]{1,0} while(%x), condition=%cond, body=%decode
+}
+"""
+    s = hlo_stats.collective_bytes(text)
+    assert s["unknown_trip_counts"] == ["main/w"]
+    assert s["all-reduce"]["count"] == 1  # counted once
+    loop = s["per_unknown_loop_iteration"]["main/w"]
+    assert loop["nesting"] == 0 and loop["all-reduce"] == {"count": 1, "traffic_bytes": 512}

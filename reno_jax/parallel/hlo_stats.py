@@ -115,19 +115,22 @@ def _multipliers(comps, entry):
                         calls[comp].append((callee, 1, None))
     mult = {c: 0 for c in comps}
     in_unknown: dict = {}  # computation -> the innermost loop of unknown trip count it runs in
+    nesting: dict = {}  # loop of unknown trip count -> how many such loops it runs in (0: outermost)
 
-    def visit(comp, factor, loop, depth=0):
+    def visit(comp, factor, loops, depth=0):
         if depth > 64:
             return
         mult[comp] += factor
-        if loop is not None:
-            in_unknown[comp] = loop
+        if loops:
+            in_unknown[comp] = loops[-1]
         for callee, f, unknown_loop in calls[comp]:
-            visit(callee, factor * f, unknown_loop or loop, depth + 1)
+            if unknown_loop:
+                nesting[unknown_loop] = len(loops)
+            visit(callee, factor * f, loops + (unknown_loop,) if unknown_loop else loops, depth + 1)
 
     if entry is not None:
-        visit(entry, 1, None)
-    return mult, unknown, in_unknown
+        visit(entry, 1, ())
+    return mult, unknown, in_unknown, nesting
 
 
 def _kind(opcode: str):
@@ -142,7 +145,7 @@ def collective_ops(hlo_text: str) -> tuple[list[dict], list[str]]:
     result_bytes, traffic_bytes, op_name}, ...)`` with the bytes of ONE execution, and the loops without a known
     trip count (counted once). ``op_name`` is the jax source op XLA's metadata names (``jit(f)/while/body/...``)."""
     comps, entry, num_partitions = _parse(hlo_text)
-    mult, unknown, in_unknown = _multipliers(comps, entry)
+    mult, unknown, in_unknown, nesting = _multipliers(comps, entry)
     ops = []
     for comp, instrs in comps.items():
         times = mult.get(comp, 0)
@@ -175,7 +178,8 @@ def collective_ops(hlo_text: str) -> tuple[list[dict], list[str]]:
             meta = re.search(r'op_name="([^"]*)"', rest)
             ops.append({"kind": kind, "name": name, "computation": comp, "times": times, "group_size": n,
                         "operand_bytes": operand, "result_bytes": result, "traffic_bytes": traffic,
-                        "op_name": meta.group(1) if meta else "", "unknown_loop": in_unknown.get(comp)})
+                        "op_name": meta.group(1) if meta else "", "unknown_loop": in_unknown.get(comp),
+                        "loop_nesting": nesting.get(in_unknown.get(comp), 0)})
     return ops, unknown
 
 
@@ -194,15 +198,18 @@ def collective_bytes(hlo_text: str) -> dict:
                                                                  "traffic_bytes")}
     out["unknown_trip_counts"] = unknown
     # The part of the above inside each loop of unknown trip count (a decode loop that stops early), per
-    # iteration of that loop (ops of a loop nested in it are listed under the inner loop, not here).
+    # iteration of that loop (ops of a loop nested in it are listed under the inner loop, not here); "nesting":
+    # how many such loops it runs in.
     loops: dict = {}
     for op in ops:
         if op["unknown_loop"]:
             loop = loops.setdefault(op["unknown_loop"], {k: {"count": 0, "traffic_bytes": 0} for k in KINDS})
             loop[op["kind"]]["count"] += op["times"]
             loop[op["kind"]]["traffic_bytes"] += int(round(op["times"] * op["traffic_bytes"]))
-    for loop in loops.values():
+    nesting = {op["unknown_loop"]: op["loop_nesting"] for op in ops if op["unknown_loop"]}
+    for name, loop in loops.items():
         loop["total"] = {f: sum(loop[k][f] for k in KINDS) for f in ("count", "traffic_bytes")}
+        loop["nesting"] = nesting[name]
     out["per_unknown_loop_iteration"] = loops
     return out
 
