@@ -120,8 +120,9 @@ def replay_under_expert_parallelism():
 
 
 def grouped_blocked_dispatch():
-    """The blocked MoE dispatch run per device's rows (fsdp 2: `layers._dispatch_groups`) vs one device's global
-    dispatch and the dense reference: outputs and gradients (w.r.t. the tokens and the expert weights)."""
+    """The blocked MoE dispatch run per device's rows (`layers._dispatch_groups`) on fsdp 2 / fsdp and expert 2 /
+    fsdp_ep vs one device's global dispatch and the dense reference: outputs and gradients (w.r.t. the tokens and
+    the expert weights)."""
     config = ling3.tiny_test_config(num_hidden_layers=2, num_experts=32, n_group=4, topk_group=2,
                                     hidden_size=16, moe_intermediate_size=8, moe_shared_expert_intermediate_size=8)
     p = ling3.init_params(config, jax.random.PRNGKey(0))["model"]["layers_1"]["mlp"]
@@ -134,21 +135,27 @@ def grouped_blocked_dispatch():
     grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
     (gp_ref, gx_ref), y_ref = jax.jit(lambda p, x: grad(p, x, True))(p, x)
     (gp_one, gx_one), y_one = jax.jit(lambda p, x: grad(p, x, False))(p, x)
-    devices = np.asarray(jax.devices()[:2]).reshape(1, 2, 1, 1)
-    mesh = jax.sharding.Mesh(devices, parallel.MESH_AXES)
-    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s.spec),
-                             parallel.param_shardings(config, jax.sharding.Mesh(devices, parallel.MESH_AXES),
-                                                      "fsdp")["model"]["layers_1"]["mlp"])
-    with jax.set_mesh(mesh):
-        groups = layers._dispatch_groups(2048, config.num_experts_per_tok, config.num_experts)
-        (gp, gx), y = jax.jit(lambda p, x: grad(p, x, False))(
-            jax.device_put(p, shardings), jax.device_put(x, parallel.batch_sharding(mesh, 3)))
+    small = x[:, :4]  # a decode-sized call (8 rows): the ragged dispatch on one device
+    small_one = jax.jit(lambda p, x: layers.moe(p, x, config))(p, small)
     diff = lambda a, b: max(float(np.max(np.abs(np.asarray(u) - np.asarray(v))))  # noqa: E731
                             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    return dict(groups=groups, experts_split=str(shardings["experts"]["gate_proj"].spec),
-                vs_one_device=max(diff(y, y_one), diff(gx, gx_one), diff(gp, gp_one)),
-                vs_dense=max(diff(y, y_ref), diff(gx, gx_ref), diff(gp, gp_ref)),
-                one_device_vs_dense=max(diff(y_one, y_ref), diff(gp_one, gp_ref)))
+    out = []
+    for shape, preset in (((1, 2, 1, 1), "fsdp"), ((1, 1, 2, 1), "fsdp_ep")):
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]).reshape(shape), parallel.MESH_AXES)
+        shardings = parallel.param_shardings(config, mesh, preset)["model"]["layers_1"]["mlp"]
+        with jax.set_mesh(mesh):
+            groups = layers._dispatch_groups(2048, config.num_experts_per_tok, config.num_experts)
+            (gp, gx), y = jax.jit(lambda p, x: grad(p, x, False))(
+                jax.device_put(p, shardings), jax.device_put(x, parallel.batch_sharding(mesh, 3)))
+            dense_decode = layers._expert_split_mesh()
+            small_got = jax.jit(lambda p, x: layers.moe(p, x, config))(
+                jax.device_put(p, shardings), jax.device_put(small, parallel.batch_sharding(mesh, 3)))
+        out.append(dict(preset=preset, groups=groups, experts_split=str(shardings["experts"]["gate_proj"].spec),
+                        dense_decode=dense_decode, decode_vs_one_device=diff(small_got, small_one),
+                        vs_one_device=max(diff(y, y_one), diff(gx, gx_one), diff(gp, gp_one)),
+                        vs_dense=max(diff(y, y_ref), diff(gx, gx_ref), diff(gp, gp_ref)),
+                        one_device_vs_dense=max(diff(y_one, y_ref), diff(gp_one, gp_ref))))
+    return out
 
 
 if __name__ == "__main__":

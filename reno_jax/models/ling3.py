@@ -311,7 +311,8 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     # Without a mesh: the identity.
     rows = constraints.constrain_rows if t > 1 else (lambda v: v)
     m = params["model"]
-    x = rows(jnp.take(m["word_embeddings"]["embedding"], input_ids, axis=0))
+    x = jnp.take(m["word_embeddings"]["embedding"], input_ids, axis=0)
+    x = rows(constraints.after_lookup(x, ("model", "word_embeddings", "embedding")))
     eps = config.rms_norm_eps
     hidden = [x]
     new_layers = []

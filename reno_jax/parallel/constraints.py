@@ -13,6 +13,8 @@ collectives it runs; the order of a cross-device reduction may change the last b
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 from jax.sharding import PartitionSpec
 
@@ -66,3 +68,63 @@ def constrain_rows(x: jax.Array, axis: int = 0) -> jax.Array:
 
 def constrain_rows_tree(tree, axis: int = 0):
     return jax.tree.map(lambda x: constrain_rows(x, axis), tree)
+
+
+_PARAM_SHARDINGS: list = []  # the parameters' shardings of the active layout (`params_sharded_as`), innermost last
+
+
+@contextlib.contextmanager
+def params_sharded_as(shardings):
+    """Within this block `like_params` constrains parameter-shaped trees to `shardings` (a params tree of
+    `NamedSharding`s; `Layout.activate` sets it with the mesh)."""
+    _PARAM_SHARDINGS.append(shardings)
+    try:
+        yield
+    finally:
+        _PARAM_SHARDINGS.pop()
+
+
+def like_params(tree):
+    """A tree with the parameters' structure (gradients, their float32 accumulator) constrained to the
+    parameters' shardings, so GSPMD keeps it split like the parameters and the optimizer reads it in place;
+    unchanged without a mesh, without registered shardings or when the structure differs."""
+    if active_mesh() is None or not _PARAM_SHARDINGS:
+        return tree
+    shardings = _PARAM_SHARDINGS[-1]
+    if jax.tree.structure(tree) != jax.tree.structure(shardings):
+        return tree
+    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, s), tree, shardings)
+
+
+def after_lookup(x: jax.Array, table_path: tuple[str, ...]) -> jax.Array:
+    """The rows `x [B, ..., D]` just gathered from a table parameter (the embedding), constrained to the layout
+    the gather produces without moving data: D split like the table's last dimension, the rows over the batch
+    axes that split does not use. GSPMD can reach that from the table and the token ids directly, and go on
+    from it to rows over every batch axis (`constrain_rows`) with one all-to-all; asked for that final layout
+    straight from the gather (or, in the backward pass, for the scatter-add of the table's gradient from it),
+    it replicates the activation instead ("involuntary full rematerialization"). Unchanged without a mesh or
+    registered parameter shardings, or when the table's last dimension is whole."""
+    mesh = active_mesh()
+    if mesh is None or not _PARAM_SHARDINGS or not jax.numpy.ndim(x):
+        return x
+    node = _PARAM_SHARDINGS[-1]
+    try:
+        for key in table_path:
+            node = node[key]
+    except (KeyError, TypeError):
+        return x
+    spec = tuple(node.spec)
+    last = spec[-1] if len(spec) == 2 else None
+    if last is None:
+        return x
+    used = (last,) if isinstance(last, str) else tuple(last)
+    names = [n for n in BATCH_AXES if n in mesh.shape and mesh.shape[n] > 1 and n not in used]
+    while names:
+        ways = 1
+        for n in names:
+            ways *= mesh.shape[n]
+        if x.shape[0] % ways == 0:
+            break
+        names = names[:-1]
+    rows = None if not names else names[0] if len(names) == 1 else tuple(names)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(rows, *([None] * (x.ndim - 2)), last))

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from reno_jax.parallel import constraints
 from reno_jax.parallel import mesh as mesh_lib
 from reno_jax.parallel import rules
 
@@ -55,10 +56,15 @@ class Layout:
     def batch_ways(self) -> int:
         return mesh_lib.batch_axes_size(self.mesh)
 
+    @contextlib.contextmanager
     def activate(self):
-        """A context in which traced programs see this mesh (`jax.set_mesh`), so their sharding constraints
-        (`reno_jax.parallel.constraints`) apply; on one device a context that does nothing."""
-        return contextlib.nullcontext() if self.single_device else jax.set_mesh(self.mesh)
+        """A context in which traced programs see this mesh (`jax.set_mesh`) and the parameters' shardings, so
+        their sharding constraints (`reno_jax.parallel.constraints`) apply; on one device it does nothing."""
+        if self.single_device:
+            yield
+            return
+        with jax.set_mesh(self.mesh), constraints.params_sharded_as(self.param_shardings):
+            yield
 
     def place_params(self, params):
         return params if self.single_device else self._put_tree(params, self.param_shardings)

@@ -415,9 +415,10 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
             w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
             g_acc, l_acc, w_acc = acc
             g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
+            g_acc = constraints.like_params(g_acc)  # on a mesh: split like the parameters (else unchanged)
             return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w, extra)
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = constraints.like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(
             body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
         # Mismatch sums over the micro-batches (plain sums / maxima: token-level, not loss-weighted).
