@@ -197,7 +197,10 @@ def plan_moe_layer(args, mc: parallel.MeshConfig, res):
     def loss(p, x):
         return jnp.sum(layers.moe(p, x, config).astype(jnp.float32))
 
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    # Gradients returned split like the parameters and the input, as the train step's accumulator keeps them.
+    p_sh = layout.param_shardings["model"]["layers_1"]["mlp"]
+    scalar = NamedSharding(mesh, PartitionSpec())
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), out_shardings=(scalar, (p_sh, x.sharding)))
     key = f"moe layer / {mesh_label(mc)} / {rows} x {args.max_new_tokens} tokens"
     with layout.activate():
         figs = compile_program("moe", lambda: fn.lower(p, x), res, key)

@@ -59,6 +59,8 @@ def test_hand_written_gpu_style_module():
 
 def test_group_sizes_and_shapes():
     assert hlo_stats.group_size("replica_groups=mesh['a'=2,'b'=4] {'b'}", 8) == 4
+    assert hlo_stats.group_size("replica_groups=mesh['a'=2,'b'=1,'c'=4], device_ids=([4,2]T(1,0)) {'c'}, "
+                                "dimensions={0}", 8) == 4
     assert hlo_stats.group_size("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", 8) == 2
     assert hlo_stats.group_size("replica_groups={}, to_apply=%add", 8) == 8
     assert hlo_stats.shape_bytes("(bf16[2,3]{1,0}, s32[], pred[4], token[])") == 12 + 4 + 4

@@ -53,9 +53,10 @@ def group_size(attrs: str, num_partitions: int) -> int:
 
     Handles the explicit form ``replica_groups={{0,1},{2,3}}``, the iota form ``replica_groups=[2,4]<=[8]``
     (groups are the last dimension), the mesh form ``replica_groups=mesh['a'=2,'b'=4] {'b'}`` (the product of
-    the named axes), and ``replica_groups={}`` (every device).
+    the named axes; a ``device_ids=(...)`` permutation may stand before the braces), and ``replica_groups={}``
+    (every device).
     """
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)  # (, device_ids=(...)) between
     if m:
         sizes = {k.strip().strip("'"): int(v) for k, v in (p.split("=") for p in m.group(1).split(",") if p)}
         names = [n.strip().strip("'") for n in m.group(2).split(",") if n.strip()]
