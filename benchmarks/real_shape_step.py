@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reno_jax import pipeline  # noqa: E402
 from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
 from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
-from reno_jax.models import ling3  # noqa: E402
+from reno_jax.models import layers, ling3  # noqa: E402
 from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
 from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
@@ -240,8 +240,9 @@ def main():
     dtype = jnp.bfloat16
     counts = ling3.count_params(config)
     res.update(params_total=counts["total"], params_active=counts["active"])
-    if args.compile_only:
-        return compile_only(args, config, res)
+    if args.compile_only:  # traced as for the GPU (the default backend here is the CPU; see layers.platform)
+        with layers.trace_for_platform("gpu"):
+            return compile_only(args, config, res)
     params, res["init_s"] = timed(ling3.init_params, config, jax.random.PRNGKey(0), dtype)
     res["param_bytes"] = tree_bytes(params)
     report("init")

@@ -241,6 +241,13 @@ def train(config, workdir: str) -> list[dict]:
     tokenizer = pipeline.build_tokenizer(config)
     model_config, abstract_params = pipeline.abstract_model(config, tokenizer)
     layout = pipeline.make_layout(config, model_config)
+    with layout.activate():  # the programs' sharding constraints see the mesh (no-op on one device)
+        return _train(config, workdir, layout, tokenizer, model_config, abstract_params, key_model, key_sft, key_rl,
+                      main_process)
+
+
+def _train(config, workdir, layout, tokenizer, model_config, abstract_params, key_model, key_sft, key_rl,
+           main_process) -> list[dict]:
     env = pipeline.make_compiled_env(config, tokenizer, model_config)
     rc = pipeline.rollout_config(config)
     num_groups = int(config.rollout.boards_per_step)

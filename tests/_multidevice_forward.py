@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from reno_jax import parallel, pipeline
-from reno_jax.models import ling3
+from reno_jax.models import layers, ling3
 from reno_jax.rl import losses, trainer
 
 MESHES = (  # (mesh sizes, preset): every mesh axis, the expert- and the tensor-parallel preset (fsdp is in both)
@@ -41,7 +41,9 @@ def main():
         shardings = parallel.param_shardings(config, mesh, preset)
         sharded = jax.device_put(params, shardings)
         batch = parallel.batch_sharding(mesh, 2)
-        got = jax.device_get(fn(sharded, jax.device_put(tokens, batch), jax.device_put(step_ids, batch)))
+        with jax.set_mesh(mesh):  # as the training loop traces (Layout.activate): constraints see the mesh
+            got = jax.device_get(jax.jit(forward_and_decode)(sharded, jax.device_put(tokens, batch),
+                                                             jax.device_put(step_ids, batch)))
         placed = all(leaf.sharding == s for leaf, s in zip(jax.tree.leaves(sharded), jax.tree.leaves(shardings)))
         split = sum(int(not s.is_fully_replicated) for s in jax.tree.leaves(shardings))
         results.append(dict(mesh=sizes, preset=preset, placed=placed, sharded_leaves=split,
@@ -76,8 +78,11 @@ def train_steps(num_steps=3):
     mesh = parallel.make_mesh(parallel.MeshConfig(data=2, fsdp=2, expert=2, preset="fsdp_ep"))
     p_shard = parallel.param_shardings(config, mesh, "fsdp_ep")
     sharded_batch = {k: jax.device_put(v, parallel.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
-    got = jax.device_get(run(trainer.create_train_state(jax.device_put(params, p_shard), optimizer, 0),
-                             sharded_batch).params)
+    step = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=False), losses.gspo_loss, optimizer,
+                                   num_microbatches=2, donate=False)  # traced again, with the mesh active
+    with jax.set_mesh(mesh):
+        got = jax.device_get(run(trainer.create_train_state(jax.device_put(params, p_shard), optimizer, 0),
+                                 sharded_batch).params)
     rel = max(float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
     moved = max(float(np.linalg.norm(w - p) / np.linalg.norm(p))
                 for w, p in zip(jax.tree.leaves(want), jax.tree.leaves(params)))
@@ -106,12 +111,54 @@ def replay_under_expert_parallelism():
     want = np.asarray(fn(params, tokens, replay))
     plain = np.asarray(jax.jit(lambda p, t: ling3.forward(p, config, t)[0])(params, tokens))
     mesh = parallel.make_mesh(parallel.MeshConfig(data=2, fsdp=2, expert=2, preset="fsdp_ep"))
-    got = np.asarray(fn(jax.device_put(params, parallel.param_shardings(config, mesh, "fsdp_ep")),
-                        jax.device_put(tokens, parallel.batch_sharding(mesh, 2)),
-                        jax.device_put(replay, parallel.batch_sharding(mesh, 4))))
+    fn = jax.jit(lambda p, t, r: ling3.forward(p, config, t, replay_experts=r)[0])
+    with jax.set_mesh(mesh):
+        got = np.asarray(fn(jax.device_put(params, parallel.param_shardings(config, mesh, "fsdp_ep")),
+                            jax.device_put(tokens, parallel.batch_sharding(mesh, 2)),
+                            jax.device_put(replay, parallel.batch_sharding(mesh, 4))))
     return dict(max_abs_diff=float(np.abs(got - want).max()), replay_effect=float(np.abs(want - plain).max()))
 
 
+def grouped_blocked_dispatch():
+    """The blocked MoE dispatch run per device's rows (`layers._dispatch_groups`) on fsdp 2 / fsdp and expert 2 /
+    fsdp_ep vs one device's global dispatch and the dense reference: outputs and gradients (w.r.t. the tokens and
+    the expert weights)."""
+    config = ling3.tiny_test_config(num_hidden_layers=2, num_experts=32, n_group=4, topk_group=2,
+                                    hidden_size=16, moe_intermediate_size=8, moe_shared_expert_intermediate_size=8)
+    p = ling3.init_params(config, jax.random.PRNGKey(0))["model"]["layers_1"]["mlp"]
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 1024, 16), jnp.float32)
+
+    def loss(p, x, dense):
+        y = layers.moe(p, x, config, dense_reference=dense)
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))), y
+
+    grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+    (gp_ref, gx_ref), y_ref = jax.jit(lambda p, x: grad(p, x, True))(p, x)
+    (gp_one, gx_one), y_one = jax.jit(lambda p, x: grad(p, x, False))(p, x)
+    small = x[:, :4]  # a decode-sized call (8 rows): the ragged dispatch on one device
+    small_one = jax.jit(lambda p, x: layers.moe(p, x, config))(p, small)
+    diff = lambda a, b: max(float(np.max(np.abs(np.asarray(u) - np.asarray(v))))  # noqa: E731
+                            for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    out = []
+    for shape, preset in (((1, 2, 1, 1), "fsdp"), ((1, 1, 2, 1), "fsdp_ep")):
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]).reshape(shape), parallel.MESH_AXES)
+        shardings = parallel.param_shardings(config, mesh, preset)["model"]["layers_1"]["mlp"]
+        with jax.set_mesh(mesh):
+            groups = layers._dispatch_groups(2048, config.num_experts_per_tok, config.num_experts)
+            (gp, gx), y = jax.jit(lambda p, x: grad(p, x, False))(
+                jax.device_put(p, shardings), jax.device_put(x, parallel.batch_sharding(mesh, 3)))
+            dense_decode = layers._expert_split_mesh()
+            small_got = jax.jit(lambda p, x: layers.moe(p, x, config))(
+                jax.device_put(p, shardings), jax.device_put(small, parallel.batch_sharding(mesh, 3)))
+        out.append(dict(preset=preset, groups=groups, experts_split=str(shardings["experts"]["gate_proj"].spec),
+                        dense_decode=dense_decode, decode_vs_one_device=diff(small_got, small_one),
+                        vs_one_device=max(diff(y, y_one), diff(gx, gx_one), diff(gp, gp_one)),
+                        vs_dense=max(diff(y, y_ref), diff(gx, gx_ref), diff(gp, gp_ref)),
+                        one_device_vs_dense=max(diff(y_one, y_ref), diff(gp_one, gp_ref))))
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({"forward": main(), "train": train_steps(), "replay": replay_under_expert_parallelism()}))
+    print(json.dumps({"forward": main(), "train": train_steps(), "replay": replay_under_expert_parallelism(),
+                      "grouped_moe": grouped_blocked_dispatch()}))
 

@@ -29,9 +29,16 @@ check in the tests, and also the dispatch used on CPU for models with few expert
 there the ragged_dot fallback is dense anyway and costs E * N * K expert rows, while running every expert once on
 every token costs E * N, i.e. K times less (the embedded tiny model trains 2x faster with it). GPU/TPU and large
 expert counts use the blocked or the ragged dispatch.
+
+On a device mesh (`reno_jax.parallel`, only when one is active, so one-device programs are unchanged): large calls
+run the blocked dispatch on each device's rows on its own, with the expert weights gathered whole for the call
+(`_grouped_blocked`), and on a mesh that splits the experts (fsdp_ep) decode-sized calls run every local expert on
+every token (`moe_dense_reference`); docs/design.md, "Expert parallelism", has the collectives of each.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +49,30 @@ from reno_jax.models.config import Ling3Config
 DENSE_DISPATCH_MAX_EXPERTS = 16
 # Rows per block of the blocked dispatch (a multiple of the GPU's matmul tiles; see module docstring).
 BLOCK_ROWS = 64
+# On a mesh, run the blocked MoE dispatch per device's rows (`_dispatch_groups`) and decode-sized calls of an
+# expert-split mesh densely (`_expert_split_mesh`); False: the one-device choices on every mesh (for comparison).
+GROUPED_DISPATCH = True
+# The platform the programs are traced for (None: `jax.default_backend()`); see `trace_for_platform`.
+_PLATFORM_OVERRIDE: str | None = None
+
+
+def platform() -> str:
+    """The platform whose code paths the model traces ("cpu", "gpu", "tpu"): the default backend, unless a
+    `trace_for_platform` block says otherwise."""
+    return _PLATFORM_OVERRIDE or jax.default_backend()
+
+
+@contextlib.contextmanager
+def trace_for_platform(name: str):
+    """Trace the model's platform-dependent paths (the CPU-only float32 upcast in `einsum_f32`, the CPU dense
+    MoE dispatch) as on `name`: for ahead-of-time compiles for a device the process does not have (a compile-only
+    GPU while the default backend is the CPU). Programs traced outside such a block are unchanged."""
+    global _PLATFORM_OVERRIDE
+    before, _PLATFORM_OVERRIDE = _PLATFORM_OVERRIDE, name
+    try:
+        yield
+    finally:
+        _PLATFORM_OVERRIDE = before
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -60,7 +91,7 @@ def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     GPU/TPU accumulate low-precision operands in float32 via preferred_element_type; XLA:CPU has no
     bf16 x bf16 -> f32 dot, so there the operands are upcast first (same result, CPU is only for tests).
     """
-    if jax.default_backend() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
+    if platform() == "cpu" and (a.dtype != jnp.float32 or b.dtype != jnp.float32):
         return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
@@ -214,6 +245,64 @@ def moe_dense_reference(p_experts: dict, x: jax.Array, weights: jax.Array, exper
     return jnp.einsum("end,ne->nd", y, combine).astype(x.dtype)
 
 
+def _dispatch_groups(n: int, k: int, num_experts: int) -> int:
+    """How many independent blocked dispatches the N rows of a call split into under the active mesh (1: one
+    dispatch over all rows, always without a mesh).
+
+    On a mesh without a tensor axis (the dp, fsdp and fsdp_ep presets), each device's rows are dispatched on their
+    own: G = the batch ways (data x fsdp x expert), when they divide N and a group's N/G rows still make the
+    blocked dispatch pay; the expert weights are gathered whole for the call (`_grouped_blocked`). One global
+    dispatch would sort all N*K assignments together, which GSPMD can only do with every row on every device (an
+    all-gather of the tokens, then every device runs every block, its blocks' weights selected from expert weights
+    split along `embed` or `expert`: all-gathers or all-reduces of [blocks, D, Im] products, larger than the
+    weights; docs/design.md, expert parallelism). With a tensor axis (fsdp_tp) the global dispatch is kept.
+    `GROUPED_DISPATCH = False` keeps it everywhere (benchmarks/sharded_plan.py --global-dispatch)."""
+    from reno_jax.parallel import constraints  # noqa: PLC0415 (parallel imports the models package)
+    mesh = constraints.active_mesh()
+    if mesh is None or not GROUPED_DISPATCH or mesh.shape.get("tensor", 1) > 1:
+        return 1
+    names = constraints.batch_axes(n, mesh)
+    if not names:
+        return 1
+    groups = 1
+    for name in names:
+        groups *= mesh.shape[name]
+    return groups if blocked_dispatch_pays(n // groups * k, num_experts) else 1
+
+
+def _expert_split_mesh() -> bool:
+    """Whether the active mesh splits the routed experts (an `expert` axis > 1, the fsdp_ep preset).
+
+    There a decode-sized call (the ragged dispatch's regime) runs every local expert on every token instead
+    (`moe_dense_reference`, the same function): its expert matmuls split over the `expert` axis as they are and
+    the combine reduces an [N, D] partial sum across it, where `ragged_dot`, which GSPMD cannot split along its
+    groups, would all-gather every expert's weights at every decode step. A decode step reads every expert's
+    weights anyway (at 16 rows x top-8 almost all 128 are hit); the extra FLOPs (E / K times the useful ones)
+    are small next to that read."""
+    if not GROUPED_DISPATCH:
+        return False
+    from reno_jax.parallel import constraints  # noqa: PLC0415
+    mesh = constraints.active_mesh()
+    return mesh is not None and mesh.shape.get("expert", 1) > 1
+
+
+def _grouped_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, groups: int):
+    """`moe_experts_blocked` run on each of `groups` contiguous row groups (one per device's rows), vmapped: the
+    same function of every token (each token's experts, weights and combine do not depend on the other rows),
+    with the groups split over the batch axes and the expert weights whole on every device (all-gathered once
+    per use; their gradient is reduce-scattered back to the parameter's split)."""
+    from jax.sharding import PartitionSpec  # noqa: PLC0415
+    from reno_jax.parallel import constraints  # noqa: PLC0415
+    n, d = x.shape
+    k = experts.shape[1]
+    whole = {name: constraints.constrain(w, PartitionSpec()) for name, w in p_experts.items()}
+    xg = constraints.constrain_rows(x.reshape(groups, n // groups, d))
+    wg = constraints.constrain_rows(weights.reshape(groups, n // groups, k))
+    eg = constraints.constrain_rows(experts.reshape(groups, n // groups, k))
+    out = jax.vmap(lambda xs, ws, es: moe_experts_blocked(whole, xs, ws, es))(xg, wg, eg)
+    return constraints.constrain_rows(out).reshape(n, d)
+
+
 def moe(p: dict, x: jax.Array, config: Ling3Config, *, dense_reference: bool = False,
         replay: jax.Array | None = None, return_routing: bool = False):
     """MoE block. p: {'gate', 'experts', 'shared_experts'}; x: [B, T, D] -> [B, T, D].
@@ -226,14 +315,19 @@ def moe(p: dict, x: jax.Array, config: Ling3Config, *, dense_reference: bool = F
     k = config.num_experts_per_tok
     flat_replay = None if replay is None else replay.reshape(-1, k)
     weights, experts, own = route(p["gate"], flat, config, flat_replay, return_own=True)
-    cpu_small = jax.default_backend() == "cpu" and config.num_experts <= DENSE_DISPATCH_MAX_EXPERTS
-    if dense_reference or cpu_small:
+    cpu_small = platform() == "cpu" and config.num_experts <= DENSE_DISPATCH_MAX_EXPERTS
+    blocked = blocked_dispatch_pays(flat.shape[0] * k, config.num_experts)
+    if dense_reference or cpu_small or (not blocked and _expert_split_mesh()):
         fn = moe_dense_reference
-    elif blocked_dispatch_pays(flat.shape[0] * k, config.num_experts):
+    elif blocked:
         fn = moe_experts_blocked
     else:
         fn = moe_experts
-    out = fn(p["experts"], flat, weights, experts)
+    groups = _dispatch_groups(flat.shape[0], k, config.num_experts) if fn is moe_experts_blocked else 1
+    if groups > 1:
+        out = _grouped_blocked(p["experts"], flat, weights, experts, groups)
+    else:
+        out = fn(p["experts"], flat, weights, experts)
     if config.num_shared_experts > 0:
         out = out + swiglu_mlp(p["shared_experts"], flat)
     out = out.reshape(shape)

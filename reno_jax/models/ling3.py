@@ -490,8 +490,17 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     positions = jnp.arange(t, dtype=jnp.int32)[None, :] + (0 if length is None else length[:, None])
     positions = jnp.broadcast_to(positions, (b, t))
 
+    from reno_jax.parallel import constraints  # noqa: PLC0415 (parallel imports the models package)
+    # On a mesh, chunks of more than one token (training, prefill) keep their rows split over the batch axes and
+    # every other dimension whole between layers and in the logits, so GSPMD gathers each layer's (fsdp-split)
+    # weights instead of splitting the matmuls along the hidden size and reducing activations as large as the
+    # [B, T, V] logits. A decode step (T = 1) is left to propagation: there the weights stay where they are and
+    # the few rows' partial products are reduced, far less traffic than gathering every weight at every step.
+    # Without a mesh: the identity.
+    rows = constraints.constrain_rows if t > 1 else (lambda v: v)
     m = params["model"]
     x = jnp.take(m["word_embeddings"]["embedding"], input_ids, axis=0)
+    x = rows(constraints.after_lookup(x, ("model", "word_embeddings", "embedding")))
     eps = config.rms_norm_eps
     hidden = [x]
     new_layers = []
@@ -505,6 +514,7 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
         if replay_experts is not None and config.is_moe_layer(i):
             replay = replay_experts[:, :, moe_layers.index(i)]
         x, lc, routing = layer(m[f"layers_{i}"], x, lc, valid, positions, length, replay)
+        x = rows(x)
         if routing is not None:
             used.append(routing[0])
             own.append(routing[1])
@@ -516,7 +526,7 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
         head = m["word_embeddings"]["embedding"].T
     else:
         head = params["lm_head"]["kernel"]
-    logits = einsum_f32("btd,dv->btv", xn, head.astype(xn.dtype))
+    logits = rows(einsum_f32("btd,dv->btv", xn, head.astype(xn.dtype)))
 
     new_cache = None
     if cache is not None:

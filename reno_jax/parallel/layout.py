@@ -12,12 +12,14 @@ materialises only the shards on its own devices; an array that is already global
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 
+from reno_jax.parallel import constraints
 from reno_jax.parallel import mesh as mesh_lib
 from reno_jax.parallel import rules
 
@@ -53,6 +55,16 @@ class Layout:
     @property
     def batch_ways(self) -> int:
         return mesh_lib.batch_axes_size(self.mesh)
+
+    @contextlib.contextmanager
+    def activate(self):
+        """A context in which traced programs see this mesh (`jax.set_mesh`) and the parameters' shardings, so
+        their sharding constraints (`reno_jax.parallel.constraints`) apply; on one device it does nothing."""
+        if self.single_device:
+            yield
+            return
+        with jax.set_mesh(self.mesh), constraints.params_sharded_as(self.param_shardings):
+            yield
 
     def place_params(self, params):
         return params if self.single_device else self._put_tree(params, self.param_shardings)
