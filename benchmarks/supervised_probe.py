@@ -50,7 +50,8 @@ def apply_overrides(config, pairs):
         keys = path.split(".")
         for k in keys[:-1]:
             node = node[k]
-        if keys[-1] not in node:
+        # `model.tiny` takes any `Ling3Config` field (rope_theta, initializer_range, ...), not only the listed ones.
+        if keys[-1] not in node and keys[:-1] != ["model", "tiny"]:
             raise SystemExit(f"--set {pair!r}: config has no field {path}")
         node[keys[-1]] = value
     return config

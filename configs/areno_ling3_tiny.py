@@ -14,6 +14,7 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
+  c.env.max_random_moves = 6  # AReno's boards
   c.num_steps = 400
   c.model.path = ""  # required: --config.model.path=/path/to/Ling-3.0-tiny
   c.model.dtype = "bfloat16"

@@ -17,6 +17,7 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
+  c.env.max_random_moves = 6  # AReno's boards
   c.num_steps = 25
   c.model.dtype = "bfloat16"
   c.model.tiny.num_experts = 32           # > layers.DENSE_DISPATCH_MAX_EXPERTS: the ragged (decode) and blocked

@@ -76,6 +76,7 @@ _CHECKS = (
     ("env.name", lambda v: v in registry.names(), f"one of {registry.names()}"),
     ("env.task", lambda v: v in ttt_env.TASKS, f"one of {list(ttt_env.TASKS)}"),
     ("env.num_boards", lambda v: v >= 1, "an integer >= 1"),
+    ("env.max_random_moves", lambda v: 0 <= v <= 9, "an integer in [0, 9]"),
     ("env.heldout_fraction", lambda v: 0.0 <= v < 1.0, "a fraction in [0, 1)"),
     ("env.agent_player", lambda v: v in ("x", "o", "alternate"), "one of ['x', 'o', 'alternate']"),
     ("env.opponent", lambda v: v in tuple(tasks.OPPONENT_KINDS), f"one of {list(tasks.OPPONENT_KINDS)}"),
@@ -336,7 +337,8 @@ def load_boards(config) -> tuple[np.ndarray, np.ndarray]:
     if env.get("boards_path", ""):
         boards, _ = boards_lib.load_jsonl(env.boards_path)
     else:
-        boards = boards_lib.generate_boards(env.num_boards, seed=env.board_seed)
+        boards = boards_lib.generate_boards(env.num_boards, seed=env.board_seed,
+                                            max_random_moves=env.get("max_random_moves", boards_lib.MAX_RANDOM_MOVES))
     boards = np.asarray(boards, np.int8)
     if env.get("heldout_fraction", 0.0):
         return boards_lib.train_heldout_split(boards, env.heldout_fraction, env.board_seed)

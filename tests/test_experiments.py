@@ -204,6 +204,7 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
     ("rl.loss", "ppo", "--config.rl.loss must be one of"),
     ("rollout.top_p", 1.5, "--config.rollout.top_p must be a number in (0, 1]"),
     ("env.opponent", "perfect", "--config.env.opponent must be one of"),
+    ("env.max_random_moves", 10, "--config.env.max_random_moves must be an integer in [0, 9], got 10"),
     ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
     ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
     ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
