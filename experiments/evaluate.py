@@ -166,8 +166,7 @@ def evaluate_env(params, model_config, tokenizer, config, opponent: str, total: 
     summary = {"env": pipeline.env_name(config), "opponent": opponent, "greedy": bool(greedy),
                "num_episodes": int(total), "max_length": rollout_lib.conversation_length(env, rc),
                "mean_reward": float(np.mean(traj.reward)),
-               "invalid_or_illegal_rate": float(np.mean(~np.asarray(traj.stats.valid_call)
-                                                        | np.asarray(traj.env_info.get("illegal", False)))),
+               **pipeline.bad_call_rates(traj.stats.valid_call, traj.env_info.get("illegal", False), traj.stats.num_turns),
                "mean_generated_tokens": float(np.mean(traj.stats.generated_tokens))}
     summary.update({k.replace("rollout/", ""): v for k, v in env.env.metrics(traj.env_info).items()})
     return summary, traj

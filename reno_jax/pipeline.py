@@ -440,6 +440,20 @@ def rollout_summary(traj, task: str) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------- optimisation
 
+def bad_call_rates(valid_call, illegal, num_turns) -> dict:
+    """Invalid or illegal calls per episode and per call, from `[B]` arrays of the rollout and the environment.
+
+    Every registered environment ends an episode at its first invalid or illegal call, so such an episode holds
+    exactly one and `num_turns` (the agent's turns, that call included) counts every call made:
+    `invalid_or_illegal_rate` is the share of episodes that end on a bad call, `invalid_or_illegal_per_call` the
+    share of all calls that were bad.
+    """
+    bad = ~np.asarray(valid_call, bool) | np.asarray(illegal, bool)
+    calls = int(np.sum(np.asarray(num_turns)))
+    return {"invalid_or_illegal_rate": float(np.mean(bad)), "agent_calls": calls,
+            "invalid_or_illegal_per_call": float(np.sum(bad) / max(calls, 1))}
+
+
 def make_optimizer(config):
     """The RL optimiser of a config (AdamW, warmup + cosine, global-norm clipping)."""
     r = config.rl

@@ -152,6 +152,17 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["env"] == "guess_number" and summary["checkpoint_step"] == 2
     assert 0.0 <= summary["all/found_rate"] <= 1.0 and summary["all/num_episodes"] == 4
+    assert summary["all/agent_calls"] >= 4  # every episode makes at least one call
+    assert summary["all/invalid_or_illegal_per_call"] <= summary["all/invalid_or_illegal_rate"]
+
+
+def test_bad_call_rates_per_episode_and_per_call():
+    bad_call_rates = pipeline.bad_call_rates
+    # 4 episodes of 5, 3, 1 and 2 calls; the second ends on an unparsable call, the fourth on an illegal move.
+    out = bad_call_rates(valid_call=np.array([True, False, True, True]), illegal=np.array([False, False, False, True]),
+                         num_turns=np.array([5, 3, 1, 2]))
+    assert out == {"invalid_or_illegal_rate": 0.5, "agent_calls": 11, "invalid_or_illegal_per_call": 2 / 11}
+    assert bad_call_rates(np.array([True]), False, np.array([0]))["invalid_or_illegal_per_call"] == 0.0
 
 
 def test_center_greedy_teacher_wins_blocks_and_prefers_the_centre():
