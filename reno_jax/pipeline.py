@@ -438,8 +438,6 @@ def rollout_summary(traj, task: str) -> dict[str, float]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- optimisation
-
 def bad_call_rates(valid_call, illegal, num_turns) -> dict:
     """Invalid or illegal calls per episode and per call, from `[B]` arrays of the rollout and the environment.
 
@@ -453,6 +451,8 @@ def bad_call_rates(valid_call, illegal, num_turns) -> dict:
     return {"invalid_or_illegal_rate": float(np.mean(bad)), "agent_calls": calls,
             "invalid_or_illegal_per_call": float(np.sum(bad) / max(calls, 1))}
 
+
+# ---------------------------------------------------------------------------------------------- optimisation
 
 def make_optimizer(config):
     """The RL optimiser of a config (AdamW, warmup + cosine, global-norm clipping)."""
