@@ -129,6 +129,7 @@ def _guess_config(tmp_steps=1):
     from configs import guess_number_tiny
     c = guess_number_tiny.get_config()
     c.num_steps = tmp_steps
+    c.model.tiny.num_hidden_layers = 2  # every layer kind still (KDA + dense MLP, MLA + MoE); compiles faster
     c.sft.num_steps = 2
     c.sft.batch_size = 4
     c.rollout.boards_per_step = 2

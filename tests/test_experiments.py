@@ -24,9 +24,14 @@ REQUIRED_METRICS = (
 
 
 def short_config(num_steps: int):
-    """The default config, shortened: a few warm-start and GSPO steps on a handful of boards."""
+    """The default config, shortened: a few warm-start and GSPO steps on a handful of boards, with two layers
+    (KDA + dense MLP, MLA + MoE: every layer kind) since compiling the programs is most of a test's time.
+
+    tests/test_multihost.py resumes its run with these settings, so that its one-device resume finds the programs
+    of `test_resume_continues_from_latest_checkpoint` in the session's compilation cache."""
     c = tictactoe_tiny.get_config()
     c.num_steps = num_steps
+    c.model.tiny.num_hidden_layers = 2
     c.sft.num_steps = 3
     c.sft.batch_size = 8
     c.rollout.boards_per_step = 4
@@ -147,6 +152,7 @@ def test_short_game_run_with_game_warm_start(tmp_path):
     from configs import tictactoe_tiny_game
     c = tictactoe_tiny_game.get_config()
     c.num_steps = 1
+    c.model.tiny.num_hidden_layers = 2
     c.sft.num_steps = 2
     c.sft.batch_size = 4
     c.rollout.boards_per_step = 2

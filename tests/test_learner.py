@@ -263,6 +263,7 @@ def test_tiny_ling3_run_steps():
     from reno_jax.rollout import rollout as rollout_lib
     c = tictactoe_tiny.get_config()
     c.num_steps = 3
+    c.model.tiny.num_hidden_layers = 2  # KDA + dense MLP, MLA + MoE: every layer kind, quicker to compile
     c.rollout.boards_per_step = 2
     c.rollout.group_size = 4
     c.rl.train_groups = 1

@@ -18,8 +18,10 @@ import pytest
 from experiments import cli, distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The programs of the one-device resume (rollout, train step) are those of tests/test_experiments.py's short
+# config resumed to 3 steps, which the session's compilation cache already holds when that file ran first.
 SMALL = ["--config.sft.num_steps=2", "--config.sft.batch_size=8", "--config.rollout.boards_per_step=4",
-         "--config.rollout.group_size=2", "--config.model.tiny.num_hidden_layers=2"]
+         "--config.rollout.group_size=4", "--config.rl.train_groups=2", "--config.model.tiny.num_hidden_layers=2"]
 
 
 def _free_port() -> int:

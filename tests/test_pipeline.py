@@ -11,7 +11,7 @@ from reno_jax.models import ling3
 
 
 def test_entropy_top_k():
-    cfg = ling3.tiny_test_config()
+    cfg = ling3.tiny_test_config(num_hidden_layers=2)
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, cfg.vocab_size)
     batch = {"tokens": tokens}

@@ -31,21 +31,20 @@ BOARD = "xx.o.o..."  # X to move: 3 wins at once, 5 keeps the win too (minimax-o
 
 
 def tiny_config():
-    """The default config, shortened: a short warm start (enough for mostly well-formed calls) and 2 GSPO steps.
+    """tests/test_experiments.py's short config with a longer warm start (enough for mostly well-formed calls).
 
-    The forking-token bonus and the shared-prefix scorer are switched off only because they make the train step's
-    compile about twice as long; the page does not depend on how the checkpoints were trained.
+    Its rollout and GSPO train step are those of that file's run, whose compiled programs the session's
+    compilation cache then already holds (the page does not depend on how the checkpoints were trained).
     """
     c = tictactoe_tiny.get_config()
     c.num_steps = 2
+    c.model.tiny.num_hidden_layers = 2
     c.sft.num_steps = 20
     c.sft.batch_size = 8
     c.sft.learning_rate = 1e-2
-    c.rollout.boards_per_step = 2
-    c.rollout.group_size = 2
-    c.rl.forking_entropy_coef = 0.0
-    c.rl.share_prompt_prefix = False
-    c.rl.entropy_top_k = 0
+    c.rollout.boards_per_step = 4
+    c.rollout.group_size = 4
+    c.rl.train_groups = 2
     c.checkpoint_every = 1
     c.keep_checkpoints = 5
     c.plot_every = 0

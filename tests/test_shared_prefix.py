@@ -45,15 +45,18 @@ def test_logp_entropy_and_grads_match_rowwise(setup):
     cfg, params, batch = setup
     fn = pipeline.make_logp_fn(cfg, group_size=G)
     sb = shared_prefix.split_shared_prefix(batch, S)
-    lp_full, ent_full = jax.jit(fn)(params, batch)
-    lp_sh, ent_sh = jax.jit(fn)(params, sb)
+    w = jax.random.normal(jax.random.PRNGKey(4), (N * G, C))
+    mask = batch["valid"][:, S:]
+
+    def weighted(p, b, start):  # (sum of w * logp over the continuation, (logp, entropy)): one program per path
+        lp, ent = fn(p, b)
+        return jnp.sum(jnp.where(mask, lp[:, start:] * w, 0.0)), (lp, ent)
+
+    g_full, (lp_full, ent_full) = jax.jit(jax.grad(lambda p: weighted(p, batch, S), has_aux=True))(params)
+    g_sh, (lp_sh, ent_sh) = jax.jit(jax.grad(lambda p: weighted(p, sb, 0), has_aux=True))(params)
     m = np.asarray(batch["valid"][:, S:])
     np.testing.assert_allclose(np.asarray(lp_sh)[m], np.asarray(lp_full[:, S:])[m], atol=2e-5)
     np.testing.assert_allclose(np.asarray(ent_sh)[m], np.asarray(ent_full[:, S:])[m], atol=2e-5)
-    w = jax.random.normal(jax.random.PRNGKey(4), (N * G, C))
-    mask = batch["valid"][:, S:]
-    g_full = jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(mask, fn(p, batch)[0][:, S:] * w, 0.0))))(params)
-    g_sh = jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(mask, fn(p, sb)[0] * w, 0.0))))(params)
     for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_sh)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5 * (float(jnp.max(jnp.abs(a))) + 1e-6))
 
