@@ -67,8 +67,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- rollout ----------------------------------------------------------------------------------
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.boards_per_step = 32
-  c.rollout.group_size = 16      # samples per board (GSPO group)
+  # 64 boards x 8 samples: the same 512 rows as 32 x 16, twice the boards per step (what the model's learning speed
+  # depends on, docs/benchmarks.md); the train step encodes each group's prompt once, so the step costs about the same.
+  c.rollout.boards_per_step = 64
+  c.rollout.group_size = 8       # samples per board (GSPO group)
   c.rollout.max_new_tokens = 12  # per turn (a call is 7 tokens + turn end)
   c.rollout.max_turns = 1
   c.rollout.max_length = 0       # 0: prompt length + max_turns * (max_new_tokens + tool response)
