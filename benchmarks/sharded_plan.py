@@ -143,7 +143,7 @@ def plan(args, mc: parallel.MeshConfig, layers_n: int, res):
     ns.microbatches, ns.remat, ns.share_prefix, ns.entropy, ns.synthetic_batch = micro, True, True, False, True
     base = f"{mesh_label(mc)} / {layers_n} layers"
 
-    params = jax.eval_shape(lambda k: rs.device_init(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
+    params = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
     params_s = abstract_with(params, layout.param_shardings)
     if "train" in args.programs:
         optimizer, step_fn = rs.make_step(ns, config)
@@ -189,7 +189,7 @@ def plan_moe_layer(args, mc: parallel.MeshConfig, res):
     rows = args.boards * args.group_size // args.microbatches
     if rows % ways:
         rows = args.boards * args.group_size // args.microbatches_for_8
-    params = jax.eval_shape(lambda k: rs.device_init(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
+    params = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
     p = abstract_with(params["model"]["layers_1"]["mlp"], layout.param_shardings["model"]["layers_1"]["mlp"])
     x = jax.ShapeDtypeStruct((rows, args.max_new_tokens, config.hidden_size), jnp.bfloat16,
                              sharding=parallel.batch_sharding(mesh, 3))
