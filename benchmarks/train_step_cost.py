@@ -1,0 +1,123 @@
+"""What a GSPO train step of the embedded default costs, and which part of it: step time against variants.
+
+The default config's train step (`trainer.make_train_step` with the shared-prompt-prefix scorer, the top-k
+entropy, the forking-entropy bonus and AdamW, exactly as `experiments.train_tictactoe` builds it) on a synthetic
+batch of the default's shape: N boards x G samples, prompts of S tokens shared within a group, continuations of C
+tokens. Each variant changes one thing and reports its median step time and its ratio to the default measured in
+the same process, the variants' steps interleaved round by round:
+
+  boards x samples   the same 512 rows as 32 x 16 / 64 x 8 / 128 x 4 (how much a prompt costs)
+  prefix S           a shorter shared prompt (what encoding the prompt costs)
+  no_topk_entropy    the entropy over the full vocabulary instead of the top 9 tokens
+  all_mla            every layer MLA (no KDA layer)
+  dense              every layer a dense SwiGLU MLP (no MoE)
+
+  JAX_PLATFORMS=cpu python benchmarks/train_step_cost.py [--reps 7] [--variants default,all_mla,...]
+
+The last output line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import tictactoe_tiny  # noqa: E402
+from reno_jax import pipeline  # noqa: E402
+from reno_jax.rl import shared_prefix, trainer  # noqa: E402
+
+# name -> (boards, samples, prefix tokens, model.tiny overrides, entropy top-k or None for the config's)
+VARIANTS = {
+    "default": (64, 8, 60, {}, None),
+    "32x16": (32, 16, 60, {}, None),
+    "128x4": (128, 4, 60, {}, None),
+    "prefix_20": (64, 8, 20, {}, None),
+    "no_topk_entropy": (64, 8, 60, {}, 0),
+    "all_mla": (64, 8, 60, {"layer_group_size": 1}, None),
+    "dense": (64, 8, 60, {"first_k_dense_replace": 3}, None),
+}
+
+
+def build(name: str, continuation: int):
+    """(step, state, batch, figures) for one variant, compiled and run once."""
+    boards, group, prefix, overrides, top_k = VARIANTS[name]
+    c = tictactoe_tiny.get_config()
+    for k, v in overrides.items():
+        c.model.tiny[k] = v
+    top_k = int(c.rl.entropy_top_k) if top_k is None else top_k
+    tokenizer = pipeline.build_tokenizer(c)
+    model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)
+    optimizer = pipeline.make_optimizer(c)
+    state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
+    step = trainer.make_train_step(pipeline.make_logp_fn(model_config, group_size=group, entropy_top_k=top_k),
+                                   pipeline.make_loss_fn(c), optimizer, loss_batch_keys=("entropy_scale",),
+                                   donate=True)
+    rows, length = boards * group, prefix + continuation
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model_config.vocab_size, (rows, length)).astype(np.int32)
+    tokens[:, :prefix] = np.repeat(tokens[::group, :prefix], group, axis=0)
+    batch = {"tokens": tokens, "valid": np.ones((rows, length), bool),
+             "loss_mask": np.arange(length)[None, :].repeat(rows, 0) >= prefix,
+             "old_logp": np.full((rows, length), -2.0, np.float32),
+             "advantages": rng.normal(size=(rows,)).astype(np.float32),
+             "entropy_scale": np.ones((rows,), np.float32)}
+    batch = shared_prefix.split_shared_prefix({k: jnp.asarray(v) for k, v in batch.items()}, prefix)
+    t0 = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    figures = {"boards": boards, "samples": group, "prefix": prefix, "continuation": continuation,
+               "compile_and_first_s": round(time.perf_counter() - t0, 2)}
+    return step, state, batch, figures
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--continuation", type=int, default=12, help="C: the default's 60 + 12-token rows")
+    args = ap.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    if "default" not in names:
+        names.insert(0, "default")
+    res = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(), "variants": {}}
+    built = {}
+    for name in names:
+        built[name] = list(build(name, args.continuation))
+        print(f"{name:>16}: compiled (compile + first step {built[name][3]['compile_and_first_s']:.1f} s)", flush=True)
+    # Round-robin: every variant runs once per round, so a slower or faster stretch of the machine (seen here
+    # between runs of the same program: 1.4 s against 2.3 s) falls on all of them alike.
+    times = {name: [] for name in names}
+    for _ in range(args.reps):
+        for name in names:
+            step, state, batch, _ = built[name]
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            times[name].append(time.perf_counter() - t0)
+            built[name][1] = state
+    for name in names:
+        r = dict(built[name][3], step_s=round(float(np.median(times[name])), 3),
+                 step_s_min=round(float(np.min(times[name])), 3))
+        res["variants"][name] = r
+        print(f"{name:>16}: {r['step_s']:.3f} s per step (median of {args.reps}, fastest {r['step_s_min']:.3f})",
+              flush=True)
+    base = res["variants"]["default"]["step_s"]
+    for r in res["variants"].values():
+        r["ratio_to_default"] = round(r["step_s"] / base, 3)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
