@@ -19,7 +19,9 @@ from reno_jax.envs.tictactoe import env as E
 from reno_jax.rl import losses, shared_prefix, trainer
 
 FAST = {"xla_backend_optimization_level": 0}
-CFG = ling3.tiny_test_config()  # 4 layers, MoE in layers 1..3 (n_moe = 3), 8 experts top-2, 2 groups / 1 kept
+# 3 layers [KDA + dense MLP, MLA + MoE, MLA + MoE]: every layer kind and two MoE layers (n_moe = 2), 8 experts
+# top-2, 2 groups / 1 kept; one KDA layer only, since a KDA layer is most of a program's compile time.
+CFG = ling3.tiny_test_config(num_hidden_layers=3)
 N_MOE = len(ling3.moe_layer_indices(CFG))
 K = CFG.num_experts_per_tok
 

@@ -17,7 +17,7 @@ N, G, S, C = 3, 4, 10, 7
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = ling3.tiny_test_config()
+    cfg = ling3.tiny_test_config(num_hidden_layers=2)  # KDA + dense MLP, MLA + MoE: every layer kind and cache
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     prefix = jax.random.randint(jax.random.PRNGKey(1), (N, S), 0, cfg.vocab_size)
     cont = jax.random.randint(jax.random.PRNGKey(2), (N * G, C), 0, cfg.vocab_size)
