@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import Callable
@@ -48,14 +47,9 @@ def mesh_from_flags(text: str, batch_size: int) -> parallel.MeshConfig | None:
     try:
         mesh_config = parallel.MeshConfig.from_string(text) if text else parallel.MeshConfig(data=-1)
         parallel.preset_rules(mesh_config.preset)
-        sizes = mesh_config.resolve(1 if all(v == 1 for v in mesh_config.sizes().values()) else jax.device_count())
+        ways, described = parallel.describe_batch_ways(parallel.resolve_here(mesh_config))
     except (parallel.MeshError, parallel.ShardingError) as error:
         raise UserError(f"--mesh={text}: {error}") from None
-    if jax.process_count() > 1 and math.prod(sizes.values()) != jax.device_count():
-        raise UserError(f"--mesh={text}: a run of {jax.process_count()} processes needs a mesh over all "
-                            f"{jax.device_count()} devices (e.g. data=-1)")
-    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if batch_size % ways:
-        raise UserError(f"--batch_size={batch_size} does not split over the mesh's batch axes (data "
-                            f"{sizes['data']} x fsdp {sizes['fsdp']} x expert {sizes['expert']} = {ways})")
+        raise UserError(f"--batch_size={batch_size} does not split over the mesh's batch axes ({described})")
     return mesh_config

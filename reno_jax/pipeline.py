@@ -156,21 +156,16 @@ def validate_config(config) -> None:
         mesh_config = parallel.MeshConfig.from_config(config.mesh)
         try:
             parallel.preset_rules(mesh_config.preset)
-            sizes = mesh_config.resolve(1 if all(v == 1 for v in mesh_config.sizes().values())
-                                        else jax.device_count())
+            ways, described = parallel.describe_batch_ways(parallel.resolve_here(mesh_config))
         except (parallel.MeshError, parallel.ShardingError) as error:
             raise ConfigError(f"--config.mesh: {error}") from None
-        if jax.process_count() > 1 and math.prod(sizes.values()) != jax.device_count():
-            raise ConfigError(f"--config.mesh: a run of {jax.process_count()} processes needs a mesh over all "
-                              f"{jax.device_count()} devices (e.g. --config.mesh.data=-1)")
-        ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
         if groups % ways:
             raise ConfigError(f"--config.rollout.boards_per_step={groups} groups do not split over the mesh's batch "
-                              f"axes (data {sizes['data']} x fsdp {sizes['fsdp']} x expert {sizes['expert']} = {ways})")
+                              f"axes ({described})")
         sft_rows = int(config.sft.batch_size) if "sft" in config and int(config.sft.num_steps) > 0 else 0
         if sft_rows % ways:
             raise ConfigError(f"--config.sft.batch_size={sft_rows} rows do not split over the mesh's batch axes "
-                              f"(data {sizes['data']} x fsdp {sizes['fsdp']} x expert {sizes['expert']} = {ways})")
+                              f"({described})")
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, model

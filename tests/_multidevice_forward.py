@@ -158,7 +158,30 @@ def grouped_blocked_dispatch():
     return out
 
 
+def batch_split_errors():
+    """The one-line errors for a batch that does not split over the batch axes of an 8-device mesh: the train
+    config's episode groups and warm-start rows, and `experiments.evaluate --batch_size`."""
+    from configs import tictactoe_tiny
+    from experiments import cli
+    messages = {}
+    c = tictactoe_tiny.get_config()
+    c.mesh.data, c.mesh.fsdp, c.mesh.expert = 2, 2, 2
+    c.rollout.boards_per_step, c.rl.train_groups = 12, 0
+    for name, boards, sft_rows in (("boards", 12, 64), ("sft", 16, 12)):
+        c.rollout.boards_per_step, c.sft.batch_size = boards, sft_rows
+        try:
+            pipeline.validate_config(c)
+        except pipeline.ConfigError as error:
+            messages[name] = str(error)
+    try:
+        cli.mesh_from_flags("data=4,fsdp=2", batch_size=12)
+    except cli.UserError as error:
+        messages["evaluate"] = str(error)
+    messages["evaluate_ok"] = cli.mesh_from_flags("data=4,fsdp=2", batch_size=16).sizes()
+    return messages
+
+
 if __name__ == "__main__":
     print(json.dumps({"forward": main(), "train": train_steps(), "replay": replay_under_expert_parallelism(),
-                      "grouped_moe": grouped_blocked_dispatch()}))
+                      "grouped_moe": grouped_blocked_dispatch(), "batch_split_errors": batch_split_errors()}))
 

@@ -45,6 +45,22 @@ def _train(args, env):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _wait_all(procs, timeout):
+    """Waits for every process (killing the rest if one wait fails), asserts each exited 0; returns their
+    (stdout, stderr)."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}"
+    return outs
+
+
 def _rows(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -55,17 +71,7 @@ def test_two_processes_train_one_run_and_one_process_resumes_it(tmp_path):
     port = _free_port()
     common = [f"--workdir={workdir}", "--config.num_steps=2", "--config.mesh.data=4", *SMALL,
               f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
-    procs = [_train(common + [f"--process_id={i}"], _env(2, cache=False)) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=400))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}"
+    outs = _wait_all([_train(common + [f"--process_id={i}"], _env(2, cache=False)) for i in range(2)], timeout=400)
     # Process 0 alone writes the run's files and prints the summary.
     assert '"steps": 2' in outs[0][0] and '"steps"' not in outs[1][0]
     rows = _rows(workdir)
@@ -107,16 +113,7 @@ def test_two_processes_draw_and_load_the_model_straight_onto_their_shards():
     procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "_sharded_io.py"), "process", address,
                                str(i)], cwd=REPO, env=_env(2, cache=False), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=300))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}"
+    for i, (out, _) in enumerate(_wait_all(procs, timeout=300)):
         found = json.loads(out.strip().splitlines()[-1])
         assert found["process"] == i and found["devices"] == 4, found
         assert found["placed"] and found["sharded_leaves"] >= 20 and found["init_equal"] and found["load_equal"], found

@@ -127,6 +127,17 @@ def test_blocked_moe_dispatch_per_device_rows_is_exact(eight_devices):
         assert grouped["dense_decode"] == (axis == "expert") and grouped["decode_vs_one_device"] <= 1e-5, grouped
 
 
+def test_a_batch_that_does_not_split_over_the_mesh_names_the_numbers(eight_devices):
+    errors = eight_devices["batch_split_errors"]
+    assert errors["boards"] == ("--config.rollout.boards_per_step=12 groups do not split over the mesh's batch axes "
+                                "(data 2 x fsdp 2 x expert 2 = 8)"), errors
+    assert errors["sft"] == ("--config.sft.batch_size=12 rows do not split over the mesh's batch axes "
+                             "(data 2 x fsdp 2 x expert 2 = 8)"), errors
+    assert errors["evaluate"] == ("--batch_size=12 does not split over the mesh's batch axes "
+                                  "(data 4 x fsdp 2 x expert 1 = 8)"), errors
+    assert errors["evaluate_ok"] == {"data": 4, "fsdp": 2, "expert": 1, "tensor": 1}, errors
+
+
 def test_a_mesh_the_devices_cannot_hold_is_a_config_error(tmp_path):
     from configs import tictactoe_tiny
     from experiments import train_tictactoe

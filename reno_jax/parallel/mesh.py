@@ -115,6 +115,24 @@ def make_mesh(mesh_config: MeshConfig | None = None, devices: Sequence[Any] | No
         return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES)
 
 
+def resolve_here(mesh_config: MeshConfig) -> dict[str, int]:
+    """The axis sizes `mesh_config` takes on this run's devices, as `make_mesh` lays it out (the all-ones default on
+    one device, any other mesh over every device); `MeshError` when it cannot be built here, including a
+    multi-process run whose mesh leaves some process's devices out."""
+    ones = all(v == 1 for v in mesh_config.sizes().values())
+    sizes = mesh_config.resolve(1 if ones else jax.device_count())
+    if jax.process_count() > 1 and math.prod(sizes.values()) != jax.device_count():
+        raise MeshError(f"a run of {jax.process_count()} processes needs a mesh over all {jax.device_count()} "
+                        "devices (an axis of -1 takes all remaining ones)")
+    return sizes
+
+
+def describe_batch_ways(sizes: dict[str, int]) -> tuple[int, str]:
+    """(ways, "data 2 x fsdp 2 x expert 1 = 4"): how many ways resolved axis `sizes` split a batch dimension."""
+    ways = math.prod(sizes[name] for name in BATCH_AXES)
+    return ways, " x ".join(f"{name} {sizes[name]}" for name in BATCH_AXES) + f" = {ways}"
+
+
 def batch_axes_size(mesh: jax.sharding.Mesh) -> int:
     """How many ways a batch dimension is split on `mesh` (the product of the `BATCH_AXES` sizes)."""
     return math.prod(mesh.shape[name] for name in BATCH_AXES)
