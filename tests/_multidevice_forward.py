@@ -166,7 +166,7 @@ def batch_split_errors():
     messages = {}
     c = tictactoe_tiny.get_config()
     c.mesh.data, c.mesh.fsdp, c.mesh.expert = 2, 2, 2
-    c.rollout.boards_per_step, c.rl.train_groups = 12, 0
+    c.rl.train_groups = 0
     for name, boards, sft_rows in (("boards", 12, 64), ("sft", 16, 12)):
         c.rollout.boards_per_step, c.sft.batch_size = boards, sft_rows
         try:

@@ -135,12 +135,11 @@ def describe_batch_ways(sizes: dict[str, int]) -> tuple[int, str]:
 
 def batch_axes_size(mesh: jax.sharding.Mesh) -> int:
     """How many ways a batch dimension is split on `mesh` (the product of the `BATCH_AXES` sizes)."""
-    return math.prod(mesh.shape[name] for name in BATCH_AXES)
+    return describe_batch_ways(dict(mesh.shape))[0]
 
 
 def check_batch_divides(batch_size: int, mesh: jax.sharding.Mesh, what: str = "batch") -> None:
     """Raises `MeshError` unless `batch_size` rows split evenly over the mesh's batch axes."""
-    n = batch_axes_size(mesh)
+    n, described = describe_batch_ways(dict(mesh.shape))
     if batch_size % n:
-        sizes = " x ".join(f"{name} {mesh.shape[name]}" for name in BATCH_AXES)
-        raise MeshError(f"{what} of {batch_size} rows does not divide over the mesh's batch axes ({sizes} = {n})")
+        raise MeshError(f"{what} of {batch_size} rows does not divide over the mesh's batch axes ({described})")
