@@ -11,6 +11,9 @@ the same process, the variants' steps interleaved round by round:
   no_topk_entropy    the entropy over the full vocabulary instead of the top 9 tokens
   all_mla            every layer MLA (no KDA layer)
   dense              every layer a dense SwiGLU MLP (no MoE)
+  common             the batch-wide common part of the prompts (38 of the move task's 60 tokens: system prompt,
+                     tool schema, "You are X.") encoded once per batch (`rl.share_common_prefix`)
+  64x4, *_common     fewer samples per board, with and without the common part shared
 
   JAX_PLATFORMS=cpu python benchmarks/train_step_cost.py [--reps 7] [--variants default,all_mla,...]
 
@@ -35,21 +38,28 @@ from configs import tictactoe_tiny  # noqa: E402
 from reno_jax import pipeline  # noqa: E402
 from reno_jax.rl import shared_prefix, trainer  # noqa: E402
 
-# name -> (boards, samples, prefix tokens, model.tiny overrides, entropy top-k or None for the config's)
+COMMON = 38  # leading tokens every move-task prompt shares
+
+# name -> (boards, samples, prefix tokens, model.tiny overrides, entropy top-k or None for the config's,
+#          tokens of the prefix shared by the whole batch and encoded once)
 VARIANTS = {
-    "default": (64, 8, 60, {}, None),
-    "32x16": (32, 16, 60, {}, None),
-    "128x4": (128, 4, 60, {}, None),
-    "prefix_20": (64, 8, 20, {}, None),
-    "no_topk_entropy": (64, 8, 60, {}, 0),
-    "all_mla": (64, 8, 60, {"layer_group_size": 1}, None),
-    "dense": (64, 8, 60, {"first_k_dense_replace": 3}, None),
+    "default": (64, 8, 60, {}, None, 0),
+    "32x16": (32, 16, 60, {}, None, 0),
+    "128x4": (128, 4, 60, {}, None, 0),
+    "prefix_20": (64, 8, 20, {}, None, 0),
+    "no_topk_entropy": (64, 8, 60, {}, 0, 0),
+    "all_mla": (64, 8, 60, {"layer_group_size": 1}, None, 0),
+    "dense": (64, 8, 60, {"first_k_dense_replace": 3}, None, 0),
+    "common": (64, 8, 60, {}, None, COMMON),
+    "64x4": (64, 4, 60, {}, None, 0),
+    "64x4_common": (64, 4, 60, {}, None, COMMON),
+    "128x4_common": (128, 4, 60, {}, None, COMMON),
 }
 
 
 def build(name: str, continuation: int):
     """(step, state, batch, figures) for one variant, compiled and run once."""
-    boards, group, prefix, overrides, top_k = VARIANTS[name]
+    boards, group, prefix, overrides, top_k, common = VARIANTS[name]
     c = tictactoe_tiny.get_config()
     for k, v in overrides.items():
         c.model.tiny[k] = v
@@ -65,16 +75,17 @@ def build(name: str, continuation: int):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model_config.vocab_size, (rows, length)).astype(np.int32)
     tokens[:, :prefix] = np.repeat(tokens[::group, :prefix], group, axis=0)
+    tokens[:, :common] = tokens[0, :common]
     batch = {"tokens": tokens, "valid": np.ones((rows, length), bool),
              "loss_mask": np.arange(length)[None, :].repeat(rows, 0) >= prefix,
              "old_logp": np.full((rows, length), -2.0, np.float32),
              "advantages": rng.normal(size=(rows,)).astype(np.float32),
              "entropy_scale": np.ones((rows,), np.float32)}
-    batch = shared_prefix.split_shared_prefix({k: jnp.asarray(v) for k, v in batch.items()}, prefix)
+    batch = shared_prefix.split_shared_prefix({k: jnp.asarray(v) for k, v in batch.items()}, prefix, common)
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
-    figures = {"boards": boards, "samples": group, "prefix": prefix, "continuation": continuation,
+    figures = {"boards": boards, "samples": group, "prefix": prefix, "common": common, "continuation": continuation,
                "compile_and_first_s": round(time.perf_counter() - t0, 2)}
     return step, state, batch, figures
 

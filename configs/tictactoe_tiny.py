@@ -67,11 +67,11 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- rollout ----------------------------------------------------------------------------------
   c.rollout = ml_collections.ConfigDict()
-  # 64 boards x 8 samples: the same 512 rows as 32 x 16, twice the boards per step (what the model's learning speed
-  # depends on, docs/benchmarks.md); the train step encodes each group's prompt once, so the step costs about the same.
-  c.rollout.boards_per_step = 64
-  c.rollout.group_size = 8       # samples per board (GSPO group)
-  c.rollout.max_new_tokens = 12  # per turn (a call is 7 tokens + turn end)
+  # 128 boards x 4 samples: the model learns from boards (docs/benchmarks.md), and with the prompts' common part
+  # encoded once per batch (rl.share_common_prefix) a board's own prompt costs 22 tokens.
+  c.rollout.boards_per_step = 128
+  c.rollout.group_size = 4       # samples per board (GSPO group)
+  c.rollout.max_new_tokens = 9   # per turn (a call is 7 tokens + turn end)
   c.rollout.max_turns = 1
   c.rollout.max_length = 0       # 0: prompt length + max_turns * (max_new_tokens + tool response)
   c.rollout.temperature = 1.0
@@ -115,6 +115,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.num_microbatches = 1
   c.rl.remat = False               # recompute layers in the backward pass (memory for speed; big models)
   c.rl.share_prompt_prefix = True  # encode each group's prompt once in the backward pass (exact, much cheaper)
+  c.rl.share_common_prefix = True  # ... and the part every prompt shares (system prompt, tool schema) once per batch
   c.rl.train_groups = 0          # 0: train on every group; N: only the N groups with the largest reward spread
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
   c.rl.routing_replay = False    # R3: the train forward replays the rollout's MoE expert choices (arXiv:2510.11370)

@@ -140,6 +140,8 @@ def validate_config(config) -> None:
     if trained > groups:
         raise ConfigError(f"--config.rl.train_groups={trained} is more than the "
                           f"--config.rollout.boards_per_step={groups} groups rolled out per step")
+    if config.rl.get("share_common_prefix", False) and not config.rl.get("share_prompt_prefix", False):
+        raise ConfigError("--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True")
     splits = int(config.rl.num_minibatches) * int(config.rl.num_microbatches)
     rows = trained * int(config.rollout.group_size)
     if rows % splits:
@@ -283,12 +285,18 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
                 raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
             replay = dict(prefix_replay=batch["prefix_routing"], replay=batch["routing"]) if (
                 recorded and routing_replay) else {}
+            if "common_tokens" in batch:
+                replay["common_tokens"] = batch["common_tokens"]
+                if recorded and routing_replay:
+                    replay["common_replay"] = batch["common_routing"]
             out = shared_prefix.shared_prefix_logits(params, model_config, batch["prefix_tokens"], tokens,
                                                      valid, group_size, remat=remat, return_routing=recorded,
                                                      **replay)
             logits, routing = out if recorded else (out, None)
             if recorded:
-                full_recorded = jnp.concatenate([batch["prefix_routing"], batch["routing"]], axis=1)
+                full_recorded = jnp.concatenate(
+                    ([batch["common_routing"]] if "common_tokens" in batch else [])
+                    + [batch["prefix_routing"], batch["routing"]], axis=1)
             targets, pad = tokens, 0
         else:
             out = ling3.forward(params, model_config, tokens, valid=valid, remat=remat, return_routing=recorded,
@@ -469,7 +477,8 @@ def learner_config(config) -> learner_lib.LearnerConfig:
         normalize_adv_std=bool(r.normalize_adv_std), forking_schedule=forking, num_steps=int(config.num_steps),
         forking_entropy_hold=float(r.get("forking_entropy_hold", 1.0)),
         forking_entropy_end=float(r.get("forking_entropy_end", 1.0)),
-        share_prompt_prefix=bool(r.get("share_prompt_prefix", False)), num_minibatches=int(r.num_minibatches),
+        share_prompt_prefix=bool(r.get("share_prompt_prefix", False)),
+        share_common_prefix=bool(r.get("share_common_prefix", False)), num_minibatches=int(r.num_minibatches),
         num_microbatches=int(r.num_microbatches))
 
 

@@ -214,6 +214,8 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
     ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
     ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
     ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
+    ("rl.share_prompt_prefix", False,
+     "--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True"),
 ])
 def test_config_errors_name_the_flag(field, value, needle, tmp_path):
     from reno_jax import pipeline

@@ -131,8 +131,10 @@ def toy_logp_fn(params, batch):
     """Bigram policy; a shared-prefix batch is scored on prefix + continuation and cut back to the continuation."""
     tokens, cut = batch["tokens"], 0
     if "prefix_tokens" in batch:
-        cut = batch["prefix_tokens"].shape[1]
-        tokens = jnp.concatenate([batch["prefix_tokens"], tokens], axis=1)
+        head = [batch["common_tokens"]] if "common_tokens" in batch else []
+        head.append(batch["prefix_tokens"])
+        cut = sum(h.shape[1] for h in head)
+        tokens = jnp.concatenate(head + [tokens], axis=1)
     lsm = jax.nn.log_softmax(params["w"][tokens[:, :-1]] + params["b"], axis=-1)
     logp = jnp.take_along_axis(lsm, tokens[:, 1:, None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.exp(lsm) * lsm, axis=-1)
@@ -146,6 +148,7 @@ def toy_trajectory(params, seed):
     prompt_len = np.repeat(rng.integers(3, 6, N), G).astype(np.int32)
     tokens = rng.integers(0, V, (N * G, L)).astype(np.int32)
     tokens[:, :6] = np.repeat(rng.integers(0, V, (N, 6)), G, axis=0)  # prompts (and more) shared by a group
+    tokens[:, :2] = rng.integers(0, V, 2)  # a "system prompt" every row shares
     ends = rng.integers(7, L + 1, N * G)
     pos = np.arange(L)[None, :]
     valid = pos < ends[:, None]
@@ -158,10 +161,11 @@ def toy_trajectory(params, seed):
                          prompt_length=jnp.asarray(prompt_len), group_id=jnp.asarray(np.arange(N * G) // G))
 
 
-def toy_learner(share_prefix, anchored, train_groups):
+def toy_learner(share_prefix, anchored, train_groups, share_common=False):
     cfg = learner.LearnerConfig(group_size=G, train_groups=train_groups, forking_schedule=True, num_steps=4,
                                 forking_entropy_hold=0.25, forking_entropy_end=0.9,
-                                share_prompt_prefix=share_prefix, num_microbatches=2)
+                                share_prompt_prefix=share_prefix, share_common_prefix=share_common,
+                                num_microbatches=2)
     loss = functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4)
     if anchored:
         loss, ref = losses.with_forking_kl(loss, 0.1), dict(ref_logp_fn=toy_logp_fn, ref_params=toy_params(1))
@@ -217,9 +221,11 @@ def host_reads_only_through_host_sync(monkeypatch):
         yield names
 
 
-@pytest.mark.parametrize("share_prefix, anchored, train_groups", [(True, True, 2), (False, False, 0)])
-def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, train_groups, monkeypatch):
-    _, opt, lrn = toy_learner(share_prefix, anchored, train_groups)
+@pytest.mark.parametrize("share_prefix, anchored, train_groups, share_common",
+                         [(True, True, 2, False), (False, False, 0, False), (True, False, 0, True)])
+def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, train_groups, share_common,
+                                                      monkeypatch):
+    _, opt, lrn = toy_learner(share_prefix, anchored, train_groups, share_common)
     params = toy_params()
     state = jax.device_put(trainer.create_train_state(params, opt, 0))
     trajs = [jax.device_put(toy_trajectory(params, seed)) for seed in range(3)]
@@ -243,6 +249,21 @@ def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, tr
     np.testing.assert_allclose(coef, 0.1 * 0.4 / 0.65, rtol=1e-6)
     if share_prefix:
         assert lrn.prefix_len == shortest  # the shortest prompt over the three steps
+        assert lrn.common_len == (2 if share_common else 0)
+
+
+def test_learner_step_with_a_common_prefix_equals_the_step_without():
+    """The batch-wide common part encoded once gives the same update as each group's whole prompt."""
+    params = toy_params()
+    traj = toy_trajectory(params, seed=0)
+    out = []
+    for share_common in (False, True):
+        _, opt, lrn = toy_learner(True, False, 0, share_common)
+        state, metrics = lrn.learner_step(trainer.create_train_state(toy_params(), opt, 0), traj)  # donated
+        out.append((state.params, float(metrics["train/loss"])))
+    np.testing.assert_allclose(out[1][1], out[0][1], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
 
 
 def test_learner_rejects_groups_that_do_not_split():
@@ -251,6 +272,8 @@ def test_learner_rejects_groups_that_do_not_split():
         cfg.check_num_groups(8)
     with pytest.raises(ValueError, match="group_size"):
         learner.LearnerConfig(group_size=0)
+    with pytest.raises(ValueError, match="share_common_prefix needs share_prompt_prefix"):
+        learner.LearnerConfig(group_size=4, share_common_prefix=True)
 
 
 # ---------------------------------------------------------------------------------------------- tiny Ling-3.0

@@ -203,6 +203,7 @@ def test_rollout_records_the_routing_of_every_fed_token():
 # ------------------------------------------------------------------------------------------------ train side
 
 N, G, S, C = 2, 2, 8, 6
+S0 = 3  # leading tokens every row shares (the batch-wide common part of a shared-prefix batch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,12 +211,14 @@ def group_batch():
     """N groups of G rows sharing an S-token prefix, ragged continuations, and a FOREIGN recorded routing (the
     prefix part identical within a group, as a rollout with a shared prompt prefill records it)."""
     prefix = jax.random.randint(jax.random.PRNGKey(1), (N, S), 0, CFG.vocab_size)
+    prefix = prefix.at[:, :S0].set(prefix[0, :S0])
     cont = jax.random.randint(jax.random.PRNGKey(2), (N * G, C), 0, CFG.vocab_size)
     tokens = jnp.concatenate([jnp.repeat(prefix, G, 0), cont], 1)
     lengths = jnp.array([C, 3] * N)
     valid = jnp.arange(S + C)[None] < (S + lengths)[:, None]
     routing = np.array(foreign_ids((N * G, S + C, N_MOE), 11))
     routing[:, :S] = np.repeat(routing[::G, :S], G, axis=0)
+    routing[:, :S0] = routing[0, :S0]
     routing[~np.asarray(valid)] = -1
     routing[0, S + 1] = -1  # one unrecorded position: normal routing there
     return {"tokens": tokens, "valid": valid, "loss_mask": valid & (jnp.arange(S + C)[None] >= S),
@@ -223,10 +226,12 @@ def group_batch():
             "advantages": jax.random.normal(jax.random.PRNGKey(3), (N * G,)), "routing": jnp.asarray(routing)}
 
 
-def test_shared_prefix_with_replay_equals_rowwise_with_replay():
+@pytest.mark.parametrize("common", [0, S0])
+def test_shared_prefix_with_replay_equals_rowwise_with_replay(common):
     p, batch = params(), group_batch()
-    sb = shared_prefix.split_shared_prefix(batch, S)
-    assert sb["prefix_routing"].shape == (N * G, S, N_MOE, K) and sb["routing"].shape == (N * G, C, N_MOE, K)
+    sb = shared_prefix.split_shared_prefix(batch, S, common)
+    assert sb["prefix_routing"].shape == (N * G, S - common, N_MOE, K)
+    assert sb["routing"].shape == (N * G, C, N_MOE, K)
     replay_fn = jax.jit(pipeline.make_logp_fn(CFG, group_size=G, routing_replay=True))
     plain_fn = jax.jit(pipeline.make_logp_fn(CFG, group_size=G))
     lp_row, _, st_row = replay_fn(p, batch)

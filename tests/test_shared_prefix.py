@@ -13,6 +13,7 @@ from reno_jax.models import ling3
 from reno_jax.rl import losses, shared_prefix, trainer
 
 N, G, S, C = 3, 4, 10, 7
+S0 = 4  # leading tokens every row shares (a system prompt), for the batch-wide level
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +21,7 @@ def setup():
     cfg = ling3.tiny_test_config(num_hidden_layers=2)  # KDA + dense MLP, MLA + MoE: every layer kind and cache
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     prefix = jax.random.randint(jax.random.PRNGKey(1), (N, S), 0, cfg.vocab_size)
+    prefix = prefix.at[:, :S0].set(prefix[0, :S0])
     cont = jax.random.randint(jax.random.PRNGKey(2), (N * G, C), 0, cfg.vocab_size)
     tokens = jnp.concatenate([jnp.repeat(prefix, G, 0), cont], 1)
     lengths = jnp.array([C, C - 2, 3, 1] * N)  # ragged continuations (left-aligned valid tokens)
@@ -39,12 +41,27 @@ def test_split_layout(setup):
     assert sb["advantages"].shape == (N * G,)
     with pytest.raises(ValueError, match="prefix_len"):
         shared_prefix.split_shared_prefix(batch, S + C)
+    sb = shared_prefix.split_shared_prefix(batch, S, S0)
+    assert sb["common_tokens"].shape == (N * G, S0) and sb["prefix_tokens"].shape == (N * G, S - S0)
+    np.testing.assert_array_equal(np.concatenate([sb["common_tokens"], sb["prefix_tokens"], sb["tokens"]], 1),
+                                  batch["tokens"])
+    with pytest.raises(ValueError, match="common_len must be in 0..prefix_len - 1 = 9, got 10"):
+        shared_prefix.split_shared_prefix(batch, S, S)
 
 
-def test_logp_entropy_and_grads_match_rowwise(setup):
+def test_common_prefix_length_counts_leading_columns_shared_by_every_row(setup):
+    from reno_jax.rl import learner
+    _, _, batch = setup
+    assert int(learner.common_prefix_length(batch["tokens"])) == S0
+    assert int(learner.common_prefix_length(batch["tokens"][:G])) == S  # one group: its whole prompt
+    assert int(learner.common_prefix_length(jnp.zeros((3, 5), jnp.int32))) == 5
+
+
+@pytest.mark.parametrize("common", [0, S0])
+def test_logp_entropy_and_grads_match_rowwise(setup, common):
     cfg, params, batch = setup
     fn = pipeline.make_logp_fn(cfg, group_size=G)
-    sb = shared_prefix.split_shared_prefix(batch, S)
+    sb = shared_prefix.split_shared_prefix(batch, S, common)
     w = jax.random.normal(jax.random.PRNGKey(4), (N * G, C))
     mask = batch["valid"][:, S:]
 
@@ -61,7 +78,8 @@ def test_logp_entropy_and_grads_match_rowwise(setup):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5 * (float(jnp.max(jnp.abs(a))) + 1e-6))
 
 
-def test_train_step_matches_rowwise(setup):
+@pytest.mark.parametrize("common", [0, S0])
+def test_train_step_matches_rowwise(setup, common):
     """One GSPO step with 3 micro-batches (whole groups each): same loss, metrics and new params."""
     cfg, params, batch = setup
     opt = optax.sgd(0.1)  # Adam's m / sqrt(v) would amplify rounding differences of near-zero gradients
@@ -70,7 +88,7 @@ def test_train_step_matches_rowwise(setup):
                                    donate=False)
     state = trainer.create_train_state(params, opt, 0)
     s_full, m_full = step(state, batch)
-    s_sh, m_sh = step(state, shared_prefix.split_shared_prefix(batch, S))
+    s_sh, m_sh = step(state, shared_prefix.split_shared_prefix(batch, S, common))
     for k in ("loss", "grad_norm"):
         np.testing.assert_allclose(float(m_sh[k]), float(m_full[k]), rtol=1e-4)
     for a, b in zip(jax.tree.leaves(s_full.params), jax.tree.leaves(s_sh.params)):

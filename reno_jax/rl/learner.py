@@ -18,7 +18,8 @@ Host syncs inside a step (everything else stays on the device; ``tests/test_lear
 ``jax.transfer_guard("disallow")`` with every other host read of a device value trapped), each read through
 ``host_sync(name, x)``:
 
-* ``SHORTEST_PROMPT_SYNC`` (only with ``share_prompt_prefix``): one int32 scalar, the batch's shortest prompt.
+* ``SHORTEST_PROMPT_SYNC`` (only with ``share_prompt_prefix``): one int32 scalar, the batch's shortest prompt
+  (two with ``share_common_prefix``: also how many leading tokens every row shares, read in the same transfer).
   The shared-prefix cut is an array *shape* (``prefix_tokens [B, S]``), so S must be a Python int; it is the
   running minimum over the run, so the train step recompiles only when a shorter prompt than any before shows up.
 * ``ROLLOUT_WAIT`` (only ``run_step(time_rollout=True)``; a ``jax.block_until_ready``, not a read): waits for the
@@ -50,6 +51,7 @@ from reno_jax.rl import losses, shared_prefix, trainer
 Array = jax.Array
 
 SHORTEST_PROMPT_SYNC = "shortest_prompt"
+COMMON_PREFIX = "common_prefix"  # read in the same sync as the shortest prompt
 ROLLOUT_WAIT = "rollout_wait"
 
 _INT32_MAX = 2**31 - 1
@@ -69,6 +71,8 @@ class LearnerConfig:
       forking KL read it as a multiplier of their coefficient.
     num_steps, forking_entropy_hold, forking_entropy_end: the schedule, see ``forking_entropy_schedule``.
     share_prompt_prefix: score each group with its prompt encoded once (``reno_jax.rl.shared_prefix``).
+    share_common_prefix: with ``share_prompt_prefix``, also encode the part every row of the batch shares (the
+      system prompt and tool schema) once for the whole batch.
     num_minibatches, num_microbatches: passed to ``trainer.make_train_step``.
     """
     group_size: int
@@ -79,6 +83,7 @@ class LearnerConfig:
     forking_entropy_hold: float = 1.0
     forking_entropy_end: float = 1.0
     share_prompt_prefix: bool = False
+    share_common_prefix: bool = False
     num_minibatches: int = 1
     num_microbatches: int = 1
 
@@ -89,6 +94,8 @@ class LearnerConfig:
             raise ValueError(f"train_groups must be >= 0 (0: every group), got {self.train_groups}")
         if self.num_minibatches < 1 or self.num_microbatches < 1:
             raise ValueError("num_minibatches and num_microbatches must be >= 1")
+        if self.share_common_prefix and not self.share_prompt_prefix:
+            raise ValueError("share_common_prefix needs share_prompt_prefix")
 
     def trained_groups(self, num_groups: int) -> int:
         """Groups trained on per step when `num_groups` are rolled out."""
@@ -250,6 +257,12 @@ def trajectory_fields(traj) -> dict:
     return fields
 
 
+def common_prefix_length(tokens: Array) -> Array:
+    """int32 []: how many leading columns of `tokens [B, L]` are the same in every row."""
+    same = jnp.all(tokens == tokens[:1], axis=0).astype(jnp.int32)
+    return jnp.sum(jnp.cumprod(same))
+
+
 def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[dict, dict]]:
     """`prepare_batch(traj, step) -> (batch, stats)`: two compiled programs, no host sync.
 
@@ -281,6 +294,8 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[di
         stats = {"informative_group_rate": informative}
         if config.share_prompt_prefix:  # over every rolled-out row, selected or not, as the cut always was
             stats[SHORTEST_PROMPT_SYNC] = jnp.min(fields["prompt_length"])
+        if config.share_common_prefix:
+            stats[COMMON_PREFIX] = common_prefix_length(fields["tokens"])
         return batch, stats
 
     def prepare_batch(traj, step):
@@ -340,14 +355,23 @@ class Learner:
             loss_batch_keys=("entropy_scale",) if config.forking_schedule else (), rollout_metrics=rollout_metrics,
             donate=donate)
         self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b)[0])
-        self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=1)
+        self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=(1, 2))
         self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far
+        self.common_len: int | None = None  # batch-wide common part: the shortest seen so far
 
-    def shared_prefix_len(self, stats: dict) -> int:
-        """SHORTEST_PROMPT_SYNC: reads this batch's shortest prompt to the host and returns the running minimum."""
-        shortest = int(host_sync(SHORTEST_PROMPT_SYNC, stats[SHORTEST_PROMPT_SYNC]))
+    def shared_prefix_len(self, stats: dict) -> tuple[int, int]:
+        """SHORTEST_PROMPT_SYNC: reads this batch's shortest prompt (and, with ``share_common_prefix``, the length
+        of the prefix every row shares) to the host; returns the running minima `(prefix_len, common_len)`,
+        `common_len < prefix_len` (0 without ``share_common_prefix``)."""
+        if self.config.share_common_prefix:
+            shortest, common = (int(x) for x in host_sync(
+                SHORTEST_PROMPT_SYNC, (stats[SHORTEST_PROMPT_SYNC], stats[COMMON_PREFIX])))
+        else:
+            shortest, common = int(host_sync(SHORTEST_PROMPT_SYNC, stats[SHORTEST_PROMPT_SYNC])), 0
         self.prefix_len = shortest if self.prefix_len is None else min(self.prefix_len, shortest)
-        return self.prefix_len
+        common = min(common, self.prefix_len - 1)
+        self.common_len = common if self.common_len is None else min(self.common_len, common)
+        return self.prefix_len, self.common_len
 
     def learner_step(self, state: trainer.TrainState, traj) -> tuple[trainer.TrainState, dict]:
         """Trains on one trajectory; returns the new state and the step's metrics (device float32 scalars).
@@ -357,7 +381,7 @@ class Learner:
         """
         batch, stats = self.prepare_batch(traj, state.step)
         if self.config.share_prompt_prefix:
-            batch = self._split(batch, self.shared_prefix_len(stats))
+            batch = self._split(batch, *self.shared_prefix_len(stats))
         if self._ref_logp is not None:
             batch["ref_logp"] = self._ref_logp(self.ref_params, batch)
         state, train_metrics = self.train_step(state, batch)

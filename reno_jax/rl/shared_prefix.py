@@ -13,6 +13,13 @@ Rows `g*G .. g*G + G-1` must be one group and agree on their first S tokens, all
 row's prompt length). `B` stays the leading dimension of every entry, so the trainer's minibatch / micro-batch
 split applies unchanged as long as each piece holds whole groups. A recorded rollout routing (`routing [B, L,
 n_moe, K]`, routing replay) is cut the same way: `prefix_routing [B, S, n_moe, K]` and `routing [B, L - S, ...]`.
+
+A second level: the part every row of the batch shares (a system prompt and tool schema, the same for every
+episode of an environment) can be encoded once for the whole batch. `split_shared_prefix(batch, prefix_len,
+common_len=C)` then also cuts `common_tokens [B, C]` (only row 0 is read) and `prefix_tokens` becomes the
+group part `[B, S - C]`; routing likewise (`common_routing`). The common part runs once, its cache is repeated
+over the groups, each group's part runs once and its cache is repeated over the group's rows. For the move task
+(a 60-token prompt of which ~47 are the same for every board) this encodes 13 prompt tokens per group.
 """
 
 from __future__ import annotations
@@ -25,16 +32,26 @@ from reno_jax.models import ling3
 ROW_KEYS = ("tokens", "valid", "loss_mask", "old_logp", "ref_logp", "routing")
 
 
-def split_shared_prefix(batch: dict, prefix_len: int) -> dict:
-    """Row-wise batch -> shared-prefix batch (see module docstring); `prefix_len` is static (an int)."""
-    s = int(prefix_len)
+def split_shared_prefix(batch: dict, prefix_len: int, common_len: int = 0) -> dict:
+    """Row-wise batch -> shared-prefix batch (see module docstring); `prefix_len` and `common_len` are static.
+
+    `common_len` > 0 (it must be < `prefix_len`): the first `common_len` tokens, the same in every row, go to
+    `common_tokens` and the group part `prefix_tokens` starts after them.
+    """
+    s, c0 = int(prefix_len), int(common_len)
     length = batch["tokens"].shape[1]
     if not 0 < s < length:
         raise ValueError(f"prefix_len must be in 1..{length - 1}, got {s}")
+    if not 0 <= c0 < s:
+        raise ValueError(f"common_len must be in 0..prefix_len - 1 = {s - 1}, got {c0}")
     out = dict(batch)
-    out["prefix_tokens"] = batch["tokens"][:, :s]
+    out["prefix_tokens"] = batch["tokens"][:, c0:s]
+    if c0:
+        out["common_tokens"] = batch["tokens"][:, :c0]
     if "routing" in batch:
-        out["prefix_routing"] = batch["routing"][:, :s]
+        out["prefix_routing"] = batch["routing"][:, c0:s]
+        if c0:
+            out["common_routing"] = batch["routing"][:, :c0]
     for k in ROW_KEYS:
         if k in batch:
             out[k] = batch[k][:, s:]
@@ -44,7 +61,8 @@ def split_shared_prefix(batch: dict, prefix_len: int) -> dict:
 def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.Array, tokens: jax.Array,
                          valid: jax.Array | None, group_size: int, remat: bool = False,
                          prefix_replay: jax.Array | None = None, replay: jax.Array | None = None,
-                         return_routing: bool = False):
+                         return_routing: bool = False, common_tokens: jax.Array | None = None,
+                         common_replay: jax.Array | None = None):
     """Next-token logits for a shared-prefix batch.
 
     Args:
@@ -54,8 +72,10 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
       remat: recompute each decoder layer in the backward pass (`ling3.forward(remat=True)`).
       prefix_replay / replay: optional routing to replay (`ling3.forward(replay_experts=...)`), `int [B, S, n_moe,
         K]` (every G-th row is read, like the prefix) and `int [B, C, n_moe, K]`.
-      return_routing: also return the `ling3.Routing` of the whole rows, `[B, S + C, n_moe, K]` (the prefix's
-        routing repeated over its group).
+      return_routing: also return the `ling3.Routing` of the whole rows, `[B, S0 + S + C, n_moe, K]` (the
+        prefix's routing repeated over its group, the common part's over the batch).
+      common_tokens: optional `int [B, S0]`, the part every row shares, placed before `prefix_tokens` (only row 0
+        is read; `split_shared_prefix(..., common_len=S0)`); `common_replay` its routing to replay.
 
     Returns:
       `float32 [B, C, V]`: `logits[:, t]` scores `tokens[:, t]` given the prefix and `tokens[:, :t]`.
@@ -66,8 +86,15 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
         raise ValueError(f"batch of {b} rows is not a whole number of groups of {g}")
     prefix = prefix_tokens[::g]  # [N, S]
     n, s = prefix.shape
-    cache = ling3.init_cache(config, n, s + c, dtype=params["model"]["word_embeddings"]["embedding"].dtype)
+    s0 = 0 if common_tokens is None else common_tokens.shape[1]
+    dtype = params["model"]["word_embeddings"]["embedding"].dtype
     kw = dict(remat=remat, return_routing=return_routing)
+    if s0:
+        common_out = ling3.forward(params, config, common_tokens[:1], ling3.init_cache(config, 1, s0 + s + c, dtype),
+                                   replay_experts=None if common_replay is None else common_replay[:1], **kw)
+        cache = jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), common_out[1])
+    else:
+        cache = ling3.init_cache(config, n, s + c, dtype=dtype)
     prefix_out = ling3.forward(params, config, prefix, cache, replay_experts=None if prefix_replay is None
                                else prefix_replay[::g], **kw)
     prefix_logits, cache = prefix_out[:2]
@@ -79,4 +106,7 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
         return logits
     routing = jax.tree.map(lambda p, q: jnp.concatenate([jnp.repeat(p, g, axis=0), q], axis=1),
                            prefix_out[-1], cont_out[-1])
+    if s0:
+        routing = jax.tree.map(lambda p, q: jnp.concatenate([jnp.repeat(p, b, axis=0), q], axis=1),
+                               common_out[-1], routing)
     return logits, routing
