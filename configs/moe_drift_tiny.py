@@ -32,7 +32,6 @@ def get_config():
   # Score whole rows in one full-sequence forward: the shared-prefix path (prompt cached in bf16, then the
   # continuation) follows the rollout's program so closely that its routing hardly ever differs (docs/benchmarks.md).
   c.rl.share_prompt_prefix = False
-  c.rl.share_common_prefix = False
   c.rl.learning_rate = 1e-3        # 3e-3 (the default's) collapsed the call format of this bf16 model by step ~19
   c.rl.end_learning_rate = 1e-4
   c.rl.routing_replay = False

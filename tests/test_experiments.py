@@ -214,8 +214,6 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
     ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
     ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
     ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
-    ("rl.share_prompt_prefix", False,
-     "--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True"),
 ])
 def test_config_errors_name_the_flag(field, value, needle, tmp_path):
     from reno_jax import pipeline
@@ -225,6 +223,16 @@ def test_config_errors_name_the_flag(field, value, needle, tmp_path):
     with pytest.raises(pipeline.ConfigError) as info:
         train_tictactoe.train(c, str(tmp_path / "w"))
     assert needle in str(info.value)
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
+    from reno_jax import pipeline
+    c = short_config(2)
+    c.rl.share_prompt_prefix, c.rl.share_common_prefix = False, True
+    with pytest.raises(pipeline.ConfigError, match="--config.rl.share_common_prefix=True needs "
+                                                    "--config.rl.share_prompt_prefix=True"):
+        train_tictactoe.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w")
 
 

@@ -290,6 +290,7 @@ def test_tiny_ling3_run_steps():
     c.rollout.boards_per_step = 2
     c.rollout.group_size = 4
     c.rl.train_groups = 1
+    c.rl.share_common_prefix = True  # the system prompt every row shares, encoded once per batch
     tokenizer = pipeline.build_tokenizer(c)
     model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)
     env = pipeline.make_compiled_env(c, tokenizer, model_config)
@@ -310,7 +311,9 @@ def test_tiny_ling3_run_steps():
                   "train/rollout_logp_abs_diff_mean", "rollout/informative_group_rate"):
             assert np.isfinite(metrics[k]), k
         assert metrics["train/skipped"] == 0
+        assert metrics["train/rollout_logp_abs_diff_mean"] < 1e-4  # the train forward scores what was sampled
     assert int(state.step) == 3 and lrn.prefix_len == int(np.min(np.asarray(traj.prompt_length)))
+    assert 38 <= lrn.common_len < lrn.prefix_len  # system prompt, tool schema and "You are X." at least
     # The last step trained at step 2 of 3 (hold 0.5, end 0.8): on the ramp.
     assert np.float32(metrics["train/forking_entropy_coef"]) == np.float32(
         np.float32(0.1) * np.float32(host_forking_entropy_scale(2, 3, 0.5, 0.8)))
