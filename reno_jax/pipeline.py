@@ -283,15 +283,15 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
                 raise ValueError("soft targets are not supported with a shared-prefix batch")
             if group_size is None:
                 raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
-            replay = dict(prefix_replay=batch["prefix_routing"], replay=batch["routing"]) if (
+            parts = dict(prefix_replay=batch["prefix_routing"], replay=batch["routing"]) if (
                 recorded and routing_replay) else {}
             if "common_tokens" in batch:
-                replay["common_tokens"] = batch["common_tokens"]
+                parts["common_tokens"] = batch["common_tokens"]
                 if recorded and routing_replay:
-                    replay["common_replay"] = batch["common_routing"]
+                    parts["common_replay"] = batch["common_routing"]
             out = shared_prefix.shared_prefix_logits(params, model_config, batch["prefix_tokens"], tokens,
                                                      valid, group_size, remat=remat, return_routing=recorded,
-                                                     **replay)
+                                                     **parts)
             logits, routing = out if recorded else (out, None)
             if recorded:
                 full_recorded = jnp.concatenate(
