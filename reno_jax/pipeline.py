@@ -142,6 +142,12 @@ def validate_config(config) -> None:
                           f"--config.rollout.boards_per_step={groups} groups rolled out per step")
     if config.rl.get("share_common_prefix", False) and not config.rl.get("share_prompt_prefix", False):
         raise ConfigError("--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True")
+    shift = float(config.rl.get("max_logp_shift", 0.0))
+    if not shift >= 0.0:
+        raise ConfigError(f"--config.rl.max_logp_shift must be >= 0 (0: off), got {shift}")
+    probe = int(config.rl.get("shift_probe_groups", 8))
+    if shift and probe < 1:
+        raise ConfigError(f"--config.rl.shift_probe_groups must be >= 1, got {probe}")
     splits = int(config.rl.num_minibatches) * int(config.rl.num_microbatches)
     rows = trained * int(config.rollout.group_size)
     if rows % splits:
@@ -479,7 +485,11 @@ def learner_config(config) -> learner_lib.LearnerConfig:
         forking_entropy_end=float(r.get("forking_entropy_end", 1.0)),
         share_prompt_prefix=bool(r.get("share_prompt_prefix", False)),
         share_common_prefix=bool(r.get("share_common_prefix", False)), num_minibatches=int(r.num_minibatches),
-        num_microbatches=int(r.num_microbatches))
+        num_microbatches=int(r.num_microbatches), max_logp_shift=float(r.get("max_logp_shift", 0.0)),
+        # the probe is the first groups of a micro-batch: at most the groups one holds
+        shift_probe_groups=max(1, min(int(r.get("shift_probe_groups", 8)),
+                                      (int(r.get("train_groups", 0)) or int(config.rollout.boards_per_step))
+                                      // (int(r.num_minibatches) * int(r.num_microbatches)))))
 
 
 def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:

@@ -236,6 +236,19 @@ def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
     assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize("name,value,needle", [
+    ("max_logp_shift", -0.1, "--config.rl.max_logp_shift must be >= 0"),
+    ("shift_probe_groups", 0, "--config.rl.shift_probe_groups must be >= 1"),
+])
+def test_update_guard_flags_are_checked(tmp_path, name, value, needle):
+    from reno_jax import pipeline
+    c = short_config(2)
+    c.rl[name] = value
+    with pytest.raises(pipeline.ConfigError, match=needle.replace(".", r"\.")):
+        train_tictactoe.train(c, str(tmp_path / "w"))
+    assert not os.path.exists(tmp_path / "w")
+
+
 def test_load_run_errors_and_abstract_restore_target(run_dir, tmp_path):
     from reno_jax import pipeline
     import shutil

@@ -346,3 +346,59 @@ def test_compressed_adam_init_is_quantized_zeros():
             for a, b in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------------------------- update guard
+
+def _probe_shift(params, batch, rows):
+    probe = {k: v[:rows] for k, v in batch.items()}
+    logp, _ = toy_logp_fn(params, probe)
+    m = probe["loss_mask"]
+    return float(jnp.sum(jnp.where(m, jnp.abs(logp - probe["old_logp"]), 0.0)) / max(int(m.sum()), 1))
+
+
+@pytest.mark.parametrize("lr", [1e-4, 1e-2, 3.0])
+def test_update_guard_halves_large_updates(lr):
+    """A step whose update moves the probe rows' log-probs by more than `max_logp_shift` is halved until it does
+    not (or dropped after `shift_backtracks` halvings); a small one is applied unchanged, bit for bit."""
+    limit, rows, backtracks = 0.05, 4, 3
+    opt = optax.sgd(lr)
+    plain = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, donate=False)
+    guarded = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, donate=False, max_logp_shift=limit,
+                                      shift_probe_rows=rows, shift_backtracks=backtracks)
+    state = trainer.create_train_state(toy_params(), opt, 0)
+    batch = make_batch(state.params, ragged=False)
+    s_plain, _ = plain(state, batch)
+    s_guard, m = guarded(state, batch)
+    full_shift = _probe_shift(s_plain.params, batch, rows)
+    np.testing.assert_allclose(float(m["logp_shift"]), full_shift, rtol=1e-5, atol=1e-7)
+    scale = float(m["update_scale"])
+    if full_shift <= limit:
+        assert scale == 1.0
+        chex.assert_trees_all_equal(s_guard.params, s_plain.params)
+        return
+    assert scale in [0.5 ** k for k in range(1, backtracks + 1)] + [0.0]
+    # SGD: the update is linear in the gradient, so the applied params are exactly the scaled update.
+    expected = jax.tree.map(lambda p, q: p + scale * (q - p), state.params, s_plain.params)
+    chex.assert_trees_all_close(s_guard.params, expected, atol=1e-6)
+    if scale > 0:
+        assert _probe_shift(s_guard.params, batch, rows) <= limit * (1 + 1e-5)
+        # ... and the step before the last halving was over the limit (it halves only as far as it must).
+        over = jax.tree.map(lambda p, q: p + 2 * scale * (q - p), state.params, s_plain.params)
+        assert scale == 0.5 ** backtracks or _probe_shift(over, batch, rows) > limit or scale == 0.5
+    else:
+        last = jax.tree.map(lambda p, q: p + 0.5 ** backtracks * (q - p), state.params, s_plain.params)
+        assert _probe_shift(last, batch, rows) > limit
+
+
+def test_update_guard_flags():
+    opt = optax.sgd(0.1)
+    with pytest.raises(ValueError, match="max_logp_shift must be >= 0"):
+        trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, max_logp_shift=-1.0)
+    with pytest.raises(ValueError, match="shift_probe_rows >= 1"):
+        trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, max_logp_shift=0.1)
+    step = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, max_logp_shift=0.1, shift_probe_rows=B + 1,
+                                   donate=False)
+    state = trainer.create_train_state(toy_params(), opt, 0)
+    with pytest.raises(ValueError, match="exceeds the micro-batch"):
+        step(state, make_batch(state.params))

@@ -74,6 +74,8 @@ class LearnerConfig:
     share_common_prefix: with ``share_prompt_prefix``, also encode the part every row of the batch shares (the
       system prompt and tool schema) once for the whole batch.
     num_minibatches, num_microbatches: passed to ``trainer.make_train_step``.
+    max_logp_shift, shift_probe_groups: the update guard of ``trainer.make_train_step`` (0: off), probing the
+      first ``shift_probe_groups`` groups of each minibatch.
     """
     group_size: int
     train_groups: int = 0
@@ -86,6 +88,8 @@ class LearnerConfig:
     share_common_prefix: bool = False
     num_minibatches: int = 1
     num_microbatches: int = 1
+    max_logp_shift: float = 0.0
+    shift_probe_groups: int = 8
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -96,6 +100,9 @@ class LearnerConfig:
             raise ValueError("num_minibatches and num_microbatches must be >= 1")
         if self.share_common_prefix and not self.share_prompt_prefix:
             raise ValueError("share_common_prefix needs share_prompt_prefix")
+        if not self.max_logp_shift >= 0.0 or self.shift_probe_groups < 1:
+            raise ValueError(f"max_logp_shift must be >= 0 and shift_probe_groups >= 1, got {self.max_logp_shift}, "
+                             f"{self.shift_probe_groups}")
 
     def trained_groups(self, num_groups: int) -> int:
         """Groups trained on per step when `num_groups` are rolled out."""
@@ -353,7 +360,8 @@ class Learner:
             logp_fn, loss_fn, optimizer, num_minibatches=config.num_minibatches,
             num_microbatches=config.num_microbatches,
             loss_batch_keys=("entropy_scale",) if config.forking_schedule else (), rollout_metrics=rollout_metrics,
-            donate=donate)
+            donate=donate, max_logp_shift=config.max_logp_shift,
+            shift_probe_rows=config.shift_probe_groups * config.group_size)
         self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b)[0])
         self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=(1, 2))
         self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far

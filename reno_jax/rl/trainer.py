@@ -337,7 +337,8 @@ def _reduce_kind(name):
 
 def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.GradientTransformation,
                     num_minibatches: int = 1, num_microbatches: int = 1, *, shuffle: bool = False,
-                    donate: bool = True, loss_batch_keys: Sequence[str] = (), rollout_metrics: bool = False
+                    donate: bool = True, loss_batch_keys: Sequence[str] = (), rollout_metrics: bool = False,
+                    max_logp_shift: float = 0.0, shift_probe_rows: int = 0, shift_backtracks: int = 4
                     ) -> Callable[[TrainState, Mapping[str, Array]], tuple[TrainState, dict]]:
     """Builds ``train_step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
 
@@ -368,6 +369,15 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         ``routing_agreement``. They come from the FIRST minibatch only, whose micro-batches all run before any
         update (later minibatches mix in the policy's own change); no extra forward: they reuse the logp the
         loss sees.
+      max_logp_shift: > 0: a backtracking guard on each update. A normal-sized Adam step can flip a token the
+        policy was sure of (a format token at p = 0.9999 -> 0.0001 in one step, measured) and no gradient
+        opposes it before the damage is sampled. After each update the first ``shift_probe_rows`` rows of the
+        minibatch are scored with the new params; while the mean over their policy tokens of |new logp -
+        ``old_logp``| exceeds ``max_logp_shift``, the update is halved (up to ``shift_backtracks`` times, then
+        not applied; the optimizer moments keep the gradient either way). Costs one probe forward per update
+        (plus one per halving). Metrics ``logp_shift`` (of the whole, unhalved update) and ``update_scale`` (applied).
+      shift_probe_rows: rows of the probe, a whole number of groups for a shared-prefix batch (its first rows
+        are then whole groups); must divide into a micro-batch.
 
     ``batch``: dict of arrays with leading dimension B (divisible by M*K), at least ``tokens [B, L]``,
     ``loss_mask [B, L]``, ``old_logp [B, L]``, ``advantages [B]`` (optional ``ref_logp [B, L]`` and anything
@@ -385,6 +395,43 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     loss_batch_keys = tuple(loss_batch_keys)
     if num_minibatches < 1 or num_microbatches < 1:
         raise ValueError("num_minibatches and num_microbatches must be >= 1")
+    max_logp_shift = float(max_logp_shift)
+    if not max_logp_shift >= 0.0:
+        raise ValueError(f"max_logp_shift must be >= 0 (0: off), got {max_logp_shift}")
+    if max_logp_shift and (int(shift_probe_rows) < 1 or int(shift_backtracks) < 0):
+        raise ValueError(f"max_logp_shift needs shift_probe_rows >= 1 and shift_backtracks >= 0, got "
+                         f"{shift_probe_rows}, {shift_backtracks}")
+
+    def logp_shift(params, probe):
+        """Mean |logp - old_logp| over the probe's policy tokens (float32 [])."""
+        logp = jax.lax.stop_gradient(logp_fn(params, probe)[0])
+        mask = probe["loss_mask"].astype(jnp.float32)
+        return jnp.sum(jnp.abs(logp - probe["old_logp"]) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    def guarded_params(params, updates, micro):
+        """(new params, applied scale, shift of the whole update): the update halved until the probe's shift is
+        within bounds."""
+        rows = int(shift_probe_rows)
+        if rows > micro["tokens"].shape[1]:
+            raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro['tokens'].shape[1]} rows)")
+        probe = jax.tree.map(lambda x: x[0, :rows] if jnp.ndim(x) > 1 else x, micro)
+        probe = jax.tree.map(lambda x: constraints.constrain_rows(x) if jnp.ndim(x) else x, probe)
+        apply = lambda scale: optax.apply_updates(params, jax.tree.map(lambda u: (u * scale).astype(u.dtype),
+                                                                         updates))
+
+        def cond(c):
+            scale, shift, tries = c
+            return (shift > max_logp_shift) & (tries < int(shift_backtracks))
+
+        def body(c):
+            scale, _, tries = c
+            scale = scale * 0.5
+            return scale, logp_shift(apply(scale), probe), tries + 1
+
+        first = logp_shift(apply(jnp.float32(1.0)), probe)
+        scale, shift, _ = jax.lax.while_loop(cond, body, (jnp.float32(1.0), first, jnp.int32(0)))
+        scale = jnp.where(shift > max_logp_shift, jnp.float32(0.0), scale)
+        return apply(scale), scale, first
 
     def loss_and_metrics(params, mb):
         out = logp_fn(params, mb)
@@ -472,11 +519,16 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
             grad_norm = optax.tree.norm(grads)
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
+            guard = {}
+            if max_logp_shift:
+                new_params, scale, shift = guarded_params(params, updates, micro)
+                guard = {"update_scale": scale, "logp_shift": shift}
+            else:
+                new_params = optax.apply_updates(params, updates)
             # Select, not branch: a skipped update returns the old buffers bit-for-bit.
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
             carry = (keep(new_params, params), keep(new_opt_state, opt_state), skipped + (~ok).astype(jnp.int32))
-            metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
+            metrics = dict(metrics, loss=loss, grad_norm=grad_norm, **guard)
             return carry, (metrics, extra)
 
         (params, opt_state, skipped), (mets, extras) = jax.lax.scan(
