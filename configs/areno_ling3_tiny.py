@@ -16,6 +16,8 @@ def get_config():
   c = tictactoe_tiny.get_config()
   c.env.max_random_moves = 6  # AReno's boards
   c.num_steps = 400
+  c.rl.share_common_prefix = False  # the recorded curves were made without these two
+  c.rl.max_logp_shift = 0.0
   c.model.path = ""  # required: --config.model.path=/path/to/Ling-3.0-tiny
   c.model.dtype = "bfloat16"
   c.sft.num_steps = 0  # a real checkpoint already knows the call format

@@ -26,6 +26,8 @@ from configs import tictactoe_tiny
 def get_config():
   c = tictactoe_tiny.get_config()
   c.num_steps = 20
+  c.rl.share_common_prefix = False  # the recorded curves were made without these two
+  c.rl.max_logp_shift = 0.0
 
   # --- environment (reno_jax.envs.connect4.env.Connect4Env / sample_starts) --------------------------------
   c.env = ml_collections.ConfigDict()  # none of tic-tac-toe's board-dataset fields apply

@@ -12,7 +12,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.num_steps = 600
+  c.num_steps = 800
 
   # --- policy model -------------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
@@ -112,13 +112,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.b1 = 0.9
   c.rl.b2 = 0.999
   c.rl.clip_norm = 1.0
+  # Update guard: after each update the first `shift_probe_groups` groups are scored again; an update that moves
+  # their sampled tokens' log-probs by more than this (mean |delta logp| per token) is halved until it does not,
+  # because a normal-sized step can flip a format token the policy was sure of (docs/benchmarks.md). 0: off.
+  c.rl.max_logp_shift = 0.2
+  c.rl.shift_probe_groups = 8
   c.rl.num_minibatches = 1       # optimiser steps per rollout batch
   c.rl.num_microbatches = 1
   c.rl.remat = False               # recompute layers in the backward pass (memory for speed; big models)
   c.rl.share_prompt_prefix = True  # encode each group's prompt once in the backward pass (exact, much cheaper)
-  # ... and the part every prompt shares (system prompt, tool schema) once per batch: exact to float32 rounding, a
-  # third of the step at 4 samples per board; off here so that the recorded seed table stays the default's.
-  c.rl.share_common_prefix = False
+  # ... and the part every prompt shares (system prompt, tool schema) once per batch: exact to float32 rounding,
+  # 15% of this step.
+  c.rl.share_common_prefix = True
   c.rl.train_groups = 0          # 0: train on every group; N: only the N groups with the largest reward spread
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
   c.rl.routing_replay = False    # R3: the train forward replays the rollout's MoE expert choices (arXiv:2510.11370)

@@ -20,6 +20,8 @@ def get_config():
   c.rollout.max_turns = 5          # X makes at most 5 moves
   c.rollout.max_new_tokens = 12  # a call is 7 tokens + turn end
   c.num_steps = 150
+  c.rl.share_common_prefix = False  # the recorded curves were made without these two
+  c.rl.max_logp_shift = 0.0
   # Warm start on whole games of random legal moves (format only), scored against the random legal policy's
   # whole distribution at each square token (`sft.soft_targets`): reading the latest board out of a multi-turn
   # conversation is what this small model finds hard, and soft targets teach it from every legal square at once.
