@@ -377,7 +377,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         not applied; the optimizer moments keep the gradient either way). Costs one probe forward per update
         (plus one per halving). Metrics ``logp_shift`` (of the whole, unhalved update) and ``update_scale`` (applied).
       shift_probe_rows: rows of the probe, a whole number of groups for a shared-prefix batch (its first rows
-        are then whole groups); must divide into a micro-batch.
+        are then whole groups); at most a micro-batch's rows (a ValueError at trace time otherwise).
 
     ``batch``: dict of arrays with leading dimension B (divisible by M*K), at least ``tokens [B, L]``,
     ``loss_mask [B, L]``, ``old_logp [B, L]``, ``advantages [B]`` (optional ``ref_logp [B, L]`` and anything
