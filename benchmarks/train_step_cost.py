@@ -14,6 +14,11 @@ the same process, the variants' steps interleaved round by round:
   common             the batch-wide common part of the prompts (38 of the move task's 60 tokens: system prompt,
                      tool schema, "You are X.") encoded once per batch (`rl.share_common_prefix`)
   64x4, *_common     fewer samples per board, with and without the common part shared
+  common_guard       `common` with the update guard (`rl.max_logp_shift=0.2` on 8 groups): the committed default's
+                     step. The batch's old log-probs are the model's own, so an update moves them by a normal amount
+  common_guard_worst the same, but every update fails the guard (old log-probs -2): 4 halvings, then dropped
+
+Every timed step starts from the same (copied) train state, so the guard variants see one update's shift.
 
   JAX_PLATFORMS=cpu python benchmarks/train_step_cost.py [--reps 7] [--variants default,all_mla,...]
 
@@ -41,7 +46,9 @@ from reno_jax.rl import shared_prefix, trainer  # noqa: E402
 COMMON = 38  # leading tokens every move-task prompt shares
 
 # name -> (boards, samples, prefix tokens, model.tiny overrides, entropy top-k or None for the config's,
-#          tokens of the prefix shared by the whole batch and encoded once)
+#          tokens of the prefix shared by the whole batch and encoded once[, update guard: (max_logp_shift,
+#          probe groups, old log-probs "own" or "far")])
+GUARD = (0.2, 8, "own")
 VARIANTS = {
     "default": (64, 8, 60, {}, None, 0),
     "32x16": (32, 16, 60, {}, None, 0),
@@ -54,12 +61,15 @@ VARIANTS = {
     "64x4": (64, 4, 60, {}, None, 0),
     "64x4_common": (64, 4, 60, {}, None, COMMON),
     "128x4_common": (128, 4, 60, {}, None, COMMON),
+    "common_guard": (64, 8, 60, {}, None, COMMON, GUARD),
+    "common_guard_worst": (64, 8, 60, {}, None, COMMON, (0.2, 8, "far")),
 }
 
 
 def build(name: str, continuation: int):
     """(step, state, batch, figures) for one variant, compiled and run once."""
-    boards, group, prefix, overrides, top_k, common = VARIANTS[name]
+    boards, group, prefix, overrides, top_k, common, *guard = VARIANTS[name]
+    max_shift, probe_groups, old = guard[0] if guard else (0.0, 0, None)
     c = tictactoe_tiny.get_config()
     for k, v in overrides.items():
         c.model.tiny[k] = v
@@ -68,9 +78,9 @@ def build(name: str, continuation: int):
     model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)
     optimizer = pipeline.make_optimizer(c)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
-    step = trainer.make_train_step(pipeline.make_logp_fn(model_config, group_size=group, entropy_top_k=top_k),
-                                   pipeline.make_loss_fn(c), optimizer, loss_batch_keys=("entropy_scale",),
-                                   donate=True)
+    logp_fn = pipeline.make_logp_fn(model_config, group_size=group, entropy_top_k=top_k)
+    step = trainer.make_train_step(logp_fn, pipeline.make_loss_fn(c), optimizer, loss_batch_keys=("entropy_scale",),
+                                   donate=True, max_logp_shift=max_shift, shift_probe_rows=probe_groups * group)
     rows, length = boards * group, prefix + continuation
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model_config.vocab_size, (rows, length)).astype(np.int32)
@@ -82,12 +92,19 @@ def build(name: str, continuation: int):
              "advantages": rng.normal(size=(rows,)).astype(np.float32),
              "entropy_scale": np.ones((rows,), np.float32)}
     batch = shared_prefix.split_shared_prefix({k: jnp.asarray(v) for k, v in batch.items()}, prefix, common)
+    if old == "own":
+        batch["old_logp"] = jax.jit(lambda p, b: logp_fn(p, b)[0])(params, batch)
+    initial = jax.tree.map(jnp.copy, state)
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     figures = {"boards": boards, "samples": group, "prefix": prefix, "common": common, "continuation": continuation,
                "compile_and_first_s": round(time.perf_counter() - t0, 2)}
-    return step, state, batch, figures
+    if max_shift:
+        figures.update(max_logp_shift=max_shift, probe_rows=probe_groups * group,
+                       logp_shift=round(float(metrics["logp_shift"]), 4),
+                       update_scale=float(metrics["update_scale"]))
+    return step, initial, batch, figures
 
 
 def main():
@@ -112,12 +129,12 @@ def main():
     times = {name: [] for name in names}
     for _ in range(args.reps):
         for name in names:
-            step, state, batch, _ = built[name]
+            step, initial, batch, _ = built[name]
+            state = jax.block_until_ready(jax.tree.map(jnp.copy, initial))  # the step donates what it gets
             t0 = time.perf_counter()
             state, metrics = step(state, batch)
             jax.block_until_ready(metrics)
             times[name].append(time.perf_counter() - t0)
-            built[name][1] = state
     for name in names:
         r = dict(built[name][3], step_s=round(float(np.median(times[name])), 3),
                  step_s_min=round(float(np.min(times[name])), 3))

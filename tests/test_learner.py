@@ -291,6 +291,7 @@ def test_tiny_ling3_run_steps():
     c.rollout.group_size = 4
     c.rl.train_groups = 1
     c.rl.share_common_prefix = True  # the system prompt every row shares, encoded once per batch
+    c.rl.max_logp_shift = 0.0  # the update guard has its own tests (tests/test_trainer.py); it adds compile time
     tokenizer = pipeline.build_tokenizer(c)
     model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)
     env = pipeline.make_compiled_env(c, tokenizer, model_config)
