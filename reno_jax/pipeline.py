@@ -486,10 +486,7 @@ def learner_config(config) -> learner_lib.LearnerConfig:
         share_prompt_prefix=bool(r.get("share_prompt_prefix", False)),
         share_common_prefix=bool(r.get("share_common_prefix", False)), num_minibatches=int(r.num_minibatches),
         num_microbatches=int(r.num_microbatches), max_logp_shift=float(r.get("max_logp_shift", 0.0)),
-        # the probe is the first groups of a micro-batch: at most the groups one holds
-        shift_probe_groups=max(1, min(int(r.get("shift_probe_groups", 8)),
-                                      (int(r.get("train_groups", 0)) or int(config.rollout.boards_per_step))
-                                      // (int(r.num_minibatches) * int(r.num_microbatches)))))
+        shift_probe_groups=int(r.get("shift_probe_groups", 8)))
 
 
 def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:

@@ -75,7 +75,8 @@ class LearnerConfig:
       system prompt and tool schema) once for the whole batch.
     num_minibatches, num_microbatches: passed to ``trainer.make_train_step``.
     max_logp_shift, shift_probe_groups: the update guard of ``trainer.make_train_step`` (0: off), probing the
-      first ``shift_probe_groups`` groups of each minibatch.
+      first ``shift_probe_groups`` groups of each minibatch (at most the groups of a micro-batch when the
+      ``Learner`` is told ``num_groups``).
     """
     group_size: int
     train_groups: int = 0
@@ -356,12 +357,16 @@ class Learner:
         self.rollout_fn = rollout_fn
         self.ref_params = ref_params
         self.prepare_batch = make_prepare_batch(config)
+        probe_groups = config.shift_probe_groups
+        if num_groups is not None:  # the probe is the first groups of a micro-batch: at most the groups one holds
+            splits = config.num_minibatches * config.num_microbatches
+            probe_groups = max(1, min(probe_groups, config.trained_groups(num_groups) // splits))
         self.train_step = trainer.make_train_step(
             logp_fn, loss_fn, optimizer, num_minibatches=config.num_minibatches,
             num_microbatches=config.num_microbatches,
             loss_batch_keys=("entropy_scale",) if config.forking_schedule else (), rollout_metrics=rollout_metrics,
             donate=donate, max_logp_shift=config.max_logp_shift,
-            shift_probe_rows=config.shift_probe_groups * config.group_size)
+            shift_probe_rows=probe_groups * config.group_size)
         self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b)[0])
         self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=(1, 2))
         self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far
