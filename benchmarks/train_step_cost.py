@@ -17,6 +17,8 @@ the same process, the variants' steps interleaved round by round:
   common_guard       `common` with the update guard (`rl.max_logp_shift=0.2` on 8 groups): the committed default's
                      step. The batch's old log-probs are the model's own, so an update moves them by a normal amount
   common_guard_worst the same, but every update fails the guard (old log-probs -2): 4 halvings, then dropped
+  common_guard_c9/c8 the committed step with 9 / 8 response tokens instead of 12 (`rollout.max_new_tokens`; a
+                     call is 7 tokens)
 
 Every timed step starts from the same (copied) train state, so the guard variants see one update's shift.
 
@@ -28,6 +30,7 @@ The last output line is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -45,34 +48,47 @@ from reno_jax.rl import shared_prefix, trainer  # noqa: E402
 
 COMMON = 38  # leading tokens every move-task prompt shares
 
-# name -> (boards, samples, prefix tokens, model.tiny overrides, entropy top-k or None for the config's,
-#          tokens of the prefix shared by the whole batch and encoded once[, update guard: (max_logp_shift,
-#          probe groups, old log-probs "own" or "far")])
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    boards: int = 64
+    samples: int = 8
+    prefix: int = 60                      # prompt tokens (shared within a group)
+    overrides: tuple = ()                 # model.tiny (name, value) pairs
+    top_k: int | None = None              # entropy top-k; None: the config's
+    common: int = 0                       # leading tokens shared by the whole batch, encoded once
+    guard: tuple | None = None            # (max_logp_shift, probe groups, old log-probs "own" or "far")
+    continuation: int | None = None       # response tokens; None: --continuation
+
+
 GUARD = (0.2, 8, "own")
 VARIANTS = {
-    "default": (64, 8, 60, {}, None, 0),
-    "32x16": (32, 16, 60, {}, None, 0),
-    "128x4": (128, 4, 60, {}, None, 0),
-    "prefix_20": (64, 8, 20, {}, None, 0),
-    "no_topk_entropy": (64, 8, 60, {}, 0, 0),
-    "all_mla": (64, 8, 60, {"layer_group_size": 1}, None, 0),
-    "dense": (64, 8, 60, {"first_k_dense_replace": 3}, None, 0),
-    "common": (64, 8, 60, {}, None, COMMON),
-    "64x4": (64, 4, 60, {}, None, 0),
-    "64x4_common": (64, 4, 60, {}, None, COMMON),
-    "128x4_common": (128, 4, 60, {}, None, COMMON),
-    "common_guard": (64, 8, 60, {}, None, COMMON, GUARD),
-    "common_guard_worst": (64, 8, 60, {}, None, COMMON, (0.2, 8, "far")),
+    "default": Variant(),
+    "32x16": Variant(boards=32, samples=16),
+    "128x4": Variant(boards=128, samples=4),
+    "prefix_20": Variant(prefix=20),
+    "no_topk_entropy": Variant(top_k=0),
+    "all_mla": Variant(overrides=(("layer_group_size", 1),)),
+    "dense": Variant(overrides=(("first_k_dense_replace", 3),)),
+    "common": Variant(common=COMMON),
+    "64x4": Variant(samples=4),
+    "64x4_common": Variant(samples=4, common=COMMON),
+    "128x4_common": Variant(boards=128, samples=4, common=COMMON),
+    "common_guard": Variant(common=COMMON, guard=GUARD),
+    "common_guard_worst": Variant(common=COMMON, guard=(0.2, 8, "far")),
+    "common_guard_c9": Variant(common=COMMON, guard=GUARD, continuation=9),
+    "common_guard_c8": Variant(common=COMMON, guard=GUARD, continuation=8),
 }
 
 
 def build(name: str, continuation: int):
     """(step, state, batch, figures) for one variant, compiled and run once."""
-    boards, group, prefix, overrides, top_k, common, *guard = VARIANTS[name]
-    max_shift, probe_groups, old = guard[0] if guard else (0.0, 0, None)
+    v = VARIANTS[name]
+    boards, group, prefix, top_k, common = v.boards, v.samples, v.prefix, v.top_k, v.common
+    continuation = v.continuation or continuation
+    max_shift, probe_groups, old = v.guard or (0.0, 0, None)
     c = tictactoe_tiny.get_config()
-    for k, v in overrides.items():
-        c.model.tiny[k] = v
+    for key, value in v.overrides:
+        c.model.tiny[key] = value
     top_k = int(c.rl.entropy_top_k) if top_k is None else top_k
     tokenizer = pipeline.build_tokenizer(c)
     model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)

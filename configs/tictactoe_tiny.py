@@ -140,6 +140,6 @@ def get_config() -> ml_collections.ConfigDict:
   # --- bookkeeping ------------------------------------------------------------------------------
   c.checkpoint_every = 50
   c.keep_checkpoints = 2
-  c.plot_every = 10
+  c.plot_every = 25
   c.eval_every = 0
   return c

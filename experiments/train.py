@@ -307,6 +307,9 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
     sampler = registry.get(pipeline.env_name(config)).make_sampler(config)
     starts_fn = lambda k: layout.place_batch(sampler(k, num_groups))  # noqa: E731
     rows = []
+    plotter = None
+    if main_process and config.plot_every:  # drawn on a thread: the loop does not wait for matplotlib
+        plotter = metrics_lib.CurvePlotter(writer.path, os.path.join(workdir, "learning_curves.png"))
     bar = progress(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO")
     for _ in bar:
         t0 = time.time()
@@ -332,9 +335,10 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
         bar.set_postfix(reward=f"{row['rollout/rewards_mean']:+.3f}",
                         valid=f"{row.get('rollout/tool_call_valid_rate', float('nan')):.2f}")
         ckpt.save(state, config, force=step == config.num_steps)
-        if main_process and config.plot_every and (step % config.plot_every == 0 or step == config.num_steps):
-            metrics_lib.plot_learning_curves(writer.path, os.path.join(workdir, "learning_curves.png"),
-                                             keys=curve_keys(config, row))
+        if plotter is not None and step % config.plot_every == 0 and step < config.num_steps:
+            plotter.request(curve_keys(config, row))
+    if plotter is not None and rows:
+        plotter.close(curve_keys(config, rows[-1]))  # the last drawing covers every step
     ckpt.close()
     if writer is not None:
         writer.close()

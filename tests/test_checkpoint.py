@@ -230,5 +230,33 @@ def test_tensorboard_and_plot(tmp_path):
         M.plot_learning_curves(os.path.join(wd, "nope.jsonl"), os.path.join(wd, "x.png"))
 
 
+
+def test_curve_plotter_draws_in_the_background_and_ends_with_every_row(tmp_path):
+    wd = str(tmp_path)
+    jsonl, png = os.path.join(wd, "metrics.jsonl"), os.path.join(wd, "curves.png")
+    plotter = M.CurvePlotter(jsonl, png, keys=["loss"])
+    with M.MetricsWriter(wd, tensorboard=False) as w:
+        for s in range(1, 6):
+            w.write(s, {"loss": 1.0 / s, "reward": float(s)})
+        assert plotter.request()
+        assert not plotter.request() or not plotter.busy()  # at most one drawing in flight
+        for s in range(6, 400):
+            w.write(s, {"loss": 1.0 / s, "reward": float(s)})
+        plotter.close(keys=["loss", "reward"])
+    assert not plotter.busy()
+    import matplotlib.image
+    img = matplotlib.image.imread(png)
+    assert img.shape[1] > 500 and img[..., :3].std() > 0.05  # two panels: the keys given to close()
+    assert [f for f in os.listdir(wd) if f.endswith(".tmp")] == []  # written by rename, nothing left over
+
+
+def test_curve_plotter_hands_a_drawing_error_to_the_caller(tmp_path):
+    plotter = M.CurvePlotter(os.path.join(str(tmp_path), "none.jsonl"), os.path.join(str(tmp_path), "c.png"))
+    plotter.request()  # the thread fails: no metric keys in a missing file
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plotter.close(final=False)
+    assert not os.path.exists(os.path.join(str(tmp_path), "c.png"))
+
+
 if __name__ == "__main__":  # subprocess entry point: WORKDIR TOTAL_STEPS
     run_training(sys.argv[1], int(sys.argv[2]))
