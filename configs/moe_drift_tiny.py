@@ -19,8 +19,9 @@ def get_config():
   c = tictactoe_tiny.get_config()
   c.env.max_random_moves = 6  # AReno's boards
   c.num_steps = 25
-  c.rl.share_common_prefix = False  # the recorded curves were made without these two
+  c.rl.share_common_prefix = False  # the recorded curves were made without these three
   c.rl.max_logp_shift = 0.0
+  c.rollout.max_new_tokens = 12
   c.model.dtype = "bfloat16"
   c.model.tiny.num_experts = 32           # > layers.DENSE_DISPATCH_MAX_EXPERTS: the ragged (decode) and blocked
   c.model.tiny.num_experts_per_tok = 4    # (training) dispatches run on CPU too, as on a GPU
