@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -230,16 +231,24 @@ def test_tensorboard_and_plot(tmp_path):
         M.plot_learning_curves(os.path.join(wd, "nope.jsonl"), os.path.join(wd, "x.png"))
 
 
-
-def test_curve_plotter_draws_in_the_background_and_ends_with_every_row(tmp_path):
+def test_curve_plotter_draws_in_the_background_and_ends_with_every_row(tmp_path, monkeypatch):
     wd = str(tmp_path)
     jsonl, png = os.path.join(wd, "metrics.jsonl"), os.path.join(wd, "curves.png")
+    release = threading.Event()
+    draw = M.plot_learning_curves
+
+    def held_draw(*args, **kwargs):  # the first drawing stays in flight until the test lets it go
+        release.wait(timeout=60)
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(M, "plot_learning_curves", held_draw)
     plotter = M.CurvePlotter(jsonl, png, keys=["loss"])
     with M.MetricsWriter(wd, tensorboard=False) as w:
         for s in range(1, 6):
             w.write(s, {"loss": 1.0 / s, "reward": float(s)})
         assert plotter.request()
-        assert not plotter.request() or not plotter.busy()  # at most one drawing in flight
+        assert plotter.busy() and not plotter.request()  # at most one drawing in flight
+        release.set()
         for s in range(6, 400):
             w.write(s, {"loss": 1.0 / s, "reward": float(s)})
         plotter.close(keys=["loss", "reward"])
