@@ -98,7 +98,9 @@ def main(argv=None):
 
     eval_boards = boards_lib.exhaustive_x_to_move()
     eval_correct = table["optimal_mask"][boards_lib.board_code_np(eval_boards)]
-    prompts = [wording.prompt_ids(tokenizer, wording.move_task_messages(b)) + call_prefix for b in eval_boards]
+    style = config.env.get("board_style", "grid")
+    prompts = [wording.prompt_ids(tokenizer, wording.move_task_messages(b, style=style)) + call_prefix
+               for b in eval_boards]
     width = max(len(p) for p in prompts)
     eval_tokens = np.full((len(prompts), width), pad, np.int32)
     eval_valid = np.zeros((len(prompts), width), bool)
@@ -135,7 +137,7 @@ def main(argv=None):
     t0 = time.time()
     for step in range(1, args.steps + 1):
         idx = rng.choice(len(train_boards), size=args.batch, replace=True)
-        batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad, cache)
+        batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad, cache, style)
         # Replace the random legal square with a correct one: the square digit is the only token that differs.
         squares = np.array([rng.choice(np.flatnonzero(c)) + 1 for c in train_correct[idx]])
         tokens = batch["tokens"]

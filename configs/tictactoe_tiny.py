@@ -51,9 +51,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Boards: up to this many random moves from the empty board. AReno's 6 never shows a board with one empty square
   # (222 of the 2423 positions the evaluation scores, where the model then picks an occupied square ~17% of the time).
   c.env.max_random_moves = 8
+  c.env.board_sides = "x"        # "x": X-to-move boards (AReno); "both": either side to move
+  c.env.board_style = "grid"     # "grid": "X | 2 | O" (AReno's look); "labeled": "1X | 2 | 3O" (wording.py)
   c.env.boards_path = ""         # optional AReno-style JSONL of boards
   c.env.heldout_fraction = 0.0
   c.env.agent_player = "x"       # game task: "x", "o" or "alternate" (by group)
+  c.env.o_share = 0.5            # game task, "alternate": share of the groups in which the agent plays O
   c.env.opponent = "epsilon"     # game task: "random", "minimax" or "epsilon"
   c.env.opponent_epsilon = 0.5
 

@@ -336,6 +336,19 @@ def test_exhaustive_positions():
     _check_dataset(ex, max_per_player=4)
     gen = B.generate_boards(n=200, seed=1)
     assert {b.tobytes() for b in gen} <= {b.tobytes() for b in ex}
+    # O to move (one X more than O) and both sides: the same walk's other positions.
+    live = {b for b in seen if not py_winner(b) and 0 in b}
+    o_want = {b for b in live if b.count(1) == b.count(2) + 1}
+    assert {tuple(int(v) for v in b) for b in B.exhaustive_positions("o")} == o_want
+    both = B.exhaustive_positions("both")
+    assert {tuple(int(v) for v in b) for b in both} == want | o_want and len(both) == len(want) + len(o_want)
+    assert np.array_equal(B.exhaustive_positions("x"), ex)
+    gen = B.generate_boards(n=500, seed=2, max_random_moves=8, sides="both")
+    assert {b.tobytes() for b in gen} <= {b.tobytes() for b in both}
+    with pytest.raises(ValueError, match="side"):
+        B.exhaustive_positions("z")
+    with pytest.raises(ValueError, match="sides"):
+        B.generate_boards(n=5, sides="o")
 
 
 def test_train_heldout_split():
@@ -406,3 +419,25 @@ def test_jsonl_roundtrip_and_tolerant_loader(tmp_path):
     p.write_text("{not json\n")
     with pytest.raises(ValueError, match="not valid JSON"):
         B.load_jsonl(p)
+
+
+def test_agent_players_spread_the_o_groups():
+    from reno_jax.envs.tictactoe import env as ttt_env
+    assert ttt_env.agent_players("alternate", 6).tolist() == [1, 2, 1, 2, 1, 2]  # X first, as always
+    assert ttt_env.agent_players("alternate", 8, 0.75).tolist() == [1, 2, 2, 2, 1, 2, 2, 2]
+    assert ttt_env.agent_players("alternate", 4, 0.0).tolist() == [1, 1, 1, 1]
+    assert ttt_env.agent_players("alternate", 4, 1.0).tolist() == [2, 2, 2, 2]
+    for share in (0.1, 0.3, 0.5, 0.75, 0.9):
+        assert abs(int((ttt_env.agent_players("alternate", 64, share) == 2).sum()) - 64 * share) <= 1
+    assert ttt_env.agent_players("o", 3) == 2 and ttt_env.agent_players("x", 3) == 1
+    with pytest.raises(ValueError, match="o_share"):
+        ttt_env.agent_players("alternate", 4, 1.5)
+
+
+def test_game_sampler_uses_o_share():
+    from configs import tictactoe_tiny_game
+    from reno_jax.envs.tictactoe import env as ttt_env
+    c = tictactoe_tiny_game.get_config()
+    c.env.agent_player, c.env.o_share = "alternate", 0.75
+    starts = ttt_env.make_sampler(c)(jax.random.PRNGKey(0), 8)
+    assert np.asarray(starts.agent_player).tolist() == [1, 2, 2, 2, 1, 2, 2, 2]

@@ -168,6 +168,40 @@ def test_render_board_and_messages():
         text.tool_response_content(board, 0, 9)
 
 
+def test_labeled_board_style():
+    board = np.array([1, 0, 2, 0, 1, 0, 0, 0, 0], np.int8)
+    assert text.BOARD_STYLES == ("grid", "labeled")
+    assert text.render_board(board, "labeled") == "1X | 2 | 3O\n4 | 5X | 6\n7 | 8 | 9"
+    assert text.render_board(np.zeros(9, np.int8), "labeled") == text.render_board(np.zeros(9, np.int8))
+    assert text.move_task_messages(board, style="labeled")[1]["content"] == "You are O.\n1X | 2 | 3O\n4 | 5X | 6\n7 | 8 | 9"
+    assert "You are X.\n1 | 2 | 3" in text.game_task_messages(np.zeros(9, np.int8), 1, "labeled")[1]["content"]
+    assert text.tool_response_content(board, 7, text.STATUS_ONGOING, "labeled").startswith(
+        "Opponent played 7.\n1X | 2 | 3O")
+    with pytest.raises(ValueError, match="board style"):
+        text.render_board(board, "fancy")
+    from reno_jax.envs.tictactoe import env as ttt_env
+    with pytest.raises(ValueError, match="board style"):
+        ttt_env.TicTacToeEnv.create(board_style="fancy")
+
+
+@pytest.mark.parametrize("game", [False, True])
+def test_labeled_render_matches_chat_template(shipped, render_fns, game):
+    """The in-jit renderer of the labeled style gives the host template's ids, prompts and tool responses."""
+    spec = text.build_text_spec(shipped, style="labeled")
+    boards = _random_boards(12, seed=7 + int(game))
+    sides = np.array([1 + i % 2 for i in range(len(boards))], np.int32)
+    ids, lengths = render_fns[0](spec, boards, sides, game)
+    for b, side, row, n in zip(boards, sides, np.asarray(ids), np.asarray(lengths)):
+        messages = (text.game_task_messages(b, side, "labeled") if game
+                    else text.move_task_messages(b, side, "labeled"))
+        assert row[:n].tolist() == text.prompt_ids(shipped, messages)
+    opp = np.array([i % 10 for i in range(len(boards))], np.int32)
+    status = np.array([i % text.NUM_STATUSES for i in range(len(boards))], np.int32)
+    ids, lengths = render_fns[1](spec, boards, opp, status, np.zeros(len(boards), bool))
+    for b, o, st, row, n in zip(boards, opp, status, np.asarray(ids), np.asarray(lengths)):
+        assert _decode(shipped, row, n) == text.tool_response_text(shipped, b, int(o), int(st), style="labeled")
+
+
 def test_statuses_match_game_outcomes():
     from reno_jax.envs.tictactoe import tasks
 

@@ -93,7 +93,8 @@ def minimax_squares(board: np.ndarray) -> dict:
             "value": int(tables["value"][code])}
 
 
-def verdict(board: np.ndarray, parse_kind: int, square: int, illegal: bool, invalid: bool) -> dict:
+def verdict(board: np.ndarray, parse_kind: int, square: int, illegal: bool, invalid: bool,
+            board_style: str = "grid") -> dict:
     """What the environment makes of the model's call on `board`, from the rollout's `invalid` / `illegal` flags:
     `verdict` ("legal", "illegal": an occupied square, "invalid": no call, a malformed call or a square outside
     1..9), the chosen `square` (None without a parsed one), `board_after` and the `tool_response` text the game
@@ -111,7 +112,7 @@ def verdict(board: np.ndarray, parse_kind: int, square: int, illegal: bool, inva
                   "ongoing": text.STATUS_ONGOING}[board_text.result(after)]
     return {"verdict": name, "square": square, "parse": tool_parser.KIND_NAMES[parse_kind],
             "board_after": board_text.format_board(after),
-            "tool_response": text.tool_response_content(after, 0, status)}
+            "tool_response": text.tool_response_content(after, 0, status, board_style)}
 
 
 @dataclasses.dataclass
@@ -148,7 +149,8 @@ class Policy:
         ids = np.asarray(out["tokens"])[: int(out["num_tokens"])]
         return {
             "text": tokenizer_lib.decode(self.tokenizer, ids.tolist()),
-            **verdict(board, int(out["parse_kind"]), int(out["square"]), bool(out["illegal"]), bool(out["invalid"])),
+            **verdict(board, int(out["parse_kind"]), int(out["square"]), bool(out["illegal"]), bool(out["invalid"]),
+                      self.env.env.board_style),
             "reward": float(out["reward"]),
             "is_optimal": bool(out["is_optimal"]),
             "greedy": greedy,

@@ -28,18 +28,20 @@ def call_text(square: int) -> str:
 
 
 def random_move_transcripts(tokenizer, boards: np.ndarray, rng: np.random.Generator, max_length: int,
-                            turn_end_id: int, pad_id: int, prompt_cache: dict | None = None):
+                            turn_end_id: int, pad_id: int, prompt_cache: dict | None = None,
+                            board_style: str = "grid"):
     """Host-side batch of ``prompt + random legal call + turn end`` token ids.
 
     Args:
       tokenizer: HF tokenizer with the chat template used by the rollout.
-      boards: ``int8 [N, 9]`` positions with X to move.
+      boards: ``int8 [N, 9]`` positions (the prompt names the side to move).
       rng: NumPy generator that picks the random legal squares.
       max_length: L, the padded length.
       turn_end_id: the token that ends an assistant turn (the rollout's stop token).
       pad_id: padding id.
       prompt_cache: optional dict (board bytes -> prompt ids) reused across calls; rendering the chat template is
-        the slow part of building a batch.
+        the slow part of building a batch (one cache per board style).
+      board_style: the prompts' board style (`wording.BOARD_STYLES`).
 
     Returns:
       dict of NumPy arrays: ``tokens [N, L] int32``, ``valid [N, L] bool``, ``loss_mask [N, L] bool`` (1 on the
@@ -59,7 +61,7 @@ def random_move_transcripts(tokenizer, boards: np.ndarray, rng: np.random.Genera
         if prompt_cache is not None and cache_key in prompt_cache:
             prompt = prompt_cache[cache_key]
         else:
-            prompt = text.prompt_ids(tokenizer, text.move_task_messages(board))
+            prompt = text.prompt_ids(tokenizer, text.move_task_messages(board, style=board_style))
             if prompt_cache is not None:
                 prompt_cache[cache_key] = prompt
         response = list(tokenizer.encode(call_text(square), add_special_tokens=False)) + [int(turn_end_id)]

@@ -28,6 +28,7 @@ from reno_jax.envs.tictactoe import rules as ttt
 ARENO_DEFAULT_SEED = 2026  # the seed in AReno's README command
 DEFAULT_COUNT = 2048
 MAX_RANDOM_MOVES = 6
+SIDES = ("x", "both")  # generate_boards: X to move only (AReno), or either side
 
 _EMPTY_CHARS = frozenset(".-_ ")  # "" (an empty list cell) is handled separately
 _SEPARATORS = " \t\r\n|,;"
@@ -83,7 +84,7 @@ def _terminal_by_code() -> list[bool]:
     return (full | lines).tolist()
 
 
-def _random_position(rng: np.random.Generator, max_random_moves: int) -> np.ndarray:
+def _random_position(rng: np.random.Generator, max_random_moves: int, x_to_move: bool = True) -> np.ndarray:
     terminal = _terminal_by_code()
     board = [ttt.EMPTY] * ttt.NUM_SQUARES
     code = 0
@@ -99,15 +100,20 @@ def _random_position(rng: np.random.Generator, max_random_moves: int) -> np.ndar
     empty = [i for i, v in enumerate(board) if v == ttt.EMPTY]
     # An odd number of moves leaves O to move: add one O stone so the record is an X-to-move position.
     # (Done even after a terminal stop, as AReno does; such positions stay terminal and are discarded later.)
-    if player == ttt.O and empty:
+    if x_to_move and player == ttt.O and empty:
         board[empty[int(rng.integers(len(empty)))]] = ttt.O
     return np.array(board, np.int8)
 
 
 def generate_boards(
-    n: int = DEFAULT_COUNT, seed: int = ARENO_DEFAULT_SEED, max_random_moves: int = MAX_RANDOM_MOVES
+    n: int = DEFAULT_COUNT, seed: int = ARENO_DEFAULT_SEED, max_random_moves: int = MAX_RANDOM_MOVES,
+    sides: str = "x",
 ) -> np.ndarray:
     """``int8 [n, 9]`` unique non-terminal X-to-move positions, reproducible for ``seed``.
+
+    ``sides="both"``: positions with either side to move: an odd number of random moves leaves O to move instead of
+    getting AReno's extra O stone, so 0..``max_random_moves`` stones of both parities come out (for a policy that
+    also plays O). ``"x"`` (default) is AReno's generator.
 
     With the default ``max_random_moves=6`` only 2201 distinct positions can come out (1 empty board, 72 with two
     stones, 756 with four, 1372 with six), so AReno's ``n=2048`` covers 93% of them and is mostly a reordering
@@ -121,6 +127,9 @@ def generate_boards(
         raise ValueError(f"n must be positive, got {n}")
     if not 0 <= max_random_moves <= ttt.NUM_SQUARES:
         raise ValueError(f"max_random_moves must be in [0, 9], got {max_random_moves}")
+    if sides not in SIDES:
+        raise ValueError(f"sides must be one of {SIDES}, got {sides!r}")
+    x_only = sides == "x"
     rng = np.random.default_rng(seed)
     seen: set[bytes] = set()
     out: list[np.ndarray] = []
@@ -129,12 +138,12 @@ def generate_boards(
         attempts += 1
         if attempts > 100 * n:
             raise ValueError(
-                f"could only find {len(out)} distinct X-to-move positions for n={n} with "
+                f"could only find {len(out)} distinct {'X-to-move ' if x_only else ''}positions for n={n} with "
                 f"max_random_moves={max_random_moves} after {attempts - 1} attempts; ask for fewer boards"
             )
-        board = _random_position(rng, max_random_moves)
+        board = _random_position(rng, max_random_moves, x_only)
         key = board.tobytes()
-        if key in seen or not is_x_to_move_playable(board):
+        if key in seen or (not is_x_to_move_playable(board) if x_only else np_is_terminal(board)):
             continue
         seen.add(key)
         out.append(board)
@@ -146,8 +155,14 @@ def exhaustive_x_to_move() -> np.ndarray:
 
     Found by breadth-first play from the empty board (never expanding terminal positions), sorted by board code.
     """
+    return exhaustive_positions("x")
+
+
+@functools.lru_cache(maxsize=3)
+def _exhaustive(side: str) -> np.ndarray:
     frontier = {np.zeros(ttt.NUM_SQUARES, np.int8).tobytes()}
     found: set[bytes] = set()
+    wanted = {"x": (ttt.X,), "o": (ttt.O,), "both": (ttt.X, ttt.O)}[side]
     while frontier:
         nxt: set[bytes] = set()
         for key in frontier:
@@ -155,7 +170,7 @@ def exhaustive_x_to_move() -> np.ndarray:
             if np_is_terminal(board):
                 continue
             mover = np_to_move(board)
-            if mover == ttt.X:
+            if mover in wanted:
                 found.add(key)
             for i in np.flatnonzero(board == ttt.EMPTY):
                 child = board.copy()
@@ -163,7 +178,15 @@ def exhaustive_x_to_move() -> np.ndarray:
                 nxt.add(child.tobytes())
         frontier = nxt
     boards = np.stack([np.frombuffer(k, np.int8) for k in found])
-    return boards[np.argsort(board_code_np(boards), kind="stable")].copy()
+    return boards[np.argsort(board_code_np(boards), kind="stable")]
+
+
+def exhaustive_positions(side: str = "x") -> np.ndarray:
+    """Every non-terminal position reachable from the empty board with ``side`` to move (``"x"``: 2423, ``"o"``:
+    2097, ``"both"``: 4520), by breadth-first play, sorted by board code (a fresh copy)."""
+    if side not in ("x", "o", "both"):
+        raise ValueError(f"side must be 'x', 'o' or 'both', got {side!r}")
+    return _exhaustive(side).copy()
 
 
 def train_heldout_split(boards: Sequence[Any] | np.ndarray, heldout_fraction: float, seed: int):

@@ -106,19 +106,22 @@ class TicTacToeEnv(interface.TextEnv):
 
     table: minimax.MinimaxTable
     task: str = flax.struct.field(pytree_node=False, default="move")
+    board_style: str = flax.struct.field(pytree_node=False, default="grid")  # wording.BOARD_STYLES
 
     truncation_reward = tasks.REWARD_INVALID
 
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        wording.check_board_style(self.board_style)
 
     @classmethod
-    def create(cls, task: str = "move", table: minimax.MinimaxTable | None = None) -> "TicTacToeEnv":
-        return cls(table=minimax.load_table() if table is None else table, task=task)
+    def create(cls, task: str = "move", table: minimax.MinimaxTable | None = None,
+               board_style: str = "grid") -> "TicTacToeEnv":
+        return cls(table=minimax.load_table() if table is None else table, task=task, board_style=board_style)
 
     def chat(self):
-        return wording.chat_spec()
+        return wording.chat_spec(self.board_style)
 
     def max_turns(self) -> int:
         return 1 if self.task == "move" else 5
@@ -193,13 +196,22 @@ def _field(env_config, name, overrides, default=None):
 
 
 def _make_env(env_config, **overrides) -> TicTacToeEnv:
-    return TicTacToeEnv.create(task=str(_field(env_config, "task", overrides, "move")))
+    return TicTacToeEnv.create(task=str(_field(env_config, "task", overrides, "move")),
+                               board_style=str(_field(env_config, "board_style", overrides, "grid")))
 
 
-def agent_players(side: str, num_groups: int):
-    """`int8 [N]` (or a scalar) agent sides for `side` in "x", "o", "alternate" (by group)."""
+def agent_players(side: str, num_groups: int, o_share: float = 0.5):
+    """`int8 [N]` (or a scalar) agent sides for `side` in "x", "o", "alternate" (by group).
+
+    "alternate": the agent plays O in a share `o_share` of the groups, spread evenly over the indices: group k is O
+    when floor((k + 1) * o_share) > floor(k * o_share), so 0.5 alternates X, O, X, O, ... and 0.75 gives X, O, O, O.
+    """
     if side == "alternate":
-        return np.where(np.arange(num_groups) % 2 == 0, 1, 2).astype(np.int8)
+        if not 0.0 <= o_share <= 1.0:
+            raise ValueError(f"o_share must be in [0, 1], got {o_share}")
+        k = np.arange(num_groups, dtype=np.float64)
+        o = np.floor((k + 1) * o_share) > np.floor(k * o_share)
+        return np.where(o, 2, 1).astype(np.int8)
     return {"x": 1, "o": 2}[side]
 
 
@@ -217,7 +229,8 @@ def make_sampler(config):
         return sample
 
     def sample(key, num_groups):
-        return game_starts(key, num_groups, agent_player=agent_players(env_config.agent_player, num_groups),
+        return game_starts(key, num_groups, agent_player=agent_players(env_config.agent_player, num_groups,
+                                                                       float(env_config.get("o_share", 0.5))),
                            opponent=env_config.opponent, epsilon=env_config.opponent_epsilon)
     return sample
 

@@ -6,9 +6,14 @@ message values ``[cell 0..8 (0 empty, 1 X, 2 O), side (0 X, 1 O), opponent squar
 with the tokenizer's chat template and `render_prompt` / `render_tool_response` render them in jit.
 
 Wording (our own, in the spirit of AReno): a system message that explains the game and the ``choose_square``
-tool, a user message with the side and the board as three rows, e.g. ``"X | 2 | O\\n4 | X | 6\\n7 | 8 | 9"``
-(empty squares show their number), and tool responses that report the opponent's reply and the new board, or the
-end of the game.
+tool, a user message with the side and the board as three rows, and tool responses that report the opponent's
+reply and the new board, or the end of the game. Two board styles (``BOARD_STYLES``):
+
+* ``"grid"``: ``"X | 2 | O\\n4 | X | 6\\n7 | 8 | 9"``: a stone replaces its square's number (AReno's look);
+* ``"labeled"``: ``"1X | 2 | 3O\\n4 | 5X | 6\\n7 | 8 | 9"``: every square keeps its number and a stone follows it.
+  A stone's square is then spelled next to it, within reach of the KDA layers' short convolution, instead of
+  having to be counted out from the separators before it; and since a square, once taken, stays taken, the
+  latest board of a game is what every board of the conversation says about each square (docs/benchmarks.md).
 
 Conversation layout for the game task (what the rollout builds token by token)::
 
@@ -77,10 +82,21 @@ _ILLEGAL_TEXT = "That square is taken. You lost."
 TextSpec = chat.ChatTables  # what `build_text_spec` returns (the name callers annotate with)
 
 
-def _board_parts() -> tuple:
+BOARD_STYLES = ("grid", "labeled")
+
+
+def check_board_style(style: str) -> str:
+    if style not in BOARD_STYLES:
+        raise ValueError(f"board style must be one of {BOARD_STYLES}, got {style!r}")
+    return style
+
+
+def _board_parts(style: str = "grid") -> tuple:
+    check_board_style(style)
     parts = []
     for i in range(NUM_SQUARES):
-        parts.append(chat.Slot(VALUE_CELL0 + i, (str(i + 1),) + _CELL_MARKS))
+        marks = _CELL_MARKS if style == "grid" else tuple(f"{i + 1}{m}" for m in _CELL_MARKS)
+        parts.append(chat.Slot(VALUE_CELL0 + i, (str(i + 1),) + marks))
         if i % 3 < 2:
             parts.append(" | ")
         elif i < NUM_SQUARES - 1:
@@ -88,15 +104,15 @@ def _board_parts() -> tuple:
     return tuple(parts)
 
 
-def _user_parts(game: bool) -> tuple:
-    return (_GAME_INTRO if game else _MOVE_INTRO, chat.Slot(VALUE_SIDE, _SIDE_NAMES), ".\n", *_board_parts())
+def _user_parts(game: bool, style: str = "grid") -> tuple:
+    return (_GAME_INTRO if game else _MOVE_INTRO, chat.Slot(VALUE_SIDE, _SIDE_NAMES), ".\n", *_board_parts(style))
 
 
-def _tool_parts(status: int) -> tuple:
+def _tool_parts(status: int, style: str = "grid") -> tuple:
     if status in (STATUS_INVALID, STATUS_ILLEGAL):
         return (_INVALID_TEXT if status == STATUS_INVALID else _ILLEGAL_TEXT,)
     opponent = chat.Slot(VALUE_OPPONENT, ("",) + tuple(_OPPONENT_LINE.format(k) for k in range(1, 10)))
-    return (opponent, *_board_parts(), _STATUS_TAILS[status])
+    return (opponent, *_board_parts(style), _STATUS_TAILS[status])
 
 
 def tool_schema() -> dict:
@@ -116,13 +132,14 @@ def tool_schema() -> dict:
 
 
 @functools.cache
-def chat_spec() -> chat.ChatSpec:
-    """The tic-tac-toe `ChatSpec`: user templates ``[USER_MOVE, USER_GAME]``, tool templates per ``STATUS_*``."""
+def chat_spec(style: str = "grid") -> chat.ChatSpec:
+    """The tic-tac-toe `ChatSpec` in board style `style`: user templates ``[USER_MOVE, USER_GAME]``, tool templates
+    per ``STATUS_*``."""
     return chat.ChatSpec(
         system=SYSTEM_PROMPT,
         tools=(tool_schema(),),
-        user=(_user_parts(False), _user_parts(True)),
-        tool=tuple(_tool_parts(s) for s in range(NUM_STATUSES)),
+        user=(_user_parts(False, style), _user_parts(True, style)),
+        tool=tuple(_tool_parts(s, style) for s in range(NUM_STATUSES)),
         tool_continues=tuple(s == STATUS_ONGOING for s in range(NUM_STATUSES)),
         num_values=NUM_VALUES,
         tool_name=TOOL_NAME,
@@ -155,20 +172,21 @@ def side_to_move(board) -> int:
     return 1 if int((b == 1).sum()) <= int((b == 2).sum()) else 2
 
 
-def render_board(board) -> str:
-    """``"X | 2 | O\\n4 | X | 6\\n7 | 8 | 9"`` for an ``int [9]`` board (0 empty, 1 X, 2 O)."""
-    return chat.resolve(_board_parts(), _host_values(board))
+def render_board(board, style: str = "grid") -> str:
+    """``"X | 2 | O\\n4 | X | 6\\n7 | 8 | 9"`` (``"1X | 2 | 3O\\n4 | 5X | 6\\n7 | 8 | 9"`` labeled) for an
+    ``int [9]`` board (0 empty, 1 X, 2 O)."""
+    return chat.resolve(_board_parts(style), _host_values(board))
 
 
-def move_task_messages(board, agent_player: int | None = None) -> list[dict]:
+def move_task_messages(board, agent_player: int | None = None, style: str = "grid") -> list[dict]:
     """System + user messages of the move task; ``agent_player`` defaults to the side to move."""
     side = side_to_move(board) if agent_player is None else int(agent_player)
-    return chat.user_messages(chat_spec(), (USER_MOVE, _host_values(board, side)))
+    return chat.user_messages(chat_spec(style), (USER_MOVE, _host_values(board, side)))
 
 
-def game_task_messages(board, agent_player: int) -> list[dict]:
+def game_task_messages(board, agent_player: int, style: str = "grid") -> list[dict]:
     """System + user messages that open a game (the agent plays ``agent_player``; ``board`` has the opening)."""
-    return chat.user_messages(chat_spec(), (USER_GAME, _host_values(board, agent_player)))
+    return chat.user_messages(chat_spec(style), (USER_GAME, _host_values(board, agent_player)))
 
 
 def _tool(board, opponent_square: int, status: int) -> tuple[int, list[int]]:
@@ -177,17 +195,18 @@ def _tool(board, opponent_square: int, status: int) -> tuple[int, list[int]]:
     return int(status), _host_values(board, 1, opponent_square)
 
 
-def tool_response_content(board, opponent_square: int, status: int) -> str:
+def tool_response_content(board, opponent_square: int, status: int, style: str = "grid") -> str:
     """Text of the tool turn after the agent's call (``board`` is the position after the opponent's reply)."""
-    return tool_message(board, opponent_square, status)["content"]
+    return tool_message(board, opponent_square, status, style)["content"]
 
 
-def tool_message(board, opponent_square: int, status: int) -> dict:
-    return chat.tool_message(chat_spec(), _tool(board, opponent_square, status))
+def tool_message(board, opponent_square: int, status: int, style: str = "grid") -> dict:
+    return chat.tool_message(chat_spec(style), _tool(board, opponent_square, status))
 
 
 def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The chat template's text for ``messages`` with the ``choose_square`` tool."""
+    """The chat template's text for ``messages`` with the ``choose_square`` tool (the messages carry their board
+    style in their text; the system prompt and tools are the same for every style)."""
     return chat.chat_text(tokenizer, chat_spec(), messages, add_generation_prompt)
 
 
@@ -197,12 +216,14 @@ def prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Tr
 
 
 def tool_response_text(
-    tokenizer, board, opponent_square: int, status: int, add_turn_end: bool = False, chat_template=None
+    tokenizer, board, opponent_square: int, status: int, add_turn_end: bool = False, chat_template=None,
+    style: str = "grid",
 ) -> str:
     """Host reference for ``render_tool_response``: the template text after an assistant message's content,
     minus the turn-end marker unless ``add_turn_end``."""
     message = _tool(board, opponent_square, status)
-    return chat.tool_text(tokenizer, chat_spec(), message, add_turn_end=add_turn_end, chat_template=chat_template)
+    return chat.tool_text(tokenizer, chat_spec(style), message, add_turn_end=add_turn_end,
+                          chat_template=chat_template)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -210,10 +231,11 @@ def tool_response_text(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build_text_spec(tokenizer, chat_template: str | None = None, max_stencil_rows: int = 4096) -> TextSpec:
-    """`chat.compile_chat` of `chat_spec()` (the shipped tokenizer needs 84 stencil rows for tool responses, 2
-    for prompts; ``max_stencil_rows=0`` forces the general path)."""
-    return chat.compile_chat(tokenizer, chat_spec(), chat_template, max_stencil_rows)
+def build_text_spec(tokenizer, chat_template: str | None = None, max_stencil_rows: int = 4096,
+                    style: str = "grid") -> TextSpec:
+    """`chat.compile_chat` of `chat_spec(style)` (the shipped tokenizer needs 84 stencil rows for grid tool
+    responses, 2 for prompts; ``max_stencil_rows=0`` forces the general path)."""
+    return chat.compile_chat(tokenizer, chat_spec(style), chat_template, max_stencil_rows)
 
 
 def _value_list(board, agent_player: Any = 1, opponent_square: Any = 0) -> list:
