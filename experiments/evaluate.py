@@ -3,6 +3,7 @@ r"""Evaluates the latest checkpoint of a training workdir with that run's own co
   python -m experiments.evaluate --workdir=workdir/tiny                       # move task, exhaustive boards
   python -m experiments.evaluate --workdir=workdir/tiny --task=game --opponent=minimax --side=both \
       --num_episodes=200 --sampled
+  python -m experiments.evaluate --workdir=workdir/tiny_game --opponent=minimax,random --num_episodes=1024
 
 Move task: every board of the chosen set (default: all 2423 non-terminal X-to-move positions) is answered once;
 prints mean reward, invalid-call rate, illegal-move rate, optimal-move rate and immediate-win-taken rate.
@@ -24,6 +25,7 @@ Several processes (the `experiments.distributed` flags, as for training): the me
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -43,10 +45,10 @@ from reno_jax.rollout import rollout as rollout_lib
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.json and checkpoints).",
                                required=True)
 _TASK = flags.DEFINE_enum("task", None, ["move", "game"], "Task; default: the run's task.")
-_BOARDS = flags.DEFINE_string("boards", "exhaustive", "Move task board set: exhaustive, train, heldout or a "
-                              "JSONL path.")
-_OPPONENT = flags.DEFINE_string("opponent", None, "Opponent. Tic-tac-toe game task: random, minimax or epsilon "
-                                "(default: the run's). Other environments: a comma-separated list of the "
+_BOARDS = flags.DEFINE_string("boards", "exhaustive", "Move task board set: exhaustive (X to move), "
+                              "exhaustive_o (O to move), exhaustive_both, train, heldout or a JSONL path.")
+_OPPONENT = flags.DEFINE_string("opponent", None, "Opponent, or a comma-separated list of them. Tic-tac-toe game "
+                                "task: random, minimax or epsilon (default: the run's). Other environments: the "
                                 "environment's opponents (Connect Four default: random,greedy,negamax).")
 _EPSILON = flags.DEFINE_float("epsilon", None, "Epsilon of the epsilon opponent; default: the run's.")
 _SIDE = flags.DEFINE_enum("side", "both", ["x", "o", "both"], "Game task: the agent's side.")
@@ -75,9 +77,14 @@ def _batches(total: int, size: int):
         yield start, min(size, total - start)
 
 
+@functools.lru_cache(maxsize=8)
+def _rollout_fn(model_config, rc):
+    return rollout_lib.make_rollout_fn(model_config, rc)  # one compiled program for every opponent and side
+
+
 def run_episodes(params, model_config, env, rc, starts_fn, total: int, batch: int, key):
     """Runs `total` episodes in fixed-size jitted batches (the last one padded); returns host trajectories."""
-    fn = rollout_lib.make_rollout_fn(model_config, rc)
+    fn = _rollout_fn(model_config, rc)
     place = lambda tree: tree  # noqa: E731
     sharding = jax.tree.leaves(params)[0].sharding
     if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
@@ -226,12 +233,23 @@ def main(argv):
         summary, traj = evaluate_move(params, model_config, env, config, boards, greedy, _BATCH.value, key)
         summary["boards"] = _BOARDS.value
     else:
-        opponent = _OPPONENT.value or config.env.opponent
-        if opponent not in ("random", "minimax", "epsilon"):
-            raise cli.UserError(f"--opponent={opponent}: tic-tac-toe opponents are random, minimax or epsilon")
+        opponents = (_OPPONENT.value or config.env.opponent).split(",")
+        bad = [o for o in opponents if o not in ("random", "minimax", "epsilon")]
+        if bad:
+            raise cli.UserError(f"--opponent={_OPPONENT.value}: tic-tac-toe opponents are random, minimax or "
+                                "epsilon (comma-separated for several)")
         epsilon = config.env.opponent_epsilon if _EPSILON.value is None else _EPSILON.value
-        summary, traj = evaluate_game(params, model_config, env, config, opponent, epsilon, _SIDE.value,
-                                      _NUM_EPISODES.value or 256, greedy, _BATCH.value, key)
+        results, traj = {}, None
+        for opponent in opponents:
+            summary, t = evaluate_game(params, model_config, env, config, opponent, epsilon, _SIDE.value,
+                                       _NUM_EPISODES.value or 256, greedy, _BATCH.value, key)
+            results[opponent], traj = summary, t if traj is None else traj
+            if len(opponents) > 1 and distributed.is_main_process():
+                tqdm.tqdm.write(json.dumps(summary))
+        if len(opponents) > 1:  # one line of figures, named by opponent
+            summary = {"task": "game", "side": _SIDE.value, "greedy": greedy, **{
+                f"{opp}/{k}": v for opp, summ in results.items() for k, v in summ.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}}
     summary["checkpoint_step"] = step
     if not distributed.is_main_process():
         return

@@ -140,7 +140,7 @@ def warm_start(config, workdir: str, model_config, params, tokenizer, env, key, 
         else:
             idx = rng.choice(len(train_boards), size=s.batch_size, replace=True)
             batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad,
-                                                prompt_cache)
+                                                prompt_cache, config.env.get("board_style", "grid"))
             batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "squares"}
         batch["old_logp"] = jnp.zeros(batch["tokens"].shape, jnp.float32)
         batch["advantages"] = jnp.zeros(batch["tokens"].shape[:1], jnp.float32)
@@ -214,11 +214,7 @@ def sample_starts(config, key, train_boards: np.ndarray, num_groups: int) :
     if config.env.task == "move":
         idx = jax.random.choice(key, len(train_boards), (num_groups,), replace=len(train_boards) < num_groups)
         return ttt_env.move_starts(train_boards[np.asarray(idx)])
-    side = config.env.agent_player
-    if side == "alternate":
-        agent = np.where(np.arange(num_groups) % 2 == 0, 1, 2).astype(np.int8)
-    else:
-        agent = {"x": 1, "o": 2}[side]
+    agent = ttt_env.agent_players(config.env.agent_player, num_groups, float(config.env.get("o_share", 0.5)))
     return ttt_env.game_starts(key, num_groups, agent_player=agent, opponent=config.env.opponent,
                                    epsilon=config.env.opponent_epsilon)
 
@@ -248,11 +244,8 @@ def train(config, workdir: str) -> list[dict]:
 
 def _train(config, workdir, layout, tokenizer, model_config, abstract_params, key_model, key_sft, key_rl,
            main_process) -> list[dict]:
-    env = pipeline.make_compiled_env(config, tokenizer, model_config)
-    rc = pipeline.rollout_config(config)
-    num_groups = int(config.rollout.boards_per_step)
-
-    r = config.rl
+    stages = pipeline.curriculum_stages(config)  # one stage (the config) unless it has a curriculum
+    total = stages[-1].last_step
     optimizer = pipeline.make_optimizer(config)
 
     # Restore (onto this run's mesh, whatever mesh wrote the checkpoint) before writing anything: a checkpoint of
@@ -261,8 +254,9 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
                                  max_to_keep=config.keep_checkpoints)
     abstract = layout.abstract_state(jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, key_rl),
                                                     abstract_params))
-    anchored = bool(r.get("forking_kl_coef", 0.0))
-    warm = not config.model.get("path", "") and config.sft.num_steps > 0
+    anchored = any(bool(stage.config.rl.get("forking_kl_coef", 0.0)) for stage in stages)
+    first = stages[0].config  # the warm start runs once, with the first stage's settings
+    warm = not config.model.get("path", "") and first.sft.num_steps > 0
     warm_cache = os.path.join(os.path.abspath(workdir), "warmstart")
     try:
         state = ckpt.restore(abstract)
@@ -279,7 +273,8 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
         # Drawn (or read) straight onto the mesh: each device makes only its own shards.
         _, params = pipeline.build_model(config, key_model, tokenizer, layout)
         if warm:
-            params, _ = warm_start(config, workdir, model_config, params, tokenizer, env, key_sft, layout)
+            env = pipeline.make_compiled_env(first, tokenizer, model_config)
+            params, _ = warm_start(first, workdir, model_config, params, tokenizer, env, key_sft, layout)
     ref_params = jax.tree.map(jnp.copy, params) if anchored else None
     if state is None:
         state = layout.place_state(trainer.create_train_state(params, optimizer, key_rl))
@@ -287,56 +282,50 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
     else:
         start = int(state.step)
         say(f"Resumed from step {start} onto {layout.mesh.size} device(s) (checkpoint in {ckpt.directory})")
-    del abstract
+    del abstract, params
 
     writer = metrics_lib.MetricsWriter(workdir, start_step=start) if main_process else None
-    rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
-    ref_logp_fn = None
-    if anchored:  # the forking KL's reference: the warm start, scored on every train batch
-        ref_logp_fn = pipeline.make_logp_fn(model_config, with_entropy=False, group_size=rc.group_size)
-    # Every step also reports how far the train forward is from the rollout (train/rollout_*, and with a recorded
-    # routing train/routing_agreement), from the first minibatch, which is scored before any update.
-    learner = learner_lib.Learner(
-        pipeline.learner_config(config),
-        pipeline.make_logp_fn(model_config, group_size=rc.group_size, remat=bool(r.get("remat", False)),
-                              entropy_top_k=int(r.get("entropy_top_k", 0)),
-                              routing_replay=bool(r.get("routing_replay", False)),
-                              temperature=rc.temperature),
-        pipeline.make_loss_fn(config), optimizer, ref_logp_fn=ref_logp_fn, ref_params=ref_params,
-        rollout_fn=functools.partial(rollout_fn, env=env), num_groups=num_groups, rollout_metrics=True)
-    sampler = registry.get(pipeline.env_name(config)).make_sampler(config)
-    starts_fn = lambda k: layout.place_batch(sampler(k, num_groups))  # noqa: E731
     rows = []
     plotter = None
     if main_process and config.plot_every:  # drawn on a thread: the loop does not wait for matplotlib
         plotter = metrics_lib.CurvePlotter(writer.path, os.path.join(workdir, "learning_curves.png"))
-    bar = progress(start, config.num_steps, initial=start, total=config.num_steps, desc="GSPO")
-    for _ in bar:
-        t0 = time.time()
-        # The rollout is waited for only to time it apart from the train step (perf/rollout_seconds).
-        state, traj, metrics, t_rollout = learner.run_step(state, starts_fn, time_rollout=True)
-        # Host syncs for logging, once per step: the step counter, the rollout's summary and the metrics.
-        step = int(state.step)
-        row = {}
-        host_traj = distributed.to_host(traj)
-        row.update(step_summary(config, env, host_traj))
-        metrics = distributed.to_host(metrics)
-        for k, v in metrics.items():  # `train/loss`: the total minimised; `train/policy_loss`: its policy term
-            if k.startswith("train/"):
-                row[k] = float(v)
-        if "train/ratio_mean" not in row and "train/seq_ratio_mean" in row:
-            row["train/ratio_mean"] = row["train/seq_ratio_mean"]
-        dt = time.time() - t0
-        row["rollout/informative_group_rate"] = float(metrics["rollout/informative_group_rate"])
-        row["perf/step_seconds"] = dt
-        row["perf/rollout_seconds"] = t_rollout
-        row["perf/rollout_tokens_per_s"] = float(np.asarray(host_traj.loss_mask).sum()) / max(t_rollout, 1e-9)
-        rows.append(writer.write(step, row) if writer is not None else {"step": step, **row})
-        bar.set_postfix(reward=f"{row['rollout/rewards_mean']:+.3f}",
-                        valid=f"{row.get('rollout/tool_call_valid_rate', float('nan')):.2f}")
-        ckpt.save(state, config, force=step == config.num_steps)
-        if plotter is not None and step % config.plot_every == 0 and step < config.num_steps:
-            plotter.request(curve_keys(config, row))
+    for index, stage in enumerate(stages):
+        if stage.last_step <= start:
+            continue
+        stage_config = stage.config
+        env, learner, starts_fn = stage_learner(stage, model_config, tokenizer, optimizer, layout, ref_params)
+        desc = "GSPO" if len(stages) == 1 else f"GSPO {index + 1}/{len(stages)} {stage.name}"
+        first_step = max(start, stage.first_step)
+        bar = progress(first_step, stage.last_step, initial=first_step, total=total, desc=desc)
+        for _ in bar:
+            t0 = time.time()
+            # The rollout is waited for only to time it apart from the train step (perf/rollout_seconds).
+            state, traj, metrics, t_rollout = learner.run_step(state, starts_fn, time_rollout=True)
+            # Host syncs for logging, once per step: the step counter, the rollout's summary and the metrics.
+            step = int(state.step)
+            row = {}
+            host_traj = distributed.to_host(traj)
+            row.update(step_summary(stage_config, env, host_traj))
+            metrics = distributed.to_host(metrics)
+            for k, v in metrics.items():  # `train/loss`: the total minimised; `train/policy_loss`: its policy term
+                if k.startswith("train/"):
+                    row[k] = float(v)
+            if "train/ratio_mean" not in row and "train/seq_ratio_mean" in row:
+                row["train/ratio_mean"] = row["train/seq_ratio_mean"]
+            dt = time.time() - t0
+            row["rollout/informative_group_rate"] = float(metrics["rollout/informative_group_rate"])
+            row["perf/step_seconds"] = dt
+            row["perf/rollout_seconds"] = t_rollout
+            row["perf/rollout_tokens_per_s"] = float(np.asarray(host_traj.loss_mask).sum()) / max(t_rollout, 1e-9)
+            if len(stages) > 1:
+                row["stage"] = index
+            rows.append(writer.write(step, row) if writer is not None else {"step": step, **row})
+            bar.set_postfix(reward=f"{row['rollout/rewards_mean']:+.3f}",
+                            valid=f"{row.get('rollout/tool_call_valid_rate', float('nan')):.2f}")
+            ckpt.save(state, config, force=step == total or step == stage.last_step)
+            if plotter is not None and step % config.plot_every == 0 and step < total:
+                plotter.request(curve_keys(config, row))
+        bar.close()
     if plotter is not None and rows:
         plotter.close(curve_keys(config, rows[-1]))  # the last drawing covers every step
     ckpt.close()
@@ -345,10 +334,43 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
     return rows
 
 
+def stage_learner(stage, model_config, tokenizer, optimizer, layout, ref_params=None):
+    """`(env, learner, starts_fn)` of one stage of a run: its environment, rollout, loss and schedules (the
+    optimiser is the run's, shared by every stage)."""
+    config = stage.config
+    r = config.rl
+    env = pipeline.make_compiled_env(config, tokenizer, model_config)
+    rc = pipeline.rollout_config(config)
+    num_groups = int(config.rollout.boards_per_step)
+    rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
+    ref_logp_fn = None
+    if r.get("forking_kl_coef", 0.0):  # the forking KL's reference: the warm start, scored on every train batch
+        ref_logp_fn = pipeline.make_logp_fn(model_config, with_entropy=False, group_size=rc.group_size)
+    # Every step also reports how far the train forward is from the rollout (train/rollout_*, and with a recorded
+    # routing train/routing_agreement), from the first minibatch, which is scored before any update.
+    learner = learner_lib.Learner(
+        pipeline.learner_config(config, step_offset=stage.first_step),
+        pipeline.make_logp_fn(model_config, group_size=rc.group_size, remat=bool(r.get("remat", False)),
+                              entropy_top_k=int(r.get("entropy_top_k", 0)),
+                              routing_replay=bool(r.get("routing_replay", False)),
+                              temperature=rc.temperature),
+        pipeline.make_loss_fn(config), optimizer, ref_logp_fn=ref_logp_fn,
+        ref_params=ref_params if ref_logp_fn is not None else None,
+        rollout_fn=functools.partial(rollout_fn, env=env), num_groups=num_groups, rollout_metrics=True)
+    sampler = registry.get(pipeline.env_name(config)).make_sampler(config)
+    starts_fn = lambda k: layout.place_batch(sampler(k, num_groups))  # noqa: E731
+    return env, learner, starts_fn
+
+
 def curve_keys(config, row: dict) -> tuple[str, ...]:
-    """Panels of learning_curves.png: tic-tac-toe's per task, else the common ones and the environment's rates."""
-    if pipeline.env_name(config) == "tictactoe":
-        return CURVE_KEYS[config.env.task]
+    """Panels of learning_curves.png: tic-tac-toe's per task (every stage's, in order), else the common ones and
+    the environment's rates."""
+    stages = pipeline.curriculum_stages(config)
+    if all(pipeline.env_name(stage.config) == "tictactoe" for stage in stages):
+        keys = []
+        for stage in stages:
+            keys.extend(k for k in CURVE_KEYS[stage.config.env.task] if k not in keys)
+        return tuple(keys)
     rates = tuple(k for k in row if k.startswith("rollout/") and k.endswith("_rate")
                   and k not in GENERIC_CURVE_KEYS)
     return GENERIC_CURVE_KEYS[:2] + rates[:5] + GENERIC_CURVE_KEYS[2:]
@@ -370,7 +392,7 @@ def main(argv):
             if k in ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "rollout/optimal_move_rate") or (
                     k.startswith("rollout/") and k.endswith("_rate") and pipeline.env_name(config) != "tictactoe"
                     or k in ("rollout/win_rate", "rollout/loss_rate")):
-                summary[f"last20/{k}"] = float(np.mean([row[k] for row in last]))
+                summary[f"last20/{k}"] = float(np.mean([row[k] for row in last if k in row]))
     if distributed.is_main_process():
         print(json.dumps(summary))
 

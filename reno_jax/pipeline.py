@@ -7,6 +7,7 @@ with exactly the model, tokenizer and environment it was trained with.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -23,7 +24,7 @@ from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs.tictactoe import boards as boards_lib
 from reno_jax.envs import registry
 from reno_jax.envs.tictactoe import env as ttt_env
-from reno_jax.envs.tictactoe import tasks
+from reno_jax.envs.tictactoe import tasks, wording
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.models import ling3
 from reno_jax.models.config import Ling3Config
@@ -77,8 +78,11 @@ _CHECKS = (
     ("env.task", lambda v: v in ttt_env.TASKS, f"one of {list(ttt_env.TASKS)}"),
     ("env.num_boards", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_random_moves", lambda v: 0 <= v <= 9, "an integer in [0, 9]"),
+    ("env.board_sides", lambda v: v in boards_lib.SIDES, f"one of {list(boards_lib.SIDES)}"),
+    ("env.board_style", lambda v: v in wording.BOARD_STYLES, f"one of {list(wording.BOARD_STYLES)}"),
     ("env.heldout_fraction", lambda v: 0.0 <= v < 1.0, "a fraction in [0, 1)"),
     ("env.agent_player", lambda v: v in ("x", "o", "alternate"), "one of ['x', 'o', 'alternate']"),
+    ("env.o_share", lambda v: 0.0 <= v <= 1.0, "a share in [0, 1]"),
     ("env.opponent", lambda v: v in tuple(tasks.OPPONENT_KINDS), f"one of {list(tasks.OPPONENT_KINDS)}"),
     ("env.opponent_epsilon", lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]"),
     ("sft.num_steps", lambda v: v >= 0, "an integer >= 0 (0: no warm start)"),
@@ -120,6 +124,15 @@ def validate_config(config) -> None:
     Cross-field rules too: `rl.train_groups` at most `rollout.boards_per_step`, trained rows divisible by
     `num_minibatches * num_microbatches`, a `model.path` / `env.boards_path` that exists.
     """
+    if config.get("curriculum", None):
+        stages = curriculum_stages(config)
+        for stage in stages[:-1]:
+            try:
+                validate_config(stage.config)
+            except ConfigError as error:
+                raise ConfigError(f"curriculum stage {stage.name!r} (--config.curriculum.{stage.name}): "
+                                  f"{error}") from None
+        config = stages[-1].config
     tictactoe = env_name(config) == "tictactoe"
     for name, ok, expected in _CHECKS:
         value = _field(config, name)
@@ -174,6 +187,107 @@ def validate_config(config) -> None:
         if sft_rows % ways:
             raise ConfigError(f"--config.sft.batch_size={sft_rows} rows do not split over the mesh's batch axes "
                               f"({described})")
+
+
+# ---------------------------------------------------------------------------------------------- curriculum
+
+# What a curriculum stage may not change: the model and where it lives, the warm start (it runs once, before the
+# first stage, with that stage's settings), the bookkeeping, and the optimiser's structure (one optimiser state
+# carries across the stages; each stage has its own learning-rate schedule).
+_STAGE_FIXED = ("seed", "model", "mesh", "checkpoint_every", "keep_checkpoints", "plot_every", "eval_every",
+                "curriculum", "rl.b1", "rl.b2", "rl.weight_decay", "rl.clip_norm", "rl.optimizer_state_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of a run: `config` is the whole experiment config of the stage (no `curriculum` in it); its
+    steps are the run's global steps `first_step + 1 .. first_step + num_steps`."""
+    name: str
+    config: Any
+    first_step: int
+    num_steps: int
+
+    @property
+    def last_step(self) -> int:
+        return self.first_step + self.num_steps
+
+
+def _apply_overrides(target, overrides, stage: str, path: str = "") -> None:
+    for key, value in overrides.items():
+        name = f"{path}{key}"
+        if key not in target:
+            raise ConfigError(f"--config.curriculum.{stage}.{name}: the config has no field {name!r}")
+        if isinstance(target[key], ml_collections.ConfigDict):
+            if not isinstance(value, (dict, ml_collections.ConfigDict)):
+                raise ConfigError(f"--config.curriculum.{stage}.{name} must be a section like the config's {name}")
+            _apply_overrides(target[key], value, stage, name + ".")
+        else:
+            try:
+                target[key] = value
+            except TypeError as error:  # ml_collections keeps a field's type
+                raise ConfigError(f"--config.curriculum.{stage}.{name}: {error}") from None
+
+
+def curriculum_stages(config) -> list[Stage]:
+    """The run's stages in order: the `config.curriculum` stages (each the config with that stage's overrides),
+    then the main stage (the config itself, `num_steps` steps). Without a curriculum: one stage, the config.
+
+    A curriculum stage is a section `curriculum.<name>` with `num_steps` and any config fields to change, e.g.
+    `curriculum.move.env.task = "move"`, `curriculum.move.rl.learning_rate = 3e-3`. Stages run in the sorted order
+    of their names (a `ConfigDict` keeps no other order): name several `a_move`, `b_...`. Raises `ConfigError`
+    (naming the flag) for unknown fields or fields a stage may not change.
+    """
+    curriculum = config.get("curriculum", None) or {}
+    base = ml_collections.ConfigDict(config.to_dict())
+    if "curriculum" in base:
+        del base["curriculum"]
+    stages, first = [], 0
+    for name, overrides in sorted(curriculum.items()):
+        if not isinstance(overrides, (dict, ml_collections.ConfigDict)) or "num_steps" not in overrides:
+            raise ConfigError(f"--config.curriculum.{name} must be a section with num_steps and the fields the "
+                              "stage changes")
+        steps = overrides["num_steps"]
+        if not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"--config.curriculum.{name}.num_steps must be an integer >= 1, got {steps!r}")
+        flat = _flatten(overrides)
+        for fixed in _STAGE_FIXED:
+            clash = [k for k in flat if k == fixed or k.startswith(fixed + ".")]
+            if clash:
+                raise ConfigError(f"--config.curriculum.{name}.{clash[0]}: a curriculum stage cannot change "
+                                  f"{fixed} (one model, optimiser state and set of files for the whole run)")
+        if any(k == "sft" or k.startswith("sft.") for k in flat) and stages:
+            raise ConfigError(f"--config.curriculum.{name}: only the first stage can set sft (the warm start "
+                              "runs once, before it)")
+        stage_config = ml_collections.ConfigDict(base.to_dict())
+        _apply_overrides(stage_config, overrides, str(name))
+        stages.append(Stage(str(name), stage_config, first, int(steps)))
+        first += int(steps)
+    stages.append(Stage("main", base, first, int(config.num_steps)))
+    return stages
+
+
+def _flatten(section, prefix: str = "") -> dict:
+    out = {}
+    for key, value in section.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, (dict, ml_collections.ConfigDict)):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def total_steps(config) -> int:
+    """GSPO steps of the whole run: the curriculum stages' and the main stage's."""
+    return curriculum_stages(config)[-1].last_step
+
+
+def stage_at(stages: list[Stage], step: int) -> Stage:
+    """The stage that runs global step `step` (1-based; 0 and steps past the end: the first / last stage)."""
+    for stage in stages:
+        if step <= stage.last_step:
+            return stage
+    return stages[-1]
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, model
@@ -347,7 +461,8 @@ def load_boards(config) -> tuple[np.ndarray, np.ndarray]:
         boards, _ = boards_lib.load_jsonl(env.boards_path)
     else:
         boards = boards_lib.generate_boards(env.num_boards, seed=env.board_seed,
-                                            max_random_moves=env.get("max_random_moves", boards_lib.MAX_RANDOM_MOVES))
+                                            max_random_moves=env.get("max_random_moves", boards_lib.MAX_RANDOM_MOVES),
+                                            sides=env.get("board_sides", "x"))
     boards = np.asarray(boards, np.int8)
     if env.get("heldout_fraction", 0.0):
         return boards_lib.train_heldout_split(boards, env.heldout_fraction, env.board_seed)
@@ -355,15 +470,18 @@ def load_boards(config) -> tuple[np.ndarray, np.ndarray]:
 
 
 def eval_boards(name: str, config) -> np.ndarray:
-    """Board set by name: `exhaustive` (every non-terminal X-to-move position), `train`, `heldout`, or a path."""
-    if name == "exhaustive":
-        return np.asarray(boards_lib.exhaustive_x_to_move(), np.int8)
+    """Board set by name: `exhaustive` (every non-terminal X-to-move position), `exhaustive_o` (O to move),
+    `exhaustive_both`, `train`, `heldout`, or a path."""
+    sides = {"exhaustive": "x", "exhaustive_o": "o", "exhaustive_both": "both"}
+    if name in sides:
+        return np.asarray(boards_lib.exhaustive_positions(sides[name]), np.int8)
     if name in ("train", "heldout"):
         train, heldout = load_boards(config)
         return train if name == "train" else heldout
     if os.path.exists(name):
         return np.asarray(boards_lib.load_jsonl(name)[0], np.int8)
-    raise ValueError(f"unknown board set {name!r}: use exhaustive, train, heldout or a JSONL path")
+    raise ValueError(f"unknown board set {name!r}: use exhaustive, exhaustive_o, exhaustive_both, train, heldout or "
+                     "a JSONL path")
 
 
 # ---------------------------------------------------------------------------------------------- rollout
@@ -464,18 +582,31 @@ def bad_call_rates(valid_call, illegal, num_turns) -> dict:
 # ---------------------------------------------------------------------------------------------- optimisation
 
 def make_optimizer(config):
-    """The RL optimiser of a config (AdamW, warmup + cosine, global-norm clipping)."""
+    """The RL optimiser of a config (AdamW, warmup + cosine, global-norm clipping). With a curriculum, one optimiser
+    for the whole run whose learning rate follows each stage's own schedule over that stage's updates."""
     r = config.rl
+    stages = curriculum_stages(config) if config.get("curriculum", None) else None
+    schedule = None
+    if stages is not None and len(stages) > 1:
+        pieces, lengths = [], []
+        for stage in stages:
+            sr = stage.config.rl
+            updates = stage.num_steps * int(sr.num_minibatches)
+            pieces.append(trainer.make_lr_schedule(sr.learning_rate, sr.end_learning_rate,
+                                                   min(sr.warmup_steps, updates), updates))
+            lengths.append(updates)
+        schedule = trainer.join_lr_schedules(pieces, lengths)
     total = config.num_steps * r.num_minibatches
     return trainer.make_optimizer(
         r.learning_rate, r.end_learning_rate, min(r.warmup_steps, total), total,
         b1=r.b1, b2=r.b2, weight_decay=r.weight_decay, clip_norm=r.clip_norm,
-        state_dtype=None if r.optimizer_state_dtype == "float32" else r.optimizer_state_dtype)
+        state_dtype=None if r.optimizer_state_dtype == "float32" else r.optimizer_state_dtype, schedule=schedule)
 
 
-def learner_config(config) -> learner_lib.LearnerConfig:
+def learner_config(config, step_offset: int = 0) -> learner_lib.LearnerConfig:
     """The `LearnerConfig` of `config.rl` / `config.rollout` (the forking schedule is fed to the loss whenever a
-    forking regulariser, entropy bonus or KL anchor, is on)."""
+    forking regulariser, entropy bonus or KL anchor, is on). `step_offset`: the steps of the curriculum stages
+    before this one (`Stage.first_step`)."""
     r = config.rl
     forking = bool(r.get("forking_entropy_coef", 0.0)) or bool(r.get("forking_kl_coef", 0.0))
     return learner_lib.LearnerConfig(
@@ -486,7 +617,7 @@ def learner_config(config) -> learner_lib.LearnerConfig:
         share_prompt_prefix=bool(r.get("share_prompt_prefix", False)),
         share_common_prefix=bool(r.get("share_common_prefix", False)), num_minibatches=int(r.num_minibatches),
         num_microbatches=int(r.num_microbatches), max_logp_shift=float(r.get("max_logp_shift", 0.0)),
-        shift_probe_groups=int(r.get("shift_probe_groups", 8)))
+        shift_probe_groups=int(r.get("shift_probe_groups", 8)), step_offset=int(step_offset))
 
 
 def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:

@@ -2,6 +2,7 @@
 host loop it replaces), a step without implicit host transfers, and a few steps of the tiny Ling-3.0 policy."""
 
 import contextlib
+import dataclasses
 import functools
 
 import flax.struct
@@ -187,6 +188,21 @@ def test_prepare_batch_equals_the_old_host_loop(train_groups):
         for k in want:
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
         assert float(stats["informative_group_rate"]) == want_rate
+
+
+def test_prepare_batch_step_offset_starts_the_schedule_at_the_stage():
+    """A curriculum stage's learner (step_offset = the steps before it) evaluates its forking schedule at its own
+    step count: global step offset + k scores like step k of a run of the stage alone."""
+    cfg, _, lrn = toy_learner(share_prefix=False, anchored=False, train_groups=0)
+    shifted = learner.make_prepare_batch(dataclasses.replace(cfg, step_offset=100))
+    params = toy_params()
+    for step in (0, 2, 3):
+        traj = toy_trajectory(params, seed=step)
+        want, _ = lrn.prepare_batch(traj, jnp.int32(step))
+        got, _ = shifted(traj, jnp.int32(100 + step))
+        np.testing.assert_array_equal(np.asarray(got["entropy_scale"]), np.asarray(want["entropy_scale"]))
+    with pytest.raises(ValueError, match="step_offset"):
+        dataclasses.replace(cfg, step_offset=-1)
 
 
 class ImplicitHostRead(Exception):

@@ -72,3 +72,101 @@ def test_load_boards_max_random_moves():
     c.env.max_random_moves = 8
     boards, _ = pipeline.load_boards(c)
     assert boards.shape == (300, 9) and (stones(boards) == 8).any()
+
+
+def test_load_boards_both_sides():
+    from configs import tictactoe_tiny
+    from reno_jax.envs.tictactoe import boards as boards_lib
+    c = tictactoe_tiny.get_config()
+    c.env.num_boards = 600
+    c.env.board_sides = "both"
+    boards, _ = pipeline.load_boards(c)
+    stones = (boards != 0).sum(1)
+    assert boards.shape == (600, 9) and set(stones % 2) == {0, 1}  # X and O to move
+    assert not any(boards_lib.np_is_terminal(b) for b in boards)
+    assert len({b.tobytes() for b in boards}) == 600
+    c.env.board_sides = "x"
+    assert set((pipeline.load_boards(c)[0] != 0).sum(1) % 2) == {0}
+    o_boards = pipeline.eval_boards("exhaustive_o", c)
+    assert len(o_boards) == 2097 and np.all((o_boards == 1).sum(1) == (o_boards == 2).sum(1) + 1)
+    assert len(pipeline.eval_boards("exhaustive_both", c)) == 2423 + 2097
+
+
+def _curriculum_config(**stage):
+    import ml_collections
+    from configs import tictactoe_tiny_game
+    c = tictactoe_tiny_game.get_config()
+    c.num_steps = 30
+    c.curriculum = ml_collections.ConfigDict()
+    c.curriculum.move = ml_collections.ConfigDict(dict(
+        num_steps=20, env=dict(task="move", board_sides="both"), sft=dict(num_steps=7, soft_targets=False),
+        rollout=dict(max_turns=1, boards_per_step=8), rl=dict(learning_rate=3e-3, end_learning_rate=3e-4,
+                                                              warmup_steps=2, forking_entropy_coef=0.1)))
+    c.curriculum.move.update(stage)
+    return c
+
+
+def test_curriculum_stages():
+    c = _curriculum_config()
+    stages = pipeline.curriculum_stages(c)
+    assert [(s.name, s.first_step, s.num_steps, s.last_step) for s in stages] == [("move", 0, 20, 20),
+                                                                                  ("main", 20, 30, 50)]
+    move, main = stages[0].config, stages[1].config
+    assert (move.env.task, move.env.board_sides, move.rollout.max_turns, move.num_steps) == ("move", "both", 1, 20)
+    assert (move.sft.num_steps, move.sft.soft_targets, move.rollout.group_size) == (7, False, 8)  # the rest kept
+    assert (main.env.task, main.num_steps, main.rl.learning_rate) == ("game", 30, c.rl.learning_rate)
+    assert "curriculum" not in move and "curriculum" not in main
+    assert pipeline.total_steps(c) == 50 and pipeline.total_steps(stages[1].config) == 30
+    assert pipeline.stage_at(stages, 1).name == "move" and pipeline.stage_at(stages, 20).name == "move"
+    assert pipeline.stage_at(stages, 21).name == "main" and pipeline.stage_at(stages, 99).name == "main"
+    pipeline.validate_config(c)
+
+
+def test_curriculum_learning_rate_follows_each_stage():
+    from reno_jax.rl import trainer
+    c = _curriculum_config()
+    schedule = pipeline.make_optimizer(c)  # its last part scales by the learning rate
+    lr = lambda n: float(trainer.join_lr_schedules(  # noqa: E731
+        [trainer.make_lr_schedule(3e-3, 3e-4, 2, 20), trainer.make_lr_schedule(c.rl.learning_rate,
+                                                                                 c.rl.end_learning_rate,
+                                                                                 c.rl.warmup_steps, 30)],
+        [20, 30])(n))
+    assert lr(0) == float(trainer.make_lr_schedule(3e-3, 3e-4, 2, 20)(0))
+    assert lr(19) == float(trainer.make_lr_schedule(3e-3, 3e-4, 2, 20)(19))
+    assert lr(20) == float(trainer.make_lr_schedule(c.rl.learning_rate, c.rl.end_learning_rate,
+                                                    c.rl.warmup_steps, 30)(0))
+    # The optimiser applies that schedule: one SGD-like probe of the update size at a few counts.
+    params = {"w": jnp.ones((2, 2))}
+    state = schedule.init(params)
+    grads = {"w": jnp.full((2, 2), 1e-3)}
+    sizes = []
+    for _ in range(22):
+        updates, state = schedule.update(grads, state, params)
+        sizes.append(float(jnp.abs(updates["w"][0, 0])))
+    # Adam's first update has magnitude 1 per element (times the learning rate), plus the weight decay of 0.01.
+    np.testing.assert_allclose(sizes[0], lr(0) * (1 + 0.01), rtol=1e-3)
+    assert sizes[20] > sizes[19] * 1.5 or sizes[20] < sizes[19] / 1.5  # a new stage, a new schedule
+
+
+def test_curriculum_config_errors():
+    import pytest
+    with pytest.raises(pipeline.ConfigError, match=r"curriculum\.move\.rl\.lerning_rate: the config has no field"):
+        pipeline.curriculum_stages(_curriculum_config(rl={"lerning_rate": 1.0}))
+    with pytest.raises(pipeline.ConfigError, match=r"curriculum\.move\.rl\.b1: a curriculum stage cannot change"):
+        pipeline.curriculum_stages(_curriculum_config(rl={"b1": 0.5}))
+    with pytest.raises(pipeline.ConfigError, match=r"curriculum\.move\.model\.tiny\.hidden_size: .*cannot change"):
+        pipeline.curriculum_stages(_curriculum_config(model={"tiny": {"hidden_size": 32}}))
+    with pytest.raises(pipeline.ConfigError, match=r"curriculum\.move\.num_steps must be an integer >= 1"):
+        pipeline.curriculum_stages(_curriculum_config(num_steps=0))
+    import ml_collections
+    c = _curriculum_config()
+    c.curriculum.move.rl = ml_collections.ConfigDict({"learning_rate": "fast"})
+    with pytest.raises(pipeline.ConfigError, match=r"curriculum\.move\.rl\.learning_rate: .*cannot be casted"):
+        pipeline.curriculum_stages(c)
+    c = _curriculum_config()
+    c.curriculum.next = ml_collections.ConfigDict(dict(num_steps=3, sft=dict(num_steps=1)))
+    with pytest.raises(pipeline.ConfigError, match=r"curriculum\.next: only the first stage can set sft"):
+        pipeline.curriculum_stages(c)
+    bad = _curriculum_config(env={"task": "chess"})
+    with pytest.raises(pipeline.ConfigError, match=r"curriculum stage 'move' .*--config.env.task must be one of"):
+        pipeline.validate_config(bad)

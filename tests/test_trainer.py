@@ -92,6 +92,19 @@ def test_schedule_warmup_then_cosine():
         trainer.make_lr_schedule(1e-3, warmup_steps=10, total_steps=5)
 
 
+def test_join_lr_schedules():
+    a = trainer.make_lr_schedule(1e-3, 1e-4, warmup_steps=2, total_steps=10)
+    b = trainer.make_lr_schedule(5e-4, 5e-5, warmup_steps=0, total_steps=6)
+    c = trainer.make_lr_schedule(2e-4)
+    joined = trainer.join_lr_schedules([a, b, c], [10, 6, 1])
+    want = [float(a(n)) for n in range(10)] + [float(b(n)) for n in range(6)] + [float(c(n)) for n in range(5)]
+    assert [float(joined(n)) for n in range(21)] == want  # each piece counted from its own start
+    assert trainer.join_lr_schedules([a], [10]) is a
+    for bad in (([a, b], [10]), ([], []), ([a, b], [10, 0])):
+        with pytest.raises(ValueError):
+            trainer.join_lr_schedules(*bad)
+
+
 def test_optimizer_matches_optax_adamw():
     """state_dtype=None with full decay mask is exactly clip + optax.adamw under the same schedule."""
     params = toy_params()

@@ -158,6 +158,10 @@ def plot_learning_curves(jsonl_path: str, png_path: str, keys: Sequence[str] | N
     if not keys:
         raise ValueError(f"nothing to plot: no metric keys in {jsonl_path}")
     steps = np.array([row["step"] for row in rows], dtype=np.float64)
+    # A curriculum's rows carry their stage: a dashed line where a new stage starts.
+    stage_ids = [row.get("stage") for row in rows]
+    boundaries = [steps[i] - 0.5 for i in range(1, len(rows))
+                  if stage_ids[i] is not None and stage_ids[i] != stage_ids[i - 1]]
     ncols = max(1, min(ncols, len(keys)))
     nrows = math.ceil(len(keys) / ncols)
     fig = Figure(figsize=(3.4 * ncols, 2.5 * nrows), dpi=110)
@@ -168,6 +172,8 @@ def plot_learning_curves(jsonl_path: str, png_path: str, keys: Sequence[str] | N
         ax.set_title(key, fontsize=9)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
+        for x in boundaries:
+            ax.axvline(x, color="gray", linestyle="--", linewidth=0.8)
         finite = np.isfinite(vals)
         if not finite.any():
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, fontsize=8,

@@ -77,6 +77,8 @@ class LearnerConfig:
     max_logp_shift, shift_probe_groups: the update guard of ``trainer.make_train_step`` (0: off), probing the
       first ``shift_probe_groups`` groups of each minibatch (at most the groups of a micro-batch when the
       ``Learner`` is told ``num_groups``).
+    step_offset: train steps done before this learner's stage of a curriculum; the forking schedule is evaluated
+      at ``TrainState.step - step_offset`` (its ``num_steps`` are the stage's).
     """
     group_size: int
     train_groups: int = 0
@@ -91,6 +93,7 @@ class LearnerConfig:
     num_microbatches: int = 1
     max_logp_shift: float = 0.0
     shift_probe_groups: int = 8
+    step_offset: int = 0
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -101,6 +104,8 @@ class LearnerConfig:
             raise ValueError("num_minibatches and num_microbatches must be >= 1")
         if self.share_common_prefix and not self.share_prompt_prefix:
             raise ValueError("share_common_prefix needs share_prompt_prefix")
+        if self.step_offset < 0:
+            raise ValueError(f"step_offset must be >= 0, got {self.step_offset}")
         if not self.max_logp_shift >= 0.0 or self.shift_probe_groups < 1:
             raise ValueError(f"max_logp_shift must be >= 0 and shift_probe_groups >= 1, got {self.max_logp_shift}, "
                              f"{self.shift_probe_groups}")
@@ -308,6 +313,8 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[di
 
     def prepare_batch(traj, step):
         fields = trajectory_fields(traj)
+        if config.step_offset:
+            step = step - config.step_offset
         return assemble(fields, advantages_of(fields["reward"]), step)
 
     return prepare_batch

@@ -63,6 +63,31 @@ def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmu
     return schedule
 
 
+def join_lr_schedules(schedules: Sequence[Callable[[Array], Array]], lengths: Sequence[int]
+                      ) -> Callable[[Array], Array]:
+    """One schedule made of ``schedules[i]`` for ``lengths[i]`` updates each, in order, every piece counted from
+    its own start (0-based); the last piece also runs past its length."""
+    if len(schedules) != len(lengths) or not schedules:
+        raise ValueError("join_lr_schedules needs one length per schedule, and at least one")
+    if any(int(n) < 1 for n in lengths):
+        raise ValueError(f"every piece needs at least one update, got lengths {list(lengths)}")
+    if len(schedules) == 1:
+        return schedules[0]
+    starts, at = [], 0
+    for n in lengths[:-1]:
+        at += int(n)
+        starts.append(at)
+
+    def schedule(count):
+        n = jnp.asarray(count, jnp.int32)
+        out = schedules[0](n)
+        for start, piece in zip(starts, schedules[1:]):
+            out = jnp.where(n >= start, piece(n - start), out)
+        return out.astype(jnp.float32)
+
+    return schedule
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Low-memory Adam moments
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,7 +249,8 @@ def make_optimizer(learning_rate: float, end_learning_rate: float = 0.0, warmup_
                    total_steps: int | None = None, b1: float = 0.9, b2: float = 0.999, weight_decay: float = 0.01,
                    clip_norm: float | None = 1.0, state_dtype: str | None = None, *, eps: float = 1e-8,
                    weight_decay_mask: Any = "matrices", quant_block_size: int = 256,
-                   quant_min_size: int = 4096) -> optax.GradientTransformation:
+                   quant_min_size: int = 4096, schedule: Callable[[Array], Array] | None = None
+                   ) -> optax.GradientTransformation:
     """Global-norm clipping + AdamW with linear warmup and cosine decay (``make_lr_schedule``).
 
     Args:
@@ -236,8 +262,11 @@ def make_optimizer(learning_rate: float, end_learning_rate: float = 0.0, warmup_
       clip_norm: clip the global gradient norm to this value before Adam; ``None`` or 0 disables.
       state_dtype: ``None`` (moments in the parameters' dtype, plain ``optax.scale_by_adam``), ``"bfloat16"``,
         or ``"int8"`` (block-wise 8-bit, see ``scale_by_adam_compressed``).
+      schedule: a learning-rate schedule of the update count to use instead of the one the first four arguments
+        describe (e.g. ``join_lr_schedules`` of a curriculum's stages).
     """
-    schedule = make_lr_schedule(learning_rate, end_learning_rate, warmup_steps, total_steps)
+    if schedule is None:
+        schedule = make_lr_schedule(learning_rate, end_learning_rate, warmup_steps, total_steps)
     parts = []
     if clip_norm:
         parts.append(optax.clip_by_global_norm(clip_norm))
