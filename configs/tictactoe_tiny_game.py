@@ -1,10 +1,14 @@
 """The embedded tiny model on the multi-turn `game` task against an epsilon-mixed opponent (epsilon 0.5).
 
-The agent plays X in half of the groups and O in the other half; each tool call is answered by the opponent's
-reply and the new board until the game ends (win +1, draw 0, loss -1, invalid call or occupied square -1).
+Two stages (`config.curriculum`): first the one-move task on boards with either side to move, then whole games.
+In a game the agent plays X in a quarter of the groups and O in the rest; each tool call is answered by the
+opponent's reply and the new board until the game ends (win +1, draw 0, loss -1, invalid call or occupied square -1).
 
   python -m experiments.train_tictactoe --config=configs/tictactoe_tiny_game.py --workdir=workdir/tiny_game
+  python -m experiments.evaluate --workdir=workdir/tiny_game --opponent=minimax,random --num_episodes=1024
 """
+
+import ml_collections
 
 from configs import tictactoe_tiny
 
@@ -13,26 +17,35 @@ def get_config():
   c = tictactoe_tiny.get_config()
   c.env.task = "game"
   c.env.agent_player = "alternate"
+  c.env.o_share = 0.75             # O is the harder side: it has to answer X's first move with the right reply
   c.env.opponent = "epsilon"
   c.env.opponent_epsilon = 0.5
+  # "1X | 2 | 3O": every cell names its square, so the square to call is on the board itself; in a conversation of
+  # several boards the model reads off the latest one instead of counting cells.
+  c.env.board_style = "labeled"
   c.rollout.boards_per_step = 16   # games (groups) per step
   c.rollout.group_size = 8
   c.rollout.max_turns = 5          # X makes at most 5 moves
-  c.rollout.max_new_tokens = 12  # a call is 7 tokens + turn end
-  c.num_steps = 150
-  c.rl.share_common_prefix = False  # the recorded curves were made without these two
-  c.rl.max_logp_shift = 0.0
-  # Warm start on whole games of random legal moves (format only), scored against the random legal policy's
-  # whole distribution at each square token (`sft.soft_targets`): reading the latest board out of a multi-turn
-  # conversation is what this small model finds hard, and soft targets teach it from every legal square at once.
-  c.sft.num_steps = 500         # ~9 min on 2 cores; after 200 steps a fifth of sampled games still ended on an
-                                # occupied square, which hid the loss rate (games ended before they could be lost)
-  c.sft.batch_size = 32
-  c.sft.soft_targets = True
-  # Plain GSPO: the move task's top-9 forking-token entropy bonus (even per turn, `rl.forking_per_turn`) pushed
-  # mass onto occupied squares here (illegal-move rate 0.56 -> 0.71 in 15 steps); top-3 at 0.05 stalled learning.
+  c.rollout.max_new_tokens = 9     # a call is 7 tokens + turn end
+  c.num_steps = 200
+  c.checkpoint_every = 50
+  # Plain GSPO in games, as measured without a curriculum (docs/benchmarks.md): the move task's forking-token
+  # entropy bonus, scored on every turn's square, spread mass onto occupied squares.
   c.rl.forking_entropy_coef = 0.0
   c.rl.entropy_top_k = 0
+  c.rl.max_logp_shift = 0.0
   c.rl.learning_rate = 1.5e-3
   c.rl.end_learning_rate = 2e-4
+
+  # Stage 1: where to put a stone. The warm start teaches the call format on random legal moves of single boards;
+  # the move task then teaches good moves from both sides, 512 graded answers per step instead of 128 game turns.
+  c.curriculum = ml_collections.ConfigDict()
+  c.curriculum.move = ml_collections.ConfigDict(dict(
+      num_steps=400,
+      env=dict(task="move", board_sides="both", num_boards=4096),
+      sft=dict(num_steps=110, batch_size=64, soft_targets=False),
+      rollout=dict(boards_per_step=64, group_size=8, max_turns=1),
+      rl=dict(forking_entropy_coef=0.1, entropy_top_k=9, learning_rate=3e-3, end_learning_rate=3e-4,
+              max_logp_shift=0.2),
+  ))
   return c

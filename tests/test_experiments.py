@@ -148,8 +148,7 @@ def test_short_run_with_forking_kl_anchor(tmp_path):
         train_tictactoe.train(c, str(tmp_path / "both"))
 
 
-def test_short_game_run_with_game_warm_start(tmp_path):
-    """The game config end to end: whole-game warm start with soft targets, then multi-turn GSPO."""
+def _short_game_config():
     from configs import tictactoe_tiny_game
     c = tictactoe_tiny_game.get_config()
     c.num_steps = 1
@@ -161,11 +160,50 @@ def test_short_game_run_with_game_warm_start(tmp_path):
     c.rollout.max_turns = 2
     c.checkpoint_every = 1
     c.plot_every = 1
+    return c
+
+
+def test_short_game_run_with_game_warm_start(tmp_path):
+    """Games from the first step: a warm start on whole games with soft targets, then multi-turn GSPO."""
+    c = _short_game_config()
+    del c["curriculum"]
+    c.sft.soft_targets = True
     rows = train_tictactoe.train(c, str(tmp_path))
-    assert [r["step"] for r in rows] == [1]
+    assert [r["step"] for r in rows] == [1] and "stage" not in rows[0]
     for key in ("rollout/win_rate", "rollout/loss_rate", "rollout/draw_rate", "rollout/illegal_rate"):
         assert 0.0 <= rows[0][key] <= 1.0
     assert os.path.isdir(tmp_path / "warmstart") and os.path.isfile(tmp_path / "learning_curves.png")
+
+
+def test_game_config_curriculum_run_resume_and_evaluation(tmp_path):
+    """The game config end to end: move-task stage (both sides), then games; extended, it resumes in the game
+    stage; then the greedy evaluation against two opponents in one command."""
+    c = _short_game_config()
+    assert list(c.curriculum) == ["move"] and c.curriculum.move.env.task == "move"
+    c.curriculum.move.num_steps = 1
+    c.curriculum.move.sft.num_steps = 2
+    c.curriculum.move.sft.batch_size = 4
+    c.curriculum.move.rollout.boards_per_step = 2
+    c.curriculum.move.rollout.group_size = 2
+    workdir = str(tmp_path / "run")
+    rows = train_tictactoe.train(c, workdir)
+    assert [(r["step"], r["stage"]) for r in rows] == [(1, 0), (2, 1)]
+    assert "rollout/optimal_move_rate" in rows[0] and "rollout/win_rate" not in rows[0]
+    assert 0.0 <= rows[1]["rollout/loss_rate"] <= 1.0
+    c.num_steps = 2  # one more game step: resumes after step 2, in the game stage
+    rows = train_tictactoe.train(c, workdir)
+    assert [(r["step"], r["stage"]) for r in rows] == [(3, 1)]
+    assert [r["step"] for r in read_rows(workdir)] == [1, 2, 3]
+    out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}",
+                          "--opponent=minimax,random", "--num_episodes=4"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["checkpoint_step"] == 3
+    for opp in ("minimax", "random"):
+        for key in ("win_rate", "draw_rate", "loss_rate"):
+            assert 0.0 <= figures[f"{opp}/{key}"] <= 1.0
+    assert figures["minimax/win_rate"] == 0.0  # perfect play never loses
 
 
 # ---------------------------------------------------------------------------------------------- user errors
@@ -212,6 +250,8 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
     ("rollout.top_p", 1.5, "--config.rollout.top_p must be a number in (0, 1]"),
     ("env.opponent", "perfect", "--config.env.opponent must be one of"),
     ("env.max_random_moves", 10, "--config.env.max_random_moves must be an integer in [0, 9], got 10"),
+    ("env.board_sides", "o", "--config.env.board_sides must be one of ['x', 'both'], got 'o'"),
+    ("env.board_style", "fancy", "--config.env.board_style must be one of ['grid', 'labeled'], got 'fancy'"),
     ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
     ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
     ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
