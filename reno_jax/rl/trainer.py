@@ -12,6 +12,7 @@ trains the Ling-3.0 model and the toy policies of the tests.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -73,19 +74,7 @@ def join_lr_schedules(schedules: Sequence[Callable[[Array], Array]], lengths: Se
         raise ValueError(f"every piece needs at least one update, got lengths {list(lengths)}")
     if len(schedules) == 1:
         return schedules[0]
-    starts, at = [], 0
-    for n in lengths[:-1]:
-        at += int(n)
-        starts.append(at)
-
-    def schedule(count):
-        n = jnp.asarray(count, jnp.int32)
-        out = schedules[0](n)
-        for start, piece in zip(starts, schedules[1:]):
-            out = jnp.where(n >= start, piece(n - start), out)
-        return out.astype(jnp.float32)
-
-    return schedule
+    return optax.join_schedules(list(schedules), boundaries=list(itertools.accumulate(int(n) for n in lengths[:-1])))
 
 
 # ----------------------------------------------------------------------------------------------------------------
