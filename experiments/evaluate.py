@@ -143,10 +143,17 @@ def evaluate_game(params, model_config, env, config, opponent: str, epsilon: flo
 
     traj = run_episodes(params, model_config, env, rc, starts_fn, total, batch, k_policy)
     info = traj.info
-    summary = {"task": "game", "opponent": opponent, "epsilon": epsilon, "side": side}
+    summary = {"task": "game", "opponent": opponent, "side": side}
+    if opponent == "epsilon":
+        summary["epsilon"] = epsilon
     for k in ("win", "draw", "loss", "invalid", "illegal", "truncated"):
         summary[f"{k}_rate"] = float(np.mean(info[k]))
     summary["invalid_rate"] = float(np.mean(info["invalid"] | info["illegal"] | info["truncated"]))
+    if side == "both":  # episode i plays X when i is even: the per-side split the targets average over
+        x_games = np.arange(total) % 2 == 0
+        for name, games in (("x", x_games), ("o", ~x_games)):
+            for k in ("win", "draw", "loss"):
+                summary[f"{name}/{k}_rate"] = float(np.mean(info[k][games])) if games.any() else float("nan")
     summary["mean_turns"] = float(np.mean(info["num_turns"]))
     summary["mean_generated_tokens"] = float(np.mean(info["generated_tokens"]))
     summary["num_episodes"] = int(total)

@@ -204,6 +204,10 @@ def test_game_config_curriculum_run_resume_and_evaluation(tmp_path):
         for key in ("win_rate", "draw_rate", "loss_rate"):
             assert 0.0 <= figures[f"{opp}/{key}"] <= 1.0
     assert figures["minimax/win_rate"] == 0.0  # perfect play never loses
+    assert "minimax/epsilon" not in figures  # only the epsilon opponent has one
+    for opp in ("minimax", "random"):  # 2 games per side: the overall rate is the mean of the sides'
+        for key in ("win_rate", "loss_rate"):
+            assert figures[f"{opp}/{key}"] == (figures[f"{opp}/x/{key}"] + figures[f"{opp}/o/{key}"]) / 2
 
 
 # ---------------------------------------------------------------------------------------------- user errors
