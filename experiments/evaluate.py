@@ -135,11 +135,13 @@ def evaluate_game(params, model_config, env, config, opponent: str, epsilon: flo
     rc = pipeline.rollout_config(config, greedy=greedy, group_size=1)
     k_open, k_policy = jax.random.split(key)
 
+    def agent_of(ids):  # 1 (X) or 2 (O) for episode ids; with "both", even episodes play X
+        return {"x": np.ones_like(ids), "o": np.full_like(ids, 2), "both": 1 + ids % 2}[side].astype(np.int8)
+
     def starts_fn(start, size):
-        ids = np.arange(start, start + size)
-        agent = {"x": np.ones_like(ids), "o": np.full_like(ids, 2), "both": 1 + ids % 2}[side].astype(np.int8)
-        return ttt_env.game_starts(jax.random.fold_in(k_open, start), size, agent_player=agent,
-                                       opponent=opponent, epsilon=epsilon)
+        return ttt_env.game_starts(jax.random.fold_in(k_open, start), size,
+                                   agent_player=agent_of(np.arange(start, start + size)), opponent=opponent,
+                                   epsilon=epsilon)
 
     traj = run_episodes(params, model_config, env, rc, starts_fn, total, batch, k_policy)
     info = traj.info
@@ -149,8 +151,8 @@ def evaluate_game(params, model_config, env, config, opponent: str, epsilon: flo
     for k in ("win", "draw", "loss", "invalid", "illegal", "truncated"):
         summary[f"{k}_rate"] = float(np.mean(info[k]))
     summary["invalid_rate"] = float(np.mean(info["invalid"] | info["illegal"] | info["truncated"]))
-    if side == "both":  # episode i plays X when i is even: the per-side split the targets average over
-        x_games = np.arange(total) % 2 == 0
+    if side == "both":  # the per-side split the targets average over
+        x_games = agent_of(np.arange(total)) == 1
         for name, games in (("x", x_games), ("o", ~x_games)):
             for k in ("win", "draw", "loss"):
                 summary[f"{name}/{k}_rate"] = float(np.mean(info[k][games])) if games.any() else float("nan")
