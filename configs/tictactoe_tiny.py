@@ -54,11 +54,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.env.board_sides = "x"        # "x": X-to-move boards (AReno); "both": either side to move
   c.env.board_style = "grid"     # "grid": "X | 2 | O" (AReno's look); "labeled": "1X | 2 | 3O" (wording.py)
   c.env.boards_path = ""         # optional AReno-style JSONL of boards
+  # "random": positions of random moves (above); "play": positions met in games of a side that plays minimax with
+  # probability 1 - play_epsilon against the game task's opponent (boards.play_boards), repeats kept.
+  c.env.board_source = "random"
+  c.env.play_epsilon = 0.1
   c.env.heldout_fraction = 0.0
   c.env.agent_player = "x"       # game task: "x", "o" or "alternate" (by group)
   c.env.o_share = 0.5            # game task, "alternate": share of the groups in which the agent plays O
   c.env.opponent = "epsilon"     # game task: "random", "minimax" or "epsilon"
   c.env.opponent_epsilon = 0.5
+  c.env.suboptimal_penalty = 0.0  # game task: the last reward loses this times the share of value-losing moves
+  c.env.independent_opponents = False  # game task: a group's episodes share the opening only, not later replies
 
   # --- supervised warm start (format only: random legal moves) -----------------------------------
   c.sft = ml_collections.ConfigDict()

@@ -231,7 +231,9 @@ def main(argv):
             if isinstance(v, (int, float)) and not isinstance(v, bool)}}))
         return
     task = _TASK.value or config.env.task
-    env = pipeline.make_compiled_env(config, tokenizer, model_config, task=task)
+    # A game is scored by its outcome alone: the training's shaping (env.suboptimal_penalty) stays out of the
+    # transcripts' rewards.
+    env = pipeline.make_compiled_env(config, tokenizer, model_config, task=task, suboptimal_penalty=0.0)
     if task == "move":
         try:
             boards = pipeline.eval_boards(_BOARDS.value, config)

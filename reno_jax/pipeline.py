@@ -79,12 +79,15 @@ _CHECKS = (
     ("env.num_boards", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_random_moves", lambda v: 0 <= v <= 9, "an integer in [0, 9]"),
     ("env.board_sides", lambda v: v in boards_lib.SIDES, f"one of {list(boards_lib.SIDES)}"),
+    ("env.board_source", lambda v: v in boards_lib.SOURCES, f"one of {list(boards_lib.SOURCES)}"),
+    ("env.play_epsilon", lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]"),
     ("env.board_style", lambda v: v in wording.BOARD_STYLES, f"one of {list(wording.BOARD_STYLES)}"),
     ("env.heldout_fraction", lambda v: 0.0 <= v < 1.0, "a fraction in [0, 1)"),
     ("env.agent_player", lambda v: v in ("x", "o", "alternate"), "one of ['x', 'o', 'alternate']"),
     ("env.o_share", lambda v: 0.0 <= v <= 1.0, "a share in [0, 1]"),
     ("env.opponent", lambda v: v in tuple(tasks.OPPONENT_KINDS), f"one of {list(tasks.OPPONENT_KINDS)}"),
     ("env.opponent_epsilon", lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]"),
+    ("env.suboptimal_penalty", lambda v: v >= 0.0, "a number >= 0 (0: the outcome alone)"),
     ("sft.num_steps", lambda v: v >= 0, "an integer >= 0 (0: no warm start)"),
     ("sft.batch_size", lambda v: v >= 1, "an integer >= 1"),
     ("sft.learning_rate", lambda v: v > 0, "a number > 0"),
@@ -459,6 +462,10 @@ def load_boards(config) -> tuple[np.ndarray, np.ndarray]:
     env = config.env
     if env.get("boards_path", ""):
         boards, _ = boards_lib.load_jsonl(env.boards_path)
+    elif env.get("board_source", "random") == "play":
+        boards = boards_lib.play_boards(env.num_boards, seed=env.board_seed, hero_epsilon=env.get("play_epsilon", 0.1),
+                                        opponent_epsilon=env.get("opponent_epsilon", 0.5),
+                                        o_share=env.get("o_share", 0.5))
     else:
         boards = boards_lib.generate_boards(env.num_boards, seed=env.board_seed,
                                             max_random_moves=env.get("max_random_moves", boards_lib.MAX_RANDOM_MOVES),
@@ -665,7 +672,8 @@ def make_loss_fn(config):
         loss_fn = losses.with_forking_entropy_bonus(loss_fn, r.forking_entropy_coef, r.get("forking_top_k", 1),
                                                     per_turn=bool(r.get("forking_per_turn", False)))
     elif r.get("forking_kl_coef", 0.0):
-        loss_fn = losses.with_forking_kl(loss_fn, r.forking_kl_coef, r.get("forking_top_k", 1))
+        loss_fn = losses.with_forking_kl(loss_fn, r.forking_kl_coef, r.get("forking_top_k", 1),
+                                         per_turn=bool(r.get("forking_per_turn", False)))
     return loss_fn
 
 

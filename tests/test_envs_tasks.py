@@ -313,6 +313,49 @@ def test_generate_boards_properties_and_seeds():
         B.generate_boards(n=100, max_random_moves=1)  # only the empty board and 72 two-stone positions exist
 
 
+def test_play_boards_follow_the_games(table):
+    tables = minimax.tables_numpy()
+    a = B.play_boards(600, seed=3, hero_epsilon=0.1, opponent_epsilon=0.5, o_share=0.75)
+    assert a.shape == (600, 9) and a.dtype == np.int8
+    np.testing.assert_array_equal(a, B.play_boards(600, seed=3, hero_epsilon=0.1, opponent_epsilon=0.5, o_share=0.75))
+    assert not np.array_equal(a, B.play_boards(600, seed=4, hero_epsilon=0.1, opponent_epsilon=0.5, o_share=0.75))
+    codes = B.board_code_np(a)
+    n_x, n_o = (a == ttt.X).sum(1), (a == ttt.O).sum(1)
+    assert np.all((n_x == n_o) | (n_x == n_o + 1))
+    assert not any(B.np_is_terminal(b) for b in a)
+    legal = a == 0
+    assert np.all((legal & ~tables["optimal_mask"][codes]).any(1))  # every board has a wrong answer
+    assert len(np.unique(codes)) < len(codes)  # repeats kept: frequent positions weigh more
+    # Sides follow o_share; a hero that never explores against perfect play only meets drawn positions, and against
+    # a random opponent never a lost one.
+    for share, mover in ((0.0, ttt.X), (1.0, ttt.O)):
+        b = B.play_boards(200, seed=0, o_share=share)
+        assert all(B.np_to_move(x) == mover for x in b)
+    perfect = B.play_boards(300, seed=1, hero_epsilon=0.0, opponent_epsilon=0.0)
+    assert np.all(tables["value"][B.board_code_np(perfect)] == 0)
+    lucky = B.play_boards(300, seed=1, hero_epsilon=0.0, opponent_epsilon=1.0)
+    assert np.all(tables["value"][B.board_code_np(lucky)] >= 0)
+    assert np.any(tables["value"][B.board_code_np(lucky)] == 1)
+    for kwargs, match in ((dict(n=0), "positive"), (dict(n=5, hero_epsilon=1.5), "hero_epsilon"),
+                          (dict(n=5, o_share=-0.1), "o_share")):
+        with pytest.raises(ValueError, match=match):
+            B.play_boards(seed=0, **kwargs)
+
+
+def test_load_boards_from_play():
+    from configs import tictactoe_tiny_game
+    from reno_jax import pipeline
+    c = tictactoe_tiny_game.get_config()
+    c.env.task, c.env.num_boards, c.env.board_source, c.env.play_epsilon = "move", 64, "play", 0.2
+    train, heldout = pipeline.load_boards(c)
+    np.testing.assert_array_equal(train, B.play_boards(64, c.env.board_seed, 0.2, c.env.opponent_epsilon,
+                                                       c.env.o_share))
+    assert heldout.shape == (0, 9)
+    c.env.board_source = "games"
+    with pytest.raises(pipeline.ConfigError, match="board_source"):
+        pipeline.validate_config(c)
+
+
 def test_exhaustive_positions():
     ex = B.exhaustive_x_to_move()
     # Independent count by recursion over the game tree.
@@ -441,3 +484,68 @@ def test_game_sampler_uses_o_share():
     c.env.agent_player, c.env.o_share = "alternate", 0.75
     starts = ttt_env.make_sampler(c)(jax.random.PRNGKey(0), 8)
     assert np.asarray(starts.agent_player).tolist() == [1, 2, 2, 2, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.6])
+def test_game_suboptimal_penalty(table, penalty):
+    """The last step's reward loses `penalty` times the share of the agent's moves that gave up minimax value; an
+    invalid call counts as such a move; steps after the end add nothing."""
+    from reno_jax.envs import interface
+    from reno_jax.envs.tictactoe import env as ttt_env
+    env = ttt_env.TicTacToeEnv.create(task="game", table=table, suboptimal_penalty=penalty)
+    starts = ttt_env.game_starts(jax.random.PRNGKey(3), 1, agent_player=1, opponent="minimax")
+    step = jax.jit(env.step)
+
+    def call(square, kind=0):
+        return interface.ToolCall(kind=jnp.int32(kind), tool=jnp.int32(0), args=jnp.array([square], jnp.int32))
+
+    state, _ = env.reset(jax.tree.map(lambda a: a[0], starts))
+    total, moves, optimal, mistakes = 0.0, 0, 0, 0
+    while True:
+        board = np.asarray(state.game.board)
+        legal = np.flatnonzero(board == 0)
+        best = np.asarray(minimax.optimal_moves(table, jnp.asarray(board)))
+        bad = [i for i in legal if not best[i]]
+        idx = bad[0] if bad and not mistakes else int(np.flatnonzero(best & (board == 0))[0])  # one mistake
+        mistakes += int(bool(bad) and not mistakes)
+        optimal += int(best[idx])
+        moves += 1
+        out = step(state, call(idx + 1))
+        total += float(out.reward)
+        state = out.state
+        if bool(out.done):
+            break
+    assert optimal == moves - 1  # the mistake was a mistake
+    outcome = {T.OUTCOME_WIN: 1.0, T.OUTCOME_DRAW: 0.0, T.OUTCOME_LOSS: -1.0}[int(state.game.outcome)]
+    np.testing.assert_allclose(total, outcome - penalty / moves, rtol=1e-6)
+    np.testing.assert_allclose(float(step(state, call(1)).reward), 0.0)  # a finished game adds nothing
+
+    state, _ = env.reset(jax.tree.map(lambda a: a[0], starts))
+    out = step(state, call(0, kind=T.PARSE_BAD_CALL))
+    assert bool(out.done)
+    np.testing.assert_allclose(float(out.reward), -1.0 - penalty)
+    with pytest.raises(ValueError, match="suboptimal_penalty"):
+        ttt_env.TicTacToeEnv.create(task="game", table=table, suboptimal_penalty=-0.1)
+
+
+def test_independent_opponents_split_the_later_replies(table):
+    """`independent_opponents`: a group's episodes keep the opening (one prompt per group) but draw their own later
+    replies; off, every member is the group's start."""
+    from reno_jax.envs import interface
+    from reno_jax.envs.tictactoe import env as ttt_env
+    starts = ttt_env.game_starts(jax.random.PRNGKey(5), 1, agent_player=2, opponent="random")
+    start = jax.tree.map(lambda a: a[0], starts)
+    members = jnp.arange(16, dtype=jnp.int32)
+    replies = {}
+    for independent in (False, True):
+        env = ttt_env.TicTacToeEnv.create(task="game", table=table, independent_opponents=independent)
+        state, _ = env.reset(start)
+        states = jax.vmap(env.for_member, in_axes=(None, 0))(state, members)
+        np.testing.assert_array_equal(np.asarray(states.game.board), np.tile(np.asarray(state.game.board), (16, 1)))
+        np.testing.assert_array_equal(np.asarray(states.opponent_key[0]), np.asarray(state.opponent_key))
+        square = int(np.flatnonzero(np.asarray(state.game.board) == 0)[0]) + 1  # the same first move everywhere
+        call = interface.ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=jnp.array([square], jnp.int32))
+        out = jax.vmap(env.step, in_axes=(0, None))(states, call)
+        replies[independent] = np.asarray(out.state.game.opponent_square)
+    assert len(set(replies[False].tolist())) == 1
+    assert len(set(replies[True].tolist())) >= 3  # 7 empty squares, 16 uniform draws

@@ -412,6 +412,18 @@ def test_forking_token_mask_per_turn():
                                   np.asarray(L.forking_token_mask(e1, one, 1)))
     jitted = jax.jit(L.forking_token_mask, static_argnums=(2, 3))
     np.testing.assert_array_equal(np.asarray(jitted(ent, mask, 1, True)), top1.astype(bool))
+    # The forking KL anchors every turn's decision with per_turn, the episode's single top token without.
+    logp = jnp.log(jnp.linspace(0.3, 0.95, mask.size, dtype=jnp.float32).reshape(mask.shape))
+    ref = jnp.log(jnp.full(mask.shape, 0.2, jnp.float32))
+    adv, old = jnp.zeros((2,), jnp.float32), logp
+    kls = []
+    for per_turn, sel in ((True, top1), (False, np.asarray(L.forking_token_mask(ent, mask, 1)))):
+        _, m = L.with_forking_kl(L.gspo_loss, 0.3, 1, per_turn=per_turn)(logp, old, adv, mask, entropy=ent,
+                                                                           ref_logp=ref)
+        per_seq = [_np_k3(np.asarray(logp)[b][sel[b] > 0], np.asarray(ref)[b][sel[b] > 0]).mean() for b in range(2)]
+        np.testing.assert_allclose(float(m["forking_kl"]), np.mean(per_seq), rtol=1e-5)
+        kls.append(float(m["forking_kl"]))
+    assert abs(kls[0] - kls[1]) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------------------

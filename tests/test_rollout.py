@@ -353,3 +353,19 @@ def test_bad_inputs_raise(world):
     with pytest.raises(ValueError, match="max_length"):
         R.rollout(world["params"], world["keys"], world["starts"], model_config=MC, rollout_config=short,
                   env=world["env"])
+
+
+def test_independent_opponents_reach_the_rollout(world):
+    """The rollout hands each group member its own state (`TextEnv.for_member`): with independent opponents the two
+    episodes of group 0 play the same forced first move and get different replies; by default the same one."""
+    forced = np.full((B, RC.max_turns, M), -1, np.int32)
+    forced[:2, 0] = world["forced"][:2, 0]
+    ind = R.compile_env(E.TicTacToeEnv.create("game", independent_opponents=True), world["tok"],
+                        vocab_size=MC.vocab_size)
+    shared, _ = world["runs"][1]
+    np.testing.assert_array_equal(shared.info["final_board"][0], shared.info["final_board"][1])
+    traj, _ = jax.device_get(ROLLOUT(world["params"], world["keys"], world["starts"], ind, jnp.asarray(forced)))
+    boards = traj.info["final_board"]
+    np.testing.assert_array_equal(boards[0] == 1, boards[1] == 1)  # the same forced move (a sampled 2nd call is
+    np.testing.assert_array_equal(boards[0] == 1, shared.info["final_board"][0] == 1)  # invalid: the game ends)
+    assert not np.array_equal(boards[0], boards[1])  # another reply

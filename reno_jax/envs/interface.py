@@ -103,6 +103,13 @@ class TextEnv(abc.ABC):
     def step(self, state: PyTree, call: ToolCall) -> Step:
         """Applies the agent's parsed call (any kind: invalid calls are the environment's to judge)."""
 
+    def for_member(self, state: PyTree, member: jax.Array) -> PyTree:
+        """The state after ``reset`` of a group's ``member``-th episode (``int32 []``, 0..G-1): where the
+        environment's own randomness (an opponent's) should differ between the episodes of a group. The first user
+        message stays the group's (the rollout prefills it once per group). Default: the same state."""
+        del member
+        return state
+
     def finish(self, state: PyTree, info: PyTree, truncated: jax.Array) -> PyTree:
         """The episode's final info; ``truncated`` (``bool []``) says the rollout cut it short. Default: ``info``."""
         del state, truncated

@@ -412,7 +412,7 @@ def with_forking_entropy_bonus(loss_fn: Callable, coef: float, top_k: int = 1, p
     return fn
 
 
-def with_forking_kl(loss_fn: Callable, coef: float, top_k: int = 1) -> Callable:
+def with_forking_kl(loss_fn: Callable, coef: float, top_k: int = 1, per_turn: bool = False) -> Callable:
     """Wraps a loss: adds ``+ coef * k3(logp, ref_logp)`` on each sequence's ``top_k`` forking tokens
     (``forking_token_mask`` by entropy), averaged per sequence, then over sequences.
 
@@ -421,14 +421,15 @@ def with_forking_kl(loss_fn: Callable, coef: float, top_k: int = 1) -> Callable:
     that of the mass-covering KL(pi_ref || pi): it keeps every legal square in play, so a group keeps reward
     spread (and a gradient), without spreading mass onto malformed continuations the way an entropy bonus over the
     vocabulary does. Needs ``entropy`` and ``ref_logp``; ``entropy_scale`` (optional, as in
-    ``with_forking_entropy_bonus``) multiplies ``coef``. Reports ``forking_kl``.
+    ``with_forking_entropy_bonus``) multiplies ``coef``. ``per_turn``: every turn's ``top_k`` tokens
+    (``forking_token_mask``). Reports ``forking_kl``.
     """
 
     def fn(logp, old_logp, advantages, mask, *, entropy=None, ref_logp=None, entropy_scale=None, **kwargs):
         if entropy is None or ref_logp is None:
             raise ValueError("with_forking_kl needs the per-token entropy and ref_logp")
         loss, metrics = loss_fn(logp, old_logp, advantages, mask, entropy=entropy, ref_logp=ref_logp, **kwargs)
-        sel = forking_token_mask(entropy, mask, top_k)
+        sel = forking_token_mask(entropy, mask, top_k, per_turn)
         kl, _ = _agg_sequence_mean(_k3(jnp.asarray(logp, jnp.float32), jnp.asarray(ref_logp, jnp.float32), sel), sel)
         scale = 1.0 if entropy_scale is None else jnp.mean(jnp.asarray(entropy_scale, jnp.float32))
         metrics = dict(metrics, forking_kl=jax.lax.stop_gradient(kl),

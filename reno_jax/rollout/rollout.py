@@ -369,6 +369,7 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
     # ---- starts, repeated per group; the first user message of every episode
     group_id = rows // g
     env_state, message = jax.vmap(tenv.reset)(jax.tree.map(lambda a: _expand(a, g), starts))
+    env_state = jax.vmap(tenv.for_member)(env_state, rows % g)
     prompt_ids, prompt_len = jax.vmap(env.render_user)(message)
 
     # ---- prompt prefill. Episodes of a group share their prompt: feed it once per group and copy the caches.

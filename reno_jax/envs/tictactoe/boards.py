@@ -29,6 +29,7 @@ ARENO_DEFAULT_SEED = 2026  # the seed in AReno's README command
 DEFAULT_COUNT = 2048
 MAX_RANDOM_MOVES = 6
 SIDES = ("x", "both")  # generate_boards: X to move only (AReno), or either side
+SOURCES = ("random", "play")  # config env.board_source: generate_boards or play_boards
 
 _EMPTY_CHARS = frozenset(".-_ ")  # "" (an empty list cell) is handled separately
 _SEPARATORS = " \t\r\n|,;"
@@ -148,6 +149,49 @@ def generate_boards(
         seen.add(key)
         out.append(board)
     return np.stack(out).astype(np.int8)
+
+
+def play_boards(n: int, seed: int, hero_epsilon: float = 0.1, opponent_epsilon: float = 0.5,
+                o_share: float = 0.5) -> np.ndarray:
+    """``int8 [n, 9]`` positions met in play, repeats kept: the positions' frequencies are how often games pass.
+
+    Each game has a hero (O with probability ``o_share``, else X) against an opponent; a move is uniform among the
+    legal squares with probability ``epsilon`` (the hero's or the opponent's), else uniform among the
+    minimax-optimal ones, as ``tasks.opponent_move`` plays. Every position with the hero to move goes in, except
+    those where every legal move is optimal (a group on one of them gets the same reward for every answer).
+    Uniform random positions (``generate_boards``) spread a policy's learning over thousands of boards that good
+    play never reaches; these follow the games the game task plays, with the hero near the policy it should become.
+
+    Raises:
+      ValueError: ``n`` < 1, or an ``epsilon`` / ``o_share`` outside [0, 1].
+    """
+    from reno_jax.envs.tictactoe import minimax  # local import, as in _terminal_by_code
+
+    if n <= 0:
+        raise ValueError(f"n must be positive, got {n}")
+    for name, v in (("hero_epsilon", hero_epsilon), ("opponent_epsilon", opponent_epsilon), ("o_share", o_share)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {v}")
+    tables = minimax.tables_numpy()
+    optimal, terminal = tables["optimal_mask"], _terminal_by_code()
+    rng = np.random.default_rng(seed)
+    out: list[np.ndarray] = []
+    while len(out) < n:
+        hero = ttt.O if rng.random() < o_share else ttt.X
+        board = np.zeros(ttt.NUM_SQUARES, np.int8)
+        player, code = ttt.X, 0
+        while not terminal[code]:
+            legal = board == ttt.EMPTY
+            best = optimal[code] & legal
+            if player == hero and not (best == legal).all():
+                out.append(board.copy())
+            eps = hero_epsilon if player == hero else opponent_epsilon
+            choices = np.flatnonzero(legal if rng.random() < eps else best)
+            i = int(choices[rng.integers(len(choices))])
+            board[i] = player
+            code += int(player) * 3**i
+            player = ttt.O if player == ttt.X else ttt.X
+    return np.stack(out[:n]).astype(np.int8)
 
 
 def exhaustive_x_to_move() -> np.ndarray:

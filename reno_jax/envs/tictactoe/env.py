@@ -99,6 +99,16 @@ class GameState:
 class TicTacToeEnv(interface.TextEnv):
     """`task="move"`: AReno's move reward on one position; `task="game"`: a whole game, +1 / 0 / -1.
 
+    `suboptimal_penalty` (game task): the last step's reward also loses `suboptimal_penalty * (1 - optimal / turns)`,
+    the share of the agent's moves that gave up minimax value (an invalid or illegal call counts as one). The outcome
+    alone grades a move only when the opponent punishes it; against a partly random opponent most mistakes go
+    unpunished, and a group whose games end alike teaches nothing about them.
+
+    `independent_opponents` (game task): the episodes of a group share the opening but not the opponent's later
+    draws (`for_member`). With shared draws a policy that has settled on its moves plays the same game eight times
+    and the group has no reward spread left; with independent draws the group's mean is still a baseline that does
+    not depend on the episode's moves, so the gradient stays unbiased while the spread stays.
+
     Info (per episode): outcome (`OUTCOME_*` plus 6 truncated), win / draw / loss / invalid / illegal /
     truncated, is_optimal (move task: the move; game task: every agent move), win_taken, num_optimal_moves,
     final_board `int8 [9]`.
@@ -107,6 +117,8 @@ class TicTacToeEnv(interface.TextEnv):
     table: minimax.MinimaxTable
     task: str = flax.struct.field(pytree_node=False, default="move")
     board_style: str = flax.struct.field(pytree_node=False, default="grid")  # wording.BOARD_STYLES
+    suboptimal_penalty: float = flax.struct.field(pytree_node=False, default=0.0)
+    independent_opponents: bool = flax.struct.field(pytree_node=False, default=False)
 
     truncation_reward = tasks.REWARD_INVALID
 
@@ -114,11 +126,15 @@ class TicTacToeEnv(interface.TextEnv):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         wording.check_board_style(self.board_style)
+        if not self.suboptimal_penalty >= 0.0:  # "not >=" also rejects NaN
+            raise ValueError(f"suboptimal_penalty must be >= 0, got {self.suboptimal_penalty}")
 
     @classmethod
     def create(cls, task: str = "move", table: minimax.MinimaxTable | None = None,
-               board_style: str = "grid") -> "TicTacToeEnv":
-        return cls(table=minimax.load_table() if table is None else table, task=task, board_style=board_style)
+               board_style: str = "grid", suboptimal_penalty: float = 0.0,
+               independent_opponents: bool = False) -> "TicTacToeEnv":
+        return cls(table=minimax.load_table() if table is None else table, task=task, board_style=board_style,
+                   suboptimal_penalty=float(suboptimal_penalty), independent_opponents=bool(independent_opponents))
 
     def chat(self):
         return wording.chat_spec(self.board_style)
@@ -137,6 +153,13 @@ class TicTacToeEnv(interface.TextEnv):
         state = GameState(game=game, opponent_key=start.opponent_key.astype(jnp.uint32), num_optimal=jnp.int32(0),
                           win_taken=jnp.bool_(False))
         return state, interface.Message(jnp.int32(1), _values(game.board, side, 0))
+
+    def for_member(self, state, member):
+        if self.task == "move" or not self.independent_opponents:
+            return state
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.opponent_key), 1 << 16)  # the turns use 0..5
+        key = jax.random.key_data(jax.random.fold_in(key, member)).astype(jnp.uint32)
+        return state.replace(opponent_key=jnp.where(member == 0, state.opponent_key, key))
 
     def _info(self, outcome, is_optimal, win_taken, num_optimal, board):
         return dict(outcome=outcome.astype(jnp.int32), is_optimal=is_optimal, win_taken=win_taken,
@@ -159,6 +182,9 @@ class TicTacToeEnv(interface.TextEnv):
                                               square, self.table)
         num_optimal = state.num_optimal + info["agent_move_optimal"].astype(jnp.int32)
         win_taken = state.win_taken | info["agent_move_winning"]
+        if self.suboptimal_penalty:
+            share = num_optimal.astype(jnp.float32) / jnp.maximum(game.turns, 1).astype(jnp.float32)
+            r = r - jnp.where(done & ~state.game.done, self.suboptimal_penalty * (1.0 - share), 0.0)
         new = GameState(game=game, opponent_key=state.opponent_key, num_optimal=num_optimal, win_taken=win_taken)
         status = jnp.clip(game.outcome, 0, wording.NUM_STATUSES - 1)
         message = interface.Message(status, _values(game.board, 0, game.opponent_square))
@@ -197,7 +223,10 @@ def _field(env_config, name, overrides, default=None):
 
 def _make_env(env_config, **overrides) -> TicTacToeEnv:
     return TicTacToeEnv.create(task=str(_field(env_config, "task", overrides, "move")),
-                               board_style=str(_field(env_config, "board_style", overrides, "grid")))
+                               board_style=str(_field(env_config, "board_style", overrides, "grid")),
+                               suboptimal_penalty=float(_field(env_config, "suboptimal_penalty", overrides, 0.0)),
+                               independent_opponents=bool(_field(env_config, "independent_opponents", overrides,
+                                                                 False)))
 
 
 def agent_players(side: str, num_groups: int, o_share: float = 0.5):
