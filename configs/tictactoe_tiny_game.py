@@ -2,7 +2,8 @@
 
 Two stages (`config.curriculum`): first the one-move task on boards with either side to move, then whole games.
 In a game the agent plays X in a quarter of the groups and O in the rest; each tool call is answered by the
-opponent's reply and the new board until the game ends (win +1, draw 0, loss -1, invalid call or occupied square -1).
+opponent's reply and the new board until the game ends (win +1, draw 0, loss -1, invalid call or occupied square -1,
+less the share of the agent's moves that gave up minimax value).
 
   python -m experiments.train_tictactoe --config=configs/tictactoe_tiny_game.py --workdir=workdir/tiny_game
   python -m experiments.evaluate --workdir=workdir/tiny_game --opponent=minimax,random --num_episodes=1024
@@ -23,6 +24,11 @@ def get_config():
   # "1X | 2 | 3O": every cell names its square, so the square to call is on the board itself; in a conversation of
   # several boards the model reads off the latest one instead of counting cells.
   c.env.board_style = "labeled"
+  # Against an opponent that is random half the time most mistakes go unpunished; the minimax table grades each move.
+  c.env.suboptimal_penalty = 1.0
+  # A group shares its opening but not the opponent's later draws: once the policy settles on its moves, games with
+  # shared draws would repeat one game eight times and leave no reward spread to learn from.
+  c.env.independent_opponents = True
   c.rollout.boards_per_step = 16   # games (groups) per step
   c.rollout.group_size = 8
   c.rollout.max_turns = 5          # X makes at most 5 moves
@@ -42,7 +48,9 @@ def get_config():
   c.curriculum = ml_collections.ConfigDict()
   c.curriculum.move = ml_collections.ConfigDict(dict(
       num_steps=400,
-      env=dict(task="move", board_sides="both", num_boards=4096),
+      # Positions met in games of a near-minimax side against this opponent, repeats kept (boards.play_boards),
+      # instead of uniform random positions that good play never reaches.
+      env=dict(task="move", board_source="play", num_boards=4096),
       sft=dict(num_steps=110, batch_size=64, soft_targets=False),
       rollout=dict(boards_per_step=64, group_size=8, max_turns=1),
       rl=dict(forking_entropy_coef=0.1, entropy_top_k=9, learning_rate=3e-3, end_learning_rate=3e-4,
