@@ -65,6 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.env.opponent_epsilon = 0.5
   c.env.suboptimal_penalty = 0.0  # game task: the last reward loses this times the share of value-losing moves
   c.env.independent_opponents = False  # game task: a group's episodes share the opening only, not later replies
+  c.env.win_seeking = False  # good moves must also be the best against a random opponent (minimax.seeking_mask)
 
   # --- supervised warm start (format only: random legal moves) -----------------------------------
   c.sft = ml_collections.ConfigDict()

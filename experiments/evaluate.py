@@ -114,6 +114,7 @@ def evaluate_move(params, model_config, env, config, boards: np.ndarray, greedy:
         "invalid_rate": float(np.mean(~info["valid_call"])),
         "illegal_rate": float(np.mean(info["illegal"])),
         "optimal_move_rate": float(np.mean(info["is_optimal"])),
+        "seeking_move_rate": float(np.mean(info["is_seeking"])),
         "win_taken_rate": float(np.sum(info["win_taken"]) / max(np.sum(_win_available(boards)), 1)),
         "mean_generated_tokens": float(np.mean(info["generated_tokens"])),
         "num_episodes": int(len(boards)),
@@ -231,9 +232,10 @@ def main(argv):
             if isinstance(v, (int, float)) and not isinstance(v, bool)}}))
         return
     task = _TASK.value or config.env.task
-    # A game is scored by its outcome alone: the training's shaping (env.suboptimal_penalty) stays out of the
-    # transcripts' rewards.
-    env = pipeline.make_compiled_env(config, tokenizer, model_config, task=task, suboptimal_penalty=0.0)
+    # A game is scored by its outcome alone and a move by minimax: the training's shaping (env.suboptimal_penalty,
+    # env.win_seeking) stays out of the transcripts' rewards.
+    env = pipeline.make_compiled_env(config, tokenizer, model_config, task=task, suboptimal_penalty=0.0,
+                                     win_seeking=False)
     if task == "move":
         try:
             boards = pipeline.eval_boards(_BOARDS.value, config)

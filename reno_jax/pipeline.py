@@ -559,8 +559,8 @@ def rollout_summary(traj, task: str) -> dict[str, float]:
     if "valid_call" in info:
         out["rollout/tool_call_valid_rate"] = float(np.mean(info["valid_call"]))
     if task == "move":
-        for key, name in (("is_optimal", "optimal_move_rate"), ("illegal", "illegal_rate"),
-                          ("win_taken", "win_taken_rate")):
+        for key, name in (("is_optimal", "optimal_move_rate"), ("is_seeking", "seeking_move_rate"),
+                          ("illegal", "illegal_rate"), ("win_taken", "win_taken_rate")):
             if key in info:
                 out[f"rollout/{name}"] = float(np.mean(info[key]))
     else:

@@ -261,6 +261,60 @@ def test_minimax_table_matches_recursive_minimax_on_every_reachable_position():
         assert tables["winning_mask"][c].tolist() == want_win, b
 
 
+@functools.lru_cache(maxsize=None)
+def py_seek(b, seeking):
+    """Expected outcome for the player to move against uniformly random replies: `seeking` picks the best
+    value-preserving move, otherwise the mover is the random side."""
+    mover = py_mover(b)
+    if py_terminal(b):
+        return float(py_value(b))
+    kids = {i: py_child(b, i, mover) for i in range(9) if b[i] == 0}
+    if not seeking:
+        return sum(-py_seek(k, True) for k in kids.values()) / len(kids)
+    return max(-py_seek(k, False) for k in kids.values() if -py_value(k) == py_value(b))
+
+
+def test_seeking_mask_matches_recursive_expectation_on_every_reachable_position():
+    tables = minimax.tables_numpy(use_disk_cache=False)
+    assert not (tables["seeking_mask"] & ~tables["optimal_mask"]).any()
+    narrower = 0
+    for b in py_reachable():
+        c = code_of(b)
+        if py_terminal(b):
+            assert not tables["seeking_mask"][c].any(), b
+            continue
+        mover = py_mover(b)
+        after = {i: -py_seek(py_child(b, i, mover), False) for i in range(9) if tables["optimal_mask"][c][i]}
+        best = max(after.values())
+        want = [i in after and after[i] > best - 1e-9 for i in range(9)]
+        assert tables["seeking_mask"][c].tolist() == want, b
+        narrower += sum(want) < len(after)
+    assert narrower > 500  # the tie-break matters in many positions, not in a handful
+
+
+def _outcome_against_random(tables, agent, policy):
+    """Exact (win, draw, loss) of `policy` (a [9] bool mask per board code, uniform among its moves) as `agent`
+    against a uniformly random opponent, by enumerating the game tree."""
+    @functools.lru_cache(maxsize=None)
+    def go(b):
+        w = py_winner(b)
+        if py_terminal(b):
+            return np.array([w == agent, w == 0, w not in (0, agent)], float)
+        mover = py_mover(b)
+        moves = [i for i in range(9) if b[i] == 0 and (mover != agent or policy[code_of(b)][i])]
+        return sum(go(py_child(b, i, mover)) for i in moves) / len(moves)
+    return go((0,) * 9)
+
+
+def test_seeking_play_beats_random_opponents_more_often_and_never_loses():
+    tables = minimax.tables_numpy(use_disk_cache=False)
+    for agent, ties, seeking in ((1, 0.968, 0.995), (2, 0.777, 0.916)):
+        by_ties = _outcome_against_random(tables, agent, tables["optimal_mask"])
+        by_seeking = _outcome_against_random(tables, agent, tables["seeking_mask"])
+        assert by_ties[0] == pytest.approx(ties, abs=5e-4) and by_ties[2] == 0.0
+        assert by_seeking[0] == pytest.approx(seeking, abs=5e-4) and by_seeking[2] == 0.0
+
+
 def test_minimax_known_facts_and_jit_lookup():
     table = minimax.load_table()
     chex.assert_shape(table.value, (3**9,))
@@ -286,6 +340,10 @@ def test_minimax_known_facts_and_jit_lookup():
     np.testing.assert_array_equal(np.asarray(opt[2]), [0, 0, 0, 0, 1, 0, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(win[3]), [0, 0, 1, 0, 0, 0, 0, 0, 0])
     assert not np.asarray(win[:3]).any()
+    seek = jax.jit(jax.vmap(minimax.seeking_moves, in_axes=(None, 0)))(table, boards)
+    np.testing.assert_array_equal(np.asarray(seek[0]), [1, 0, 1, 0, 0, 0, 1, 0, 1])  # X opens in a corner
+    np.testing.assert_array_equal(np.asarray(seek[1]), np.asarray(opt[1]))
+    np.testing.assert_array_equal(np.asarray(seek[3]), np.asarray(win[3]))
 
 
 def test_minimax_disk_cache_roundtrip_and_corruption(tmp_path):

@@ -97,6 +97,23 @@ def test_move_reward_table_hand_picked(table):
         assert float(_move_reward(board("........."), T.PARSE_OK, sq, table)[0]) == pytest.approx(0.8)
 
 
+def test_move_reward_win_seeking(table):
+    """`win_seeking`: the value-preserving moves that are not the table's seeking moves earn half the optimal
+    reward; wins, mistakes and bad calls are graded as before, and `is_optimal` stays minimax."""
+    seek_reward = jax.jit(functools.partial(T.move_reward, win_seeking=True))
+    b = board(".........")  # every square draws; only the corners give a random opponent the most chances
+    for sq in range(1, 10):
+        corner = sq in (1, 3, 7, 9)
+        r, info = seek_reward(b, T.PARSE_OK, sq, table)
+        assert float(r) == pytest.approx(T.REWARD_OPTIMAL if corner else T.REWARD_KEEPS_VALUE), sq
+        assert bool(info["is_optimal"]) and bool(info["is_seeking"]) == corner
+    b = board("XX.O..O..")
+    assert float(seek_reward(b, T.PARSE_OK, 3, table)[0]) == T.REWARD_WIN
+    assert float(seek_reward(board("X..OO.X.."), T.PARSE_OK, 2, table)[0]) == T.REWARD_LEGAL  # 6 must block
+    assert float(seek_reward(b, T.PARSE_OK, 1, table)[0]) == T.REWARD_INVALID
+    assert float(seek_reward(b, T.PARSE_BAD_CALL, 0, table)[0]) == T.REWARD_INVALID
+
+
 @pytest.mark.parametrize(
     "kind,square,flag",
     [
@@ -526,6 +543,44 @@ def test_game_suboptimal_penalty(table, penalty):
     np.testing.assert_allclose(float(out.reward), -1.0 - penalty)
     with pytest.raises(ValueError, match="suboptimal_penalty"):
         ttt_env.TicTacToeEnv.create(task="game", table=table, suboptimal_penalty=-0.1)
+
+
+def test_game_penalty_with_win_seeking_counts_non_seeking_moves(table):
+    """With `win_seeking` a value-preserving move that is not a seeking move costs its share of the penalty; the
+    reward of the same game without `win_seeking` does not see it."""
+    from reno_jax.envs import interface
+    from reno_jax.envs.tictactoe import env as ttt_env
+    starts = ttt_env.game_starts(jax.random.PRNGKey(3), 1, agent_player=1, opponent="minimax")
+    start = jax.tree.map(lambda a: a[0], starts)
+
+    def call(square):
+        return interface.ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=jnp.array([square], jnp.int32))
+
+    totals = {}
+    for win_seeking in (False, True):
+        env = ttt_env.TicTacToeEnv.create(task="game", table=table, suboptimal_penalty=1.0, win_seeking=win_seeking)
+        step = jax.jit(env.step)
+        state, _ = env.reset(start)
+        total, moves, non_seeking = 0.0, 0, 0
+        while True:
+            b = np.asarray(state.game.board)
+            seek = np.asarray(minimax.seeking_moves(table, jnp.asarray(b)))
+            opt = np.asarray(minimax.optimal_moves(table, jnp.asarray(b)))
+            # The first move is the centre (draws, not a seeking move), then seeking moves only.
+            idx = 4 if moves == 0 else int(np.flatnonzero(seek)[0])
+            assert opt[idx]
+            non_seeking += int(not seek[idx])
+            moves += 1
+            out = step(state, call(idx + 1))
+            total += float(out.reward)
+            state = out.state
+            if bool(out.done):
+                break
+        assert non_seeking == 1 and int(state.num_optimal) == moves
+        assert int(state.num_seeking) == moves - 1
+        totals[win_seeking] = (total, moves)
+    assert totals[False][0] == pytest.approx(0.0)  # a draw against minimax, no value given up
+    assert totals[True][0] == pytest.approx(-1.0 / totals[True][1], rel=1e-6)
 
 
 def test_independent_opponents_split_the_later_replies(table):

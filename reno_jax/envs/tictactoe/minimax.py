@@ -7,6 +7,10 @@ The tables are indexed by ``tictactoe.board_code(board) = sum(board[i] * 3**i)``
   * ``optimal_mask [19683, 9] bool``: legal moves whose resulting position keeps ``value`` (no preference for
     faster wins: AReno's ``best_moves`` counts every value-preserving move as best).
   * ``winning_mask [19683, 9] bool``: legal moves that complete a line for the mover at once.
+  * ``seeking_mask [19683, 9] bool``: the value-preserving moves that also give a uniformly random opponent the
+    most chances to go wrong: they maximise the expected outcome against random replies when the mover keeps
+    choosing this way. Perfect play with these tie-breaks never loses and wins 0.995 (X) / 0.916 (O) of games
+    against a random opponent; ties broken at random win 0.968 / 0.777.
 
 The player to move is inferred from stone counts: X when #X <= #O, else O (so X moves when #X == #O in play).
 Codes that cannot arise in play get values too (computed by the same recursion), they are simply never looked up.
@@ -33,7 +37,7 @@ import numpy as np
 
 from reno_jax.envs.tictactoe import rules as ttt
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 _CACHE_NAME = f"tictactoe_minimax_v{_CACHE_VERSION}.npz"
 
 
@@ -45,11 +49,13 @@ class MinimaxTable:
       value: ``int8 [19683]`` value for the player to move.
       optimal_mask: ``bool [19683, 9]`` value-preserving legal moves.
       winning_mask: ``bool [19683, 9]`` legal moves that win immediately.
+      seeking_mask: ``bool [19683, 9]`` value-preserving moves that are best against a random opponent.
     """
 
     value: chex.Array
     optimal_mask: chex.Array
     winning_mask: chex.Array
+    seeking_mask: chex.Array
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -70,7 +76,7 @@ def _lines_numpy(boards: np.ndarray, player: int) -> np.ndarray:
 
 
 def compute_tables_numpy() -> dict[str, np.ndarray]:
-    """Compute ``value``, ``optimal_mask`` and ``winning_mask`` (see module docstring) with NumPy."""
+    """Compute ``value``, ``optimal_mask``, ``winning_mask`` and ``seeking_mask`` (module docstring) with NumPy."""
     boards = all_boards_numpy()  # [N, 9]
     n_x = (boards == ttt.X).sum(-1)
     n_o = (boards == ttt.O).sum(-1)
@@ -109,7 +115,28 @@ def compute_tables_numpy() -> dict[str, np.ndarray]:
     optimal_mask = legal & (child_value == value[:, None])
     kid_mover_line = np.where(mover[:, None] == ttt.X, x_line[child], o_line[child])
     winning_mask = legal & kid_mover_line
-    return {"value": value, "optimal_mask": optimal_mask, "winning_mask": winning_mask}
+
+    # Expected outcome for the player to move, against uniformly random replies: `seek` when that player chooses
+    # among its value-preserving moves the one with the best expectation, `random` when it moves at random. Same
+    # level order and sign convention as `value`.
+    seek = value.astype(np.float64)
+    random = value.astype(np.float64)
+    seeking_mask = np.zeros_like(optimal_mask)
+    for level in range(ttt.NUM_SQUARES - 1, -1, -1):
+        rows = np.nonzero((pieces == level) & ~terminal)[0]
+        if rows.size == 0:
+            continue
+        kids = child[rows]
+        sign = np.where(mover[kids] == mover[rows][:, None], 1.0, -1.0)
+        after_seek = sign * random[kids]  # the mover seeks, then the random side replies
+        after_random = sign * seek[kids]
+        best = np.where(optimal_mask[rows], after_seek, -np.inf).max(-1)
+        seek[rows] = best
+        random[rows] = np.where(legal[rows], after_random, 0.0).sum(-1) / legal[rows].sum(-1)
+        # Mirror-image moves tie exactly up to rounding; real differences are far larger (>= 1/60 in play).
+        seeking_mask[rows] = optimal_mask[rows] & (after_seek >= best[:, None] - 1e-9)
+    return {"value": value, "optimal_mask": optimal_mask, "winning_mask": winning_mask,
+            "seeking_mask": seeking_mask}
 
 
 def _default_cache_dir() -> Path:
@@ -130,6 +157,9 @@ def _valid_arrays(arrays: dict[str, np.ndarray]) -> bool:
             and arrays["optimal_mask"].dtype == np.bool_
             and arrays["winning_mask"].shape == (ttt.NUM_CODES, ttt.NUM_SQUARES)
             and arrays["winning_mask"].dtype == np.bool_
+            and arrays["seeking_mask"].shape == (ttt.NUM_CODES, ttt.NUM_SQUARES)
+            and arrays["seeking_mask"].dtype == np.bool_
+            and not (arrays["seeking_mask"] & ~arrays["optimal_mask"]).any()
             # The empty board is a draw and every one of its 9 moves keeps the draw.
             and int(arrays["value"][0]) == 0
             and bool(arrays["optimal_mask"][0].all())
@@ -138,10 +168,13 @@ def _valid_arrays(arrays: dict[str, np.ndarray]) -> bool:
         return False
 
 
+_TABLE_NAMES = ("value", "optimal_mask", "winning_mask", "seeking_mask")
+
+
 def _load_cache(path: Path) -> dict[str, np.ndarray] | None:
     try:
         with np.load(path, allow_pickle=False) as data:
-            arrays = {k: np.array(data[k]) for k in ("value", "optimal_mask", "winning_mask")}
+            arrays = {k: np.array(data[k]) for k in _TABLE_NAMES}
     except (OSError, KeyError, ValueError):
         return None
     return arrays if _valid_arrays(arrays) else None
@@ -188,6 +221,7 @@ def load_table(use_disk_cache: bool = True) -> MinimaxTable:
         value=jnp.asarray(arrays["value"]),
         optimal_mask=jnp.asarray(arrays["optimal_mask"]),
         winning_mask=jnp.asarray(arrays["winning_mask"]),
+        seeking_mask=jnp.asarray(arrays["seeking_mask"]),
     )
 
 
@@ -209,3 +243,8 @@ def optimal_moves(table: MinimaxTable, board: chex.Array) -> jax.Array:
 def winning_moves(table: MinimaxTable, board: chex.Array) -> jax.Array:
     """``bool [9]`` legal moves of ``board [9]`` that win immediately."""
     return table.winning_mask[ttt.board_code(board)]
+
+
+def seeking_moves(table: MinimaxTable, board: chex.Array) -> jax.Array:
+    """``bool [9]`` value-preserving moves of ``board [9]`` that are best against a random opponent."""
+    return table.seeking_mask[ttt.board_code(board)]

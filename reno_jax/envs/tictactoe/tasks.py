@@ -34,6 +34,7 @@ REWARD_INVALID = -1.0
 REWARD_WIN = 1.0
 REWARD_OPTIMAL = 0.8
 REWARD_LEGAL = 0.0
+REWARD_KEEPS_VALUE = 0.5 * (REWARD_OPTIMAL + REWARD_LEGAL)  # value-preserving but not seeking (win_seeking)
 
 # Opponents, as ints so they can be traced and vmapped. Any other id behaves like minimax.
 OPPONENT_RANDOM = 0
@@ -82,7 +83,8 @@ def _threat_squares(board: chex.Array, player: chex.Array) -> jax.Array:
 
 
 def move_reward(
-    board: chex.Array, parse_kind: chex.Array, square: chex.Array, table: minimax.MinimaxTable
+    board: chex.Array, parse_kind: chex.Array, square: chex.Array, table: minimax.MinimaxTable,
+    win_seeking: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Reward of one tool call on one move-task board.
 
@@ -91,13 +93,15 @@ def move_reward(
       parse_kind: ``int32 []`` parser result kind.
       square: ``int32 []`` chosen square 1..9 (ignored unless ``parse_kind == 0``).
       table: minimax table.
+      win_seeking: (static) only the table's seeking moves earn ``REWARD_OPTIMAL``; the other value-preserving
+        moves earn ``REWARD_KEEPS_VALUE``, halfway to a merely legal move.
 
     Returns:
       ``(reward float32 [], info)``; info values are ``[]`` arrays:
         ``parse_kind``; ``is_valid_call`` (parsed and square in 1..9); ``is_no_call``, ``is_bad_call``,
         ``is_out_of_range`` (kind 3, or kind 0 with a square outside 1..9); ``is_illegal`` (valid call, occupied
         square or finished game); ``is_legal``; ``is_optimal`` (legal and minimax-optimal, immediate wins included);
-        ``is_win_taken``; ``win_available`` (an immediate win existed); ``block_needed`` (the opponent threatens to
+        ``is_seeking`` (legal and in the table's ``seeking_mask``); ``is_win_taken``; ``win_available`` (an immediate win existed); ``block_needed`` (the opponent threatens to
         win next move and no immediate win exists); ``is_block`` (the move occupies such a threat square);
         ``position_value`` (int8, for the mover).
     """
@@ -114,8 +118,10 @@ def move_reward(
     legal = valid_call & legal_row[idx]
     wins = legal & winning_row[idx]
     optimal = legal & optimal_row[idx]
+    seeking = legal & table.seeking_mask[code][idx]
+    graded = jnp.where(seeking, REWARD_OPTIMAL, REWARD_KEEPS_VALUE) if win_seeking else REWARD_OPTIMAL
     reward = jnp.where(
-        legal, jnp.where(wins, REWARD_WIN, jnp.where(optimal, REWARD_OPTIMAL, REWARD_LEGAL)), REWARD_INVALID
+        legal, jnp.where(wins, REWARD_WIN, jnp.where(optimal, graded, REWARD_LEGAL)), REWARD_INVALID
     ).astype(jnp.float32)
 
     mover = ttt.to_move_from_counts(board)
@@ -131,6 +137,7 @@ def move_reward(
         is_illegal=valid_call & ~legal,
         is_legal=legal,
         is_optimal=optimal,
+        is_seeking=seeking,
         is_win_taken=wins,
         win_available=win_available,
         block_needed=block_needed,
@@ -263,7 +270,7 @@ def game_step(
       ``(new_state, reward float32 [], done bool [], info)``; info values are ``[]`` arrays: ``win``, ``draw``,
       ``loss``, ``invalid`` (no/bad/out-of-range call), ``illegal`` (occupied square) — at most one is True —
       ``active`` (the episode was live before this step), ``agent_square`` (1..9 if the move was played, else 0),
-      ``agent_move_optimal`` / ``agent_move_winning`` (per the minimax table), ``opponent_square`` (1..9 if the
+      ``agent_move_optimal`` / ``agent_move_winning`` / ``agent_move_seeking`` (per the minimax table), ``opponent_square`` (1..9 if the
       opponent replied this step, else 0), ``turns`` (agent turns so far), ``outcome``.
     """
     chex.assert_shape(state.board, (ttt.NUM_SQUARES,))
@@ -284,6 +291,7 @@ def game_step(
     code0 = ttt.board_code(board0)
     move_optimal = played & table.optimal_mask[code0][idx]
     move_winning = played & table.winning_mask[code0][idx]
+    move_seeking = played & table.seeking_mask[code0][idx]
 
     board1 = jnp.where(played & (_SQUARES == idx), agent, board0).astype(jnp.int8)
     agent_won = played & ttt.has_line(ttt.player_bits(board1, agent))
@@ -329,6 +337,7 @@ def game_step(
         agent_square=jnp.where(played, square, 0).astype(jnp.int32),
         agent_move_optimal=move_optimal,
         agent_move_winning=move_winning,
+        agent_move_seeking=move_seeking,
         opponent_square=opponent_square,
         turns=turns,
         outcome=outcome,
