@@ -133,7 +133,7 @@ def compute_tables_numpy() -> dict[str, np.ndarray]:
         best = np.where(optimal_mask[rows], after_seek, -np.inf).max(-1)
         seek[rows] = best
         random[rows] = np.where(legal[rows], after_random, 0.0).sum(-1) / legal[rows].sum(-1)
-        # Mirror-image moves tie exactly up to rounding; real differences are far larger (>= 1/60 in play).
+        # Mirror-image moves tie up to rounding; real differences are >= 1/192 in reachable positions.
         seeking_mask[rows] = optimal_mask[rows] & (after_seek >= best[:, None] - 1e-9)
     return {"value": value, "optimal_mask": optimal_mask, "winning_mask": winning_mask,
             "seeking_mask": seeking_mask}
