@@ -503,42 +503,52 @@ def test_game_sampler_uses_o_share():
     assert np.asarray(starts.agent_player).tolist() == [1, 2, 2, 2, 1, 2, 2, 2]
 
 
+def _tool_call(square, kind=0):
+    from reno_jax.envs import interface
+    return interface.ToolCall(kind=jnp.int32(kind), tool=jnp.int32(0), args=jnp.array([square], jnp.int32))
+
+
+def _play_game(step, state, choose):
+    """Play `choose(board, turn) -> square index` until the game ends; returns (total reward, moves, final state)."""
+    total, moves = 0.0, 0
+    while True:
+        idx = choose(np.asarray(state.game.board), moves)
+        moves += 1
+        out = step(state, _tool_call(idx + 1))
+        total += float(out.reward)
+        state = out.state
+        if bool(out.done):
+            return total, moves, state
+
+
 @pytest.mark.parametrize("penalty", [0.0, 0.6])
 def test_game_suboptimal_penalty(table, penalty):
     """The last step's reward loses `penalty` times the share of the agent's moves that gave up minimax value; an
     invalid call counts as such a move; steps after the end add nothing."""
-    from reno_jax.envs import interface
     from reno_jax.envs.tictactoe import env as ttt_env
     env = ttt_env.TicTacToeEnv.create(task="game", table=table, suboptimal_penalty=penalty)
     starts = ttt_env.game_starts(jax.random.PRNGKey(3), 1, agent_player=1, opponent="minimax")
     step = jax.jit(env.step)
+    counts = dict(optimal=0, mistakes=0)
 
-    def call(square, kind=0):
-        return interface.ToolCall(kind=jnp.int32(kind), tool=jnp.int32(0), args=jnp.array([square], jnp.int32))
-
-    state, _ = env.reset(jax.tree.map(lambda a: a[0], starts))
-    total, moves, optimal, mistakes = 0.0, 0, 0, 0
-    while True:
-        board = np.asarray(state.game.board)
+    def choose(board, turn):
         legal = np.flatnonzero(board == 0)
         best = np.asarray(minimax.optimal_moves(table, jnp.asarray(board)))
         bad = [i for i in legal if not best[i]]
-        idx = bad[0] if bad and not mistakes else int(np.flatnonzero(best & (board == 0))[0])  # one mistake
-        mistakes += int(bool(bad) and not mistakes)
-        optimal += int(best[idx])
-        moves += 1
-        out = step(state, call(idx + 1))
-        total += float(out.reward)
-        state = out.state
-        if bool(out.done):
-            break
-    assert optimal == moves - 1  # the mistake was a mistake
-    outcome = {T.OUTCOME_WIN: 1.0, T.OUTCOME_DRAW: 0.0, T.OUTCOME_LOSS: -1.0}[int(state.game.outcome)]
-    np.testing.assert_allclose(total, outcome - penalty / moves, rtol=1e-6)
-    np.testing.assert_allclose(float(step(state, call(1)).reward), 0.0)  # a finished game adds nothing
+        idx = bad[0] if bad and not counts["mistakes"] else int(np.flatnonzero(best & (board == 0))[0])  # one mistake
+        counts["mistakes"] += int(bool(bad) and not counts["mistakes"])
+        counts["optimal"] += int(best[idx])
+        return idx
 
     state, _ = env.reset(jax.tree.map(lambda a: a[0], starts))
-    out = step(state, call(0, kind=T.PARSE_BAD_CALL))
+    total, moves, state = _play_game(step, state, choose)
+    assert counts["optimal"] == moves - 1  # the mistake was a mistake
+    outcome = {T.OUTCOME_WIN: 1.0, T.OUTCOME_DRAW: 0.0, T.OUTCOME_LOSS: -1.0}[int(state.game.outcome)]
+    np.testing.assert_allclose(total, outcome - penalty / moves, rtol=1e-6)
+    np.testing.assert_allclose(float(step(state, _tool_call(1)).reward), 0.0)  # a finished game adds nothing
+
+    state, _ = env.reset(jax.tree.map(lambda a: a[0], starts))
+    out = step(state, _tool_call(0, kind=T.PARSE_BAD_CALL))
     assert bool(out.done)
     np.testing.assert_allclose(float(out.reward), -1.0 - penalty)
     with pytest.raises(ValueError, match="suboptimal_penalty"):
@@ -548,35 +558,27 @@ def test_game_suboptimal_penalty(table, penalty):
 def test_game_penalty_with_win_seeking_counts_non_seeking_moves(table):
     """With `win_seeking` a value-preserving move that is not a seeking move costs its share of the penalty; the
     reward of the same game without `win_seeking` does not see it."""
-    from reno_jax.envs import interface
     from reno_jax.envs.tictactoe import env as ttt_env
     starts = ttt_env.game_starts(jax.random.PRNGKey(3), 1, agent_player=1, opponent="minimax")
     start = jax.tree.map(lambda a: a[0], starts)
+    non_seeking = [0]
 
-    def call(square):
-        return interface.ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=jnp.array([square], jnp.int32))
+    def choose(board, turn):
+        seek = np.asarray(minimax.seeking_moves(table, jnp.asarray(board)))
+        opt = np.asarray(minimax.optimal_moves(table, jnp.asarray(board)))
+        # The first move is the centre (draws, not a seeking move), then seeking moves only.
+        idx = 4 if turn == 0 else int(np.flatnonzero(seek)[0])
+        assert opt[idx]
+        non_seeking[0] += int(not seek[idx])
+        return idx
 
     totals = {}
     for win_seeking in (False, True):
         env = ttt_env.TicTacToeEnv.create(task="game", table=table, suboptimal_penalty=1.0, win_seeking=win_seeking)
-        step = jax.jit(env.step)
         state, _ = env.reset(start)
-        total, moves, non_seeking = 0.0, 0, 0
-        while True:
-            b = np.asarray(state.game.board)
-            seek = np.asarray(minimax.seeking_moves(table, jnp.asarray(b)))
-            opt = np.asarray(minimax.optimal_moves(table, jnp.asarray(b)))
-            # The first move is the centre (draws, not a seeking move), then seeking moves only.
-            idx = 4 if moves == 0 else int(np.flatnonzero(seek)[0])
-            assert opt[idx]
-            non_seeking += int(not seek[idx])
-            moves += 1
-            out = step(state, call(idx + 1))
-            total += float(out.reward)
-            state = out.state
-            if bool(out.done):
-                break
-        assert non_seeking == 1 and int(state.num_optimal) == moves
+        non_seeking[0] = 0
+        total, moves, state = _play_game(jax.jit(env.step), state, choose)
+        assert non_seeking[0] == 1 and int(state.num_optimal) == moves
         assert int(state.num_seeking) == moves - 1
         totals[win_seeking] = (total, moves)
     assert totals[False][0] == pytest.approx(0.0)  # a draw against minimax, no value given up
