@@ -32,37 +32,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from reno_jax.protocol.messages import Message, ToolCall  # noqa: F401  (the interface speaks them)
+
 PyTree = Any
-
-
-@flax.struct.dataclass
-class Message:
-    """A message as data: ``template`` (``int32 []``) picks one of the environment's templates of that role
-    (user templates for `reset`, tool templates for `step`), ``values`` (``int32 [S]``, S =
-    ``chat().num_values``) gives every slot's option index."""
-
-    template: jax.Array
-    values: jax.Array
-
-
-@flax.struct.dataclass
-class ToolCall:
-    """A parsed tool call (``reno_jax.protocol.toolcall``).
-
-    Attributes:
-      kind: ``int32 []`` ``toolcall.KIND_OK`` (0), ``KIND_NO_CALL``, ``KIND_BAD_CALL`` or ``KIND_OUT_OF_RANGE``.
-      tool: ``int32 []`` index of the called tool in ``chat().tools`` (0 unless ``kind == KIND_OK``).
-      args: ``int32 [A]`` the tool's arguments in its schema order: integers as their value, enum strings as
-        their option index (0 past the tool's arguments or unless ``kind == KIND_OK``).
-    """
-
-    kind: jax.Array
-    tool: jax.Array
-    args: jax.Array
-
-    @property
-    def ok(self) -> jax.Array:
-        return self.kind == 0
 
 
 @flax.struct.dataclass

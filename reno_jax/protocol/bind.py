@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from reno_jax.envs import interface
 from reno_jax.protocol import chat, tokens, toolcall
+from reno_jax.protocol.messages import Message, ToolCall
 
 CLOSE_TAG = toolcall.CLOSE_TAG
 
@@ -30,25 +30,25 @@ def compile(chat_spec: chat.ChatSpec, tokenizer, vocab_size: int | None = None, 
     return tables, parser, pieces
 
 
-def render_user(tables, message: interface.Message):
+def render_user(tables, message: Message):
     return chat.render_user(tables, message)
 
 
-def render_tool(tables, message: interface.Message, add_turn_end):
+def render_tool(tables, message: Message, add_turn_end):
     return chat.render_tool(tables, message, add_turn_end)
 
 
-def parse_batch(parser, ids, lengths, max_bytes=None) -> interface.ToolCall:
+def parse_batch(parser, ids, lengths, max_bytes=None) -> ToolCall:
     """Parses `[B, T]` turns; `tool` and `args` are 0 unless the call is ok (the interface's convention)."""
     kind, tool, args = toolcall.parse_batch(parser, ids, lengths, max_bytes=max_bytes)
     kind = kind.astype(jnp.int32)
     ok = kind == toolcall.KIND_OK
-    return interface.ToolCall(kind=kind, tool=jnp.where(ok, tool, 0).astype(jnp.int32),
+    return ToolCall(kind=kind, tool=jnp.where(ok, tool, 0).astype(jnp.int32),
                               args=jnp.where(ok[:, None], args, 0).astype(jnp.int32))
 
 
-def empty_calls(batch: int, parser) -> interface.ToolCall:
+def empty_calls(batch: int, parser) -> ToolCall:
     """A `[B]` batch of "no call" results shaped like `parse_batch`'s (for tracing an environment's step)."""
     z = jnp.zeros((batch,), jnp.int32)
-    return interface.ToolCall(kind=z + toolcall.KIND_NO_CALL, tool=z,
+    return ToolCall(kind=z + toolcall.KIND_NO_CALL, tool=z,
                               args=jnp.zeros((batch, toolcall.max_args(parser.spec)), jnp.int32))
