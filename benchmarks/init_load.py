@@ -47,13 +47,13 @@ def main():
     import jax
     import jax.numpy as jnp
     from configs import tictactoe_tiny
-    from reno_jax import pipeline
+    from reno_jax.loop import build
     from reno_jax.models import ling3
 
     res = {"repo": args.repo, "jax": jax.__version__, "devices": jax.device_count(),
            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     c = tictactoe_tiny.get_config()
-    models = {"default_tiny": pipeline.tiny_model_config(c, len(pipeline.build_tokenizer(c))),
+    models = {"default_tiny": build.tiny_model_config(c, len(build.build_tokenizer(c))),
               "tiny_test_config": ling3.tiny_test_config()}
     for name, config in models.items():
         res[f"{name}_params"] = ling3.count_params(config)["total"]

@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from reno_jax import pipeline  # noqa: E402
+from reno_jax.rl import policy
 from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
 from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
 from reno_jax.models import layers, ling3  # noqa: E402
@@ -114,7 +114,7 @@ def make_step(args, config):
     optimizer = trainer.make_optimizer(1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32"
                                        else args.state_dtype)
     loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
-    step_fn = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=args.entropy,
+    step_fn = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=args.entropy,
                                                             group_size=args.group_size, remat=args.remat),
                                       loss_fn, optimizer,
                                       num_microbatches=args.microbatches)

@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import moe_drift_tiny  # noqa: E402
 from experiments import train_tictactoe  # noqa: E402
-from reno_jax import pipeline  # noqa: E402
+from reno_jax.loop import build
+from reno_jax.rl import policy
 from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rl import losses, trainer  # noqa: E402
 from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
@@ -92,12 +93,12 @@ def score_in_train_step(model_config, params, traj, replay: bool) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _logp_fn(model_config, replay: bool):  # one compile per setting, reused for every batch
-    return jax.jit(pipeline.make_logp_fn(model_config, with_entropy=False, routing_replay=replay))
+    return jax.jit(policy.make_logp_fn(model_config, with_entropy=False, routing_replay=replay))
 
 
 @functools.lru_cache(maxsize=None)
 def _train_step(model_config, replay: bool):
-    return trainer.make_train_step(pipeline.make_logp_fn(model_config, routing_replay=replay),
+    return trainer.make_train_step(policy.make_logp_fn(model_config, routing_replay=replay),
                                    functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4),
                                    optax.sgd(0.0), donate=False, rollout_metrics=True)
 
@@ -115,12 +116,12 @@ def scoring(config, workdir: str, num_batches: int) -> dict:
     """Part 1: the same rollout batches scored without / with replay, bf16 and the float32 reference."""
     key = jax.random.PRNGKey(config.seed)
     key_model, key_sft, _ = jax.random.split(key, 3)  # as experiments/train_tictactoe.train splits it
-    tokenizer = pipeline.build_tokenizer(config)
-    model_config, params = pipeline.build_model(config, key_model, tokenizer)
+    tokenizer = build.build_tokenizer(config)
+    model_config, params = build.build_model(config, key_model, tokenizer)
     env = rollout_lib.compile_env(ttt_env.TicTacToeEnv.create("move"), tokenizer, vocab_size=model_config.vocab_size)
     params, _ = train_tictactoe.warm_start(config, workdir, model_config, params, tokenizer, env, key_sft)
-    train_boards, _ = pipeline.load_boards(config)
-    rc = pipeline.rollout_config(config)
+    train_boards, _ = boards_lib.load_boards(config.env)
+    rc = build.rollout_config(config)
     assert rc.record_routing and rc.cache_dtype == "bfloat16"
     variants = {"bf16": (params, rc),
                 "float32": (jax.tree.map(lambda x: x.astype(jnp.float32), params),

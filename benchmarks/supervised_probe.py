@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import tictactoe_tiny  # noqa: E402
-from reno_jax import pipeline  # noqa: E402
+from reno_jax.loop import build
+from reno_jax.rl import policy
 from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
 from reno_jax.envs.tictactoe import minimax  # noqa: E402
 from reno_jax.envs.tictactoe import wording  # noqa: E402
@@ -76,14 +77,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = apply_overrides(tictactoe_tiny.get_config(), args.set)
 
-    tokenizer = pipeline.build_tokenizer(config)
+    tokenizer = build.build_tokenizer(config)
     key = jax.random.PRNGKey(args.seed)
-    model_config, params = pipeline.build_model(config, key, tokenizer)
+    model_config, params = build.build_model(config, key, tokenizer)
     n_params = ling3.count_params(model_config)["total"]
-    env = pipeline.make_compiled_env(config, tokenizer, model_config)
+    env = build.make_compiled_env(config, tokenizer, model_config)
     turn_end = int(np.asarray(env.spec.stop_ids)[0])
     pad = int(env.spec.pad_id)
-    train_boards, _ = pipeline.load_boards(config)
+    train_boards, _ = boards_lib.load_boards(config.env)
     table = minimax.tables_numpy()
     train_correct = correct_squares(table, train_boards)
 
@@ -128,7 +129,7 @@ def main(argv=None):
     optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, args.steps),
                                        args.steps, weight_decay=0.0, clip_norm=1.0)
     state = trainer.create_train_state(params, optimizer, key)
-    step_fn = trainer.make_train_step(pipeline.make_logp_fn(model_config, with_entropy=False), sft.sft_loss,
+    step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss,
                                       optimizer)
     length = int(env.spec.prompt_len) + config.rollout.max_new_tokens
     rng = np.random.default_rng(args.seed)

@@ -43,7 +43,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import tictactoe_tiny  # noqa: E402
-from reno_jax import pipeline  # noqa: E402
+from reno_jax.loop import build
+from reno_jax.rl import policy
+from reno_jax.rl import recipe
 from reno_jax.rl import shared_prefix, trainer  # noqa: E402
 
 COMMON = 38  # leading tokens every move-task prompt shares
@@ -90,12 +92,12 @@ def build(name: str, continuation: int):
     for key, value in v.overrides:
         c.model.tiny[key] = value
     top_k = int(c.rl.entropy_top_k) if top_k is None else top_k
-    tokenizer = pipeline.build_tokenizer(c)
-    model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)
-    optimizer = pipeline.make_optimizer(c)
+    tokenizer = build.build_tokenizer(c)
+    model_config, params = build.build_model(c, jax.random.PRNGKey(0), tokenizer)
+    optimizer = recipe.make_optimizer(c)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
-    logp_fn = pipeline.make_logp_fn(model_config, group_size=group, entropy_top_k=top_k)
-    step = trainer.make_train_step(logp_fn, pipeline.make_loss_fn(c), optimizer, loss_batch_keys=("entropy_scale",),
+    logp_fn = policy.make_logp_fn(model_config, group_size=group, entropy_top_k=top_k)
+    step = trainer.make_train_step(logp_fn, recipe.make_loss_fn(c), optimizer, loss_batch_keys=("entropy_scale",),
                                    donate=True, max_logp_shift=max_shift, shift_probe_rows=probe_groups * group)
     rows, length = boards * group, prefix + continuation
     rng = np.random.default_rng(0)

@@ -30,7 +30,8 @@ def get_config():
   c.rl.max_logp_shift = 0.0
 
   # --- environment (reno_jax.envs.connect4.env.Connect4Env / sample_starts) --------------------------------
-  c.env = ml_collections.ConfigDict()  # none of tic-tac-toe's board-dataset fields apply
+  c.env = ml_collections.ConfigDict()
+  c.env.module = ""  # none of tic-tac-toe's board-dataset fields apply
   c.env.name = "connect4"
   c.env.opponent = "random"        # "random", "greedy", "negamax" or "mixed" (the three in turn by group)
   c.env.agent_player = "alternate" # 1 (X, moves first), 2 (O) or "alternate" (X in even groups); note that

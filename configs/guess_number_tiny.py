@@ -19,6 +19,7 @@ def get_config():
   c.rl.share_common_prefix = False  # the recorded curves were made without these two
   c.rl.max_logp_shift = 0.0
   c.env = ml_collections.ConfigDict()
+  c.env.module = ""
   c.env.name = "guess_number"
 
   c.sft.num_steps = 120

@@ -45,6 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- task -------------------------------------------------------------------------------------
   c.env = ml_collections.ConfigDict()
+  c.env.name = "tictactoe"
+  c.env.module = ""             # a module to import first that registers env.name (an environment of your own)
   c.env.task = "move"            # "move" (AReno's one-decision task) or "game"
   c.env.num_boards = 2048        # AReno dataset size
   c.env.board_seed = 1234

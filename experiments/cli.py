@@ -9,7 +9,8 @@ from typing import Callable
 import jax
 from absl import app
 
-from reno_jax import parallel, pipeline
+from reno_jax import parallel
+from reno_jax.errors import ConfigError, RunError
 from reno_jax.checkpoint.orbax import RestoreError
 from reno_jax.models.conversion import CheckpointError
 
@@ -19,14 +20,14 @@ class UserError(app.UsageError):
 
 
 def run(main: Callable) -> None:
-    """`absl.app.run(main)`, with `UserError`, `pipeline.ConfigError`, `pipeline.RunError` (a workdir without
+    """`absl.app.run(main)`, with `UserError`, `ConfigError`, `RunError` (a workdir without
     the run or checkpoint asked for), `CheckpointError` (a bad model directory) and `RestoreError` (a checkpoint
     of another model: its leaf and both shapes) printed as one line, exit status 2."""
 
     def guarded(argv):
         try:
             return main(argv)
-        except (UserError, pipeline.ConfigError, pipeline.RunError, CheckpointError, RestoreError) as error:
+        except (UserError, ConfigError, RunError, CheckpointError, RestoreError) as error:
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
             sys.exit(2)
 

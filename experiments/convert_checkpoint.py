@@ -100,7 +100,7 @@ def run_model_config(run_config: Mapping, params: Mapping) -> Ling3Config:
     except (KeyError, TypeError, AttributeError) as exc:
         raise conversion.CheckpointError(f"the checkpoint's params have no word embedding: {exc!r}") from exc
     try:
-        # As reno_jax.pipeline.tiny_model_config built it: the vocabulary grown to the tokenizer's size.
+        # As reno_jax.build.tiny_model_config built it: the vocabulary grown to the tokenizer's size.
         return Ling3Config(**dict(model["tiny"], vocab_size=vocab_size))
     except (TypeError, ValueError) as exc:
         raise conversion.CheckpointError(f"invalid model.tiny in the run configuration: {exc}") from exc

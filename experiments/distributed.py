@@ -18,7 +18,6 @@ import os
 from absl import flags
 
 import jax
-from jax.experimental import multihost_utils
 
 from experiments import cli
 
@@ -98,21 +97,3 @@ def initialize() -> int:
         jax.distributed.initialize(initialization_timeout=_TIMEOUT.value)
     return jax.process_count()
 
-
-def is_main_process() -> bool:
-    """The process that writes the run's files (metrics, plots, config) and shows progress bars."""
-    return jax.process_index() == 0
-
-
-def to_host(tree):
-    """Device arrays to numpy; in a multi-process run a global array is gathered from every process first (every
-    process must call this, in the same order)."""
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-
-    def get(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return multihost_utils.process_allgather(x, tiled=True)  # the global value, not stacked per process
-        return jax.device_get(x)
-
-    return jax.tree.map(get, tree)

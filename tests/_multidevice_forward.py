@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from reno_jax import parallel, pipeline
+from reno_jax import parallel
+from reno_jax import errors
+from reno_jax.loop import config as loop_config
+from reno_jax.rl import policy
 from reno_jax.models import layers, ling3
 from reno_jax.rl import losses, trainer
 
@@ -66,7 +69,7 @@ def train_steps(num_steps=3):
              "old_logp": jnp.full((b, length), -4.0, jnp.float32),
              "advantages": jnp.linspace(-1.0, 1.0, b, dtype=jnp.float32)}
     optimizer = optax.sgd(0.1)
-    step = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=False), losses.gspo_loss, optimizer,
+    step = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=False), losses.gspo_loss, optimizer,
                                    num_microbatches=2, donate=False)
 
     def run(state, batch):
@@ -78,7 +81,7 @@ def train_steps(num_steps=3):
     mesh = parallel.make_mesh(parallel.MeshConfig(data=2, fsdp=2, expert=2, preset="fsdp_ep"))
     p_shard = parallel.param_shardings(config, mesh, "fsdp_ep")
     sharded_batch = {k: jax.device_put(v, parallel.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
-    step = trainer.make_train_step(pipeline.make_logp_fn(config, with_entropy=False), losses.gspo_loss, optimizer,
+    step = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=False), losses.gspo_loss, optimizer,
                                    num_microbatches=2, donate=False)  # traced again, with the mesh active
     with jax.set_mesh(mesh):
         got = jax.device_get(run(trainer.create_train_state(jax.device_put(params, p_shard), optimizer, 0),
@@ -170,8 +173,8 @@ def batch_split_errors():
     for name, boards, sft_rows in (("boards", 12, 64), ("sft", 16, 12)):
         c.rollout.boards_per_step, c.sft.batch_size = boards, sft_rows
         try:
-            pipeline.validate_config(c)
-        except pipeline.ConfigError as error:
+            loop_config.validate_config(c)
+        except errors.ConfigError as error:
             messages[name] = str(error)
     try:
         cli.mesh_from_flags("data=4,fsdp=2", batch_size=12)

@@ -23,7 +23,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from reno_jax import parallel, pipeline  # noqa: E402
+from reno_jax import parallel
+from reno_jax.loop import build
+from reno_jax.loop import runs
+from reno_jax.rl import recipe
 from reno_jax.checkpoint import orbax as ckpt_lib  # noqa: E402
 from reno_jax.models import conversion, ling3  # noqa: E402
 from reno_jax.rl import trainer  # noqa: E402
@@ -68,7 +71,7 @@ def run_config(**model):
 
 def optimizer():
     """The run config's optimiser: AdamW with int8 moments (quantised moments are saved and sharded too)."""
-    return pipeline.make_optimizer(run_config())
+    return recipe.make_optimizer(run_config())
 
 
 def abstract_state(params):
@@ -78,9 +81,9 @@ def abstract_state(params):
 
 def train_state(config, layout: parallel.Layout | None = None):
     """(model_config, a patterned train state of `config`'s model, placed on `layout`), as train.py builds it."""
-    tokenizer = pipeline.build_tokenizer(config)
-    model_config, params = pipeline.build_model(config, jax.random.PRNGKey(0), tokenizer, layout)
-    state = trainer.create_train_state(params, pipeline.make_optimizer(config), jax.random.PRNGKey(1))
+    tokenizer = build.build_tokenizer(config)
+    model_config, params = build.build_model(config, jax.random.PRNGKey(0), tokenizer, layout)
+    state = trainer.create_train_state(params, recipe.make_optimizer(config), jax.random.PRNGKey(1))
     return model_config, patterned(state if layout is None else layout.place_state(state))
 
 
@@ -175,10 +178,10 @@ def four(run: str, out: str) -> dict:
     from experiments import evaluate
     assert jax.device_count() == 4, jax.devices()
     mesh_config = evaluate.mesh_from_flags("fsdp=4,preset=fsdp", 8)
-    _, _, model_config, params, step = pipeline.load_run(run, mesh_config=mesh_config)
+    _, _, model_config, params, step = runs.load_run(run, mesh_config=mesh_config)
     layout = parallel.Layout.create(model_config, mesh_config)
     config = run_config()
-    abstract = abstract_state(pipeline.abstract_model(config, pipeline.build_tokenizer(config))[1])
+    abstract = abstract_state(build.abstract_model(config, build.build_tokenizer(config))[1])
     with ckpt_lib.Checkpointer(run, async_save=False) as ckpt:
         state = ckpt.restore(layout.abstract_state(abstract))
     np.savez(os.path.join(out, "state4.npz"), **host_tree(state))

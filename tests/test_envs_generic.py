@@ -15,7 +15,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from reno_jax import pipeline
+from reno_jax import errors
+from reno_jax.loop import config as loop_config
+from reno_jax.rl import policy
 from reno_jax.envs import guess_number, interface, registry
 from reno_jax.envs.connect4 import env as c4env
 from reno_jax.envs.connect4 import rules as c4rules
@@ -115,14 +117,14 @@ def test_registry_and_config_validation():
         registry.get("chess")
     from configs import connect4_tiny
     c = connect4_tiny.get_config()
-    pipeline.validate_config(c)
+    loop_config.validate_config(c)
     c.env.name = "chess"
-    with pytest.raises(pipeline.ConfigError, match="env.name"):
-        pipeline.validate_config(c)
+    with pytest.raises(errors.ConfigError, match="env.name"):
+        loop_config.validate_config(c)
     c = connect4_tiny.get_config()
     c.env.opponent = "minimax"  # tic-tac-toe's, not Connect Four's
-    with pytest.raises(pipeline.ConfigError, match="opponent"):
-        pipeline.validate_config(c)
+    with pytest.raises(errors.ConfigError, match="opponent"):
+        loop_config.validate_config(c)
 
 
 def _guess_config(tmp_steps=1):
@@ -185,8 +187,8 @@ def test_logp_fn_scores_the_tempered_policy(params):
     logits, _ = ling3.forward(params, MC, tokens)
     want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / 0.7, axis=-1),
                                tokens[:, 1:, None], axis=-1)[..., 0]
-    got, _ = pipeline.make_logp_fn(MC, temperature=0.7)(params, {"tokens": tokens})
+    got, _ = policy.make_logp_fn(MC, temperature=0.7)(params, {"tokens": tokens})
     np.testing.assert_allclose(np.asarray(got[:, 1:]), np.asarray(want), rtol=1e-5, atol=1e-5)
-    plain, _ = pipeline.make_logp_fn(MC)(params, {"tokens": tokens})
-    np.testing.assert_array_equal(np.asarray(plain), np.asarray(pipeline.make_logp_fn(MC, temperature=1.0)(
+    plain, _ = policy.make_logp_fn(MC)(params, {"tokens": tokens})
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(policy.make_logp_fn(MC, temperature=1.0)(
         params, {"tokens": tokens})[0]))

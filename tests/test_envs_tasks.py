@@ -361,16 +361,17 @@ def test_play_boards_follow_the_games(table):
 
 def test_load_boards_from_play():
     from configs import tictactoe_tiny_game
-    from reno_jax import pipeline
+    from reno_jax import errors
+    from reno_jax.loop import config as loop_config
     c = tictactoe_tiny_game.get_config()
     c.env.task, c.env.num_boards, c.env.board_source, c.env.play_epsilon = "move", 64, "play", 0.2
-    train, heldout = pipeline.load_boards(c)
+    train, heldout = boards_lib.load_boards(c.env)
     np.testing.assert_array_equal(train, B.play_boards(64, c.env.board_seed, 0.2, c.env.opponent_epsilon,
                                                        c.env.o_share))
     assert heldout.shape == (0, 9)
     c.env.board_source = "games"
-    with pytest.raises(pipeline.ConfigError, match="board_source"):
-        pipeline.validate_config(c)
+    with pytest.raises(errors.ConfigError, match="board_source"):
+        loop_config.validate_config(c)
 
 
 def test_exhaustive_positions():

@@ -261,21 +261,25 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
     ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
 ])
 def test_config_errors_name_the_flag(field, value, needle, tmp_path):
-    from reno_jax import pipeline
+    from reno_jax import errors
+    from reno_jax.loop import build
+    from reno_jax.loop import runs
     c = short_config(2)
     section, name = field.split(".")
     c[section][name] = value
-    with pytest.raises(pipeline.ConfigError) as info:
+    with pytest.raises(errors.ConfigError) as info:
         train_tictactoe.train(c, str(tmp_path / "w"))
     assert needle in str(info.value)
     assert not os.path.exists(tmp_path / "w")
 
 
 def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
-    from reno_jax import pipeline
+    from reno_jax import errors
+    from reno_jax.loop import build
+    from reno_jax.loop import runs
     c = short_config(2)
     c.rl.share_prompt_prefix, c.rl.share_common_prefix = False, True
-    with pytest.raises(pipeline.ConfigError, match="--config.rl.share_common_prefix=True needs "
+    with pytest.raises(errors.ConfigError, match="--config.rl.share_common_prefix=True needs "
                                                     "--config.rl.share_prompt_prefix=True"):
         train_tictactoe.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w")
@@ -286,41 +290,47 @@ def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
     ("shift_probe_groups", 0, "--config.rl.shift_probe_groups must be >= 1"),
 ])
 def test_update_guard_flags_are_checked(tmp_path, name, value, needle):
-    from reno_jax import pipeline
+    from reno_jax import errors
+    from reno_jax.loop import build
+    from reno_jax.loop import runs
     c = short_config(2)
     c.rl[name] = value
-    with pytest.raises(pipeline.ConfigError, match=needle.replace(".", r"\.")):
+    with pytest.raises(errors.ConfigError, match=needle.replace(".", r"\.")):
         train_tictactoe.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w")
 
 
 def test_load_run_errors_and_abstract_restore_target(run_dir, tmp_path):
-    from reno_jax import pipeline
+    from reno_jax import errors
+    from reno_jax.loop import build
+    from reno_jax.loop import runs
     import shutil
     empty = tmp_path / "no_checkpoint"
     empty.mkdir()
     shutil.copy(os.path.join(run_dir, "config.json"), empty / "config.json")
-    with pytest.raises(pipeline.RunError, match="no checkpoint yet"):
-        pipeline.load_run(str(empty))
-    with pytest.raises(pipeline.RunError, match=r"--step=7 has no checkpoint .* saved steps: \[1, 2\]"):
-        pipeline.load_run(run_dir, step=7)
-    _, _, _, params, step = pipeline.load_run(run_dir, step=1)
+    with pytest.raises(errors.RunError, match="no checkpoint yet"):
+        runs.load_run(str(empty))
+    with pytest.raises(errors.RunError, match=r"--step=7 has no checkpoint .* saved steps: \[1, 2\]"):
+        runs.load_run(run_dir, step=7)
+    _, _, _, params, step = runs.load_run(run_dir, step=1)
     assert step == 1 and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
 
 
 def test_rollout_config_keeps_every_rollout_field():
-    from reno_jax import pipeline
+    from reno_jax import errors
+    from reno_jax.loop import build
+    from reno_jax.loop import runs
     c = short_config(1)
     c.rollout.cache_dtype = "bfloat16"
     c.rollout.prefill_chunk = 16
     c.rollout.stop_at_tool_call = False
     c.rollout.share_prompt_prefill = False
     c.rollout.parse_max_bytes = 96
-    rc = pipeline.rollout_config(c)
+    rc = build.rollout_config(c)
     assert (rc.cache_dtype, rc.prefill_chunk, rc.stop_at_tool_call, rc.share_prompt_prefill,
             rc.parse_max_bytes) == ("bfloat16", 16, False, False, 96)
     c.rollout.parse_max_bytes = 0
-    assert pipeline.rollout_config(c).parse_max_bytes is None
+    assert build.rollout_config(c).parse_max_bytes is None
 
 
 def test_short_run_with_routing_replay(tmp_path):

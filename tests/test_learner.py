@@ -297,7 +297,9 @@ def test_learner_rejects_groups_that_do_not_split():
 def test_tiny_ling3_run_steps():
     """A few rollout + learner steps of the tiny Ling-3.0 policy on the move task, through `run_step`."""
     from configs import tictactoe_tiny
-    from reno_jax import pipeline
+    from reno_jax.loop import build
+    from reno_jax.rl import policy
+    from reno_jax.rl import recipe
     from reno_jax.envs.tictactoe import env as ttt_env
     from reno_jax.rollout import rollout as rollout_lib
     c = tictactoe_tiny.get_config()
@@ -308,15 +310,15 @@ def test_tiny_ling3_run_steps():
     c.rl.train_groups = 1
     c.rl.share_common_prefix = True  # the system prompt every row shares, encoded once per batch
     c.rl.max_logp_shift = 0.0  # the update guard has its own tests (tests/test_trainer.py); it adds compile time
-    tokenizer = pipeline.build_tokenizer(c)
-    model_config, params = pipeline.build_model(c, jax.random.PRNGKey(0), tokenizer)
-    env = pipeline.make_compiled_env(c, tokenizer, model_config)
-    boards, _ = pipeline.load_boards(c)
-    rc = pipeline.rollout_config(c)
-    optimizer = pipeline.make_optimizer(c)
-    lrn = learner.Learner(pipeline.learner_config(c),
-                          pipeline.make_logp_fn(model_config, group_size=rc.group_size, entropy_top_k=9),
-                          pipeline.make_loss_fn(c), optimizer, num_groups=2,
+    tokenizer = build.build_tokenizer(c)
+    model_config, params = build.build_model(c, jax.random.PRNGKey(0), tokenizer)
+    env = build.make_compiled_env(c, tokenizer, model_config)
+    boards, _ = boards_lib.load_boards(c.env)
+    rc = build.rollout_config(c)
+    optimizer = recipe.make_optimizer(c)
+    lrn = learner.Learner(recipe.learner_config(c),
+                          policy.make_logp_fn(model_config, group_size=rc.group_size, entropy_top_k=9),
+                          recipe.make_loss_fn(c), optimizer, num_groups=2,
                           rollout_fn=functools.partial(rollout_lib.make_rollout_fn(model_config, rc), env=env))
     starts_fn = lambda key: ttt_env.move_starts(boards[:2])
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))

@@ -87,9 +87,9 @@ def test_two_processes_train_one_run_and_one_process_resumes_it(tmp_path):
 
     # This test process (one device) restores what the two processes wrote: the trained parameters, not the
     # warm start they started from.
-    from reno_jax import pipeline
+    from reno_jax.loop import runs
     from reno_jax.checkpoint import orbax as ckpt_lib
-    _, _, _, params, step = pipeline.load_run(workdir)
+    _, _, _, params, step = runs.load_run(workdir)
     assert step == 2 and {x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(params)} == {True}
     warm = ckpt_lib.restore_item(os.path.join(workdir, "warmstart"), {"params": params})["params"]
     moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(warm))]

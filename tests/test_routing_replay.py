@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from reno_jax import pipeline
+from reno_jax.rl import policy
 from reno_jax.models import ling3
 from reno_jax.models.layers import moe, moe_dense_reference, moe_experts_blocked, route, swiglu_mlp
 from reno_jax.envs.tictactoe import env as E
@@ -232,8 +232,8 @@ def test_shared_prefix_with_replay_equals_rowwise_with_replay(common):
     sb = shared_prefix.split_shared_prefix(batch, S, common)
     assert sb["prefix_routing"].shape == (N * G, S - common, N_MOE, K)
     assert sb["routing"].shape == (N * G, C, N_MOE, K)
-    replay_fn = jax.jit(pipeline.make_logp_fn(CFG, group_size=G, routing_replay=True))
-    plain_fn = jax.jit(pipeline.make_logp_fn(CFG, group_size=G))
+    replay_fn = jax.jit(policy.make_logp_fn(CFG, group_size=G, routing_replay=True))
+    plain_fn = jax.jit(policy.make_logp_fn(CFG, group_size=G))
     lp_row, _, st_row = replay_fn(p, batch)
     lp_sh, _, st_sh = replay_fn(p, sb)
     lp_plain, _, st_plain = plain_fn(p, batch)
@@ -255,7 +255,7 @@ def test_train_step_with_replay_microbatches_and_remat_match():
 
     def step(micro, remat):
         return trainer.make_train_step(
-            pipeline.make_logp_fn(CFG, group_size=G, remat=remat, routing_replay=True), loss_fn, opt,
+            policy.make_logp_fn(CFG, group_size=G, remat=remat, routing_replay=True), loss_fn, opt,
             num_microbatches=micro, donate=False, rollout_metrics=True)
 
     state = trainer.create_train_state(p, opt, 0)
@@ -276,9 +276,9 @@ def test_train_step_with_replay_microbatches_and_remat_match():
 def test_routing_stats_compare_sets():
     own = jnp.array([[[[0, 1], [2, 3]], [[4, 5], [-1, -1]]]], jnp.int32)  # [B=1, T=2, n_moe=2, K=2]
     rec = jnp.array([[[[1, 0], [2, 4]], [[4, 5], [4, 5]]]], jnp.int16)  # same set reordered / differs / -1 own
-    st = pipeline.routing_stats(own, rec)
+    st = policy.routing_stats(own, rec)
     assert float(st.agree) == 2.0 and float(st.total) == 3.0
-    st = pipeline.routing_stats(own, jnp.where(jnp.asarray([True, False])[None, :, None, None], rec, -1))
+    st = policy.routing_stats(own, jnp.where(jnp.asarray([True, False])[None, :, None, None], rec, -1))
     assert float(st.agree) == 1.0 and float(st.total) == 2.0
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax import pipeline
+from reno_jax.rl import policy
 from reno_jax.envs.tictactoe import tasks, wording as text, tool_parser
 from reno_jax.envs.tictactoe import env as E
 from reno_jax.envs.tictactoe import rules as ttt
@@ -106,7 +106,7 @@ def test_soft_targets_are_the_expected_log_likelihood(game_world):
     soft = sft.uniform_soft_targets(legal, square_ids)
     np.testing.assert_allclose(np.asarray(soft["soft_target_weights"].sum(-1)),
                                np.asarray(legal.any(-1), np.float32), rtol=1e-6)
-    logp_fn = jax.jit(pipeline.make_logp_fn(cfg, with_entropy=False))
+    logp_fn = jax.jit(policy.make_logp_fn(cfg, with_entropy=False))
     hard, _ = logp_fn(params, batch)
     got, _ = logp_fn(params, {**batch, **soft})
     logits, _ = jax.jit(lambda p, t, v: ling3.forward(p, cfg, t, valid=v))(params, batch["tokens"], batch["valid"])

@@ -25,7 +25,8 @@ from safetensors import safe_open
 
 import _sharded_io as sio
 from experiments import cli
-from reno_jax import parallel, pipeline
+from reno_jax import parallel
+from reno_jax.loop import build
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.models import conversion, ling3
 
@@ -145,7 +146,7 @@ def test_restore_into_another_model_names_the_leaf_and_both_shapes(one_device_ru
 
     def target(**model):
         config = sio.run_config(**model)
-        return sio.abstract_state(pipeline.abstract_model(config, pipeline.build_tokenizer(config))[1])
+        return sio.abstract_state(build.abstract_model(config, build.build_tokenizer(config))[1])
 
     with ckpt_lib.Checkpointer(run, async_save=False) as ckpt:
         with pytest.raises(ckpt_lib.RestoreError) as wider:

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from reno_jax import pipeline
+from reno_jax.rl import policy
 from reno_jax.models import ling3
 from reno_jax.rl import losses, shared_prefix, trainer
 
@@ -60,7 +60,7 @@ def test_common_prefix_length_counts_leading_columns_shared_by_every_row(setup):
 @pytest.mark.parametrize("common", [0, S0])
 def test_logp_entropy_and_grads_match_rowwise(setup, common):
     cfg, params, batch = setup
-    fn = pipeline.make_logp_fn(cfg, group_size=G)
+    fn = policy.make_logp_fn(cfg, group_size=G)
     sb = shared_prefix.split_shared_prefix(batch, S, common)
     w = jax.random.normal(jax.random.PRNGKey(4), (N * G, C))
     mask = batch["valid"][:, S:]
@@ -84,7 +84,7 @@ def test_train_step_matches_rowwise(setup, common):
     cfg, params, batch = setup
     opt = optax.sgd(0.1)  # Adam's m / sqrt(v) would amplify rounding differences of near-zero gradients
     loss_fn = functools.partial(losses.gspo_loss, entropy_coef=0.01)
-    step = trainer.make_train_step(pipeline.make_logp_fn(cfg, group_size=G), loss_fn, opt, num_microbatches=N,
+    step = trainer.make_train_step(policy.make_logp_fn(cfg, group_size=G), loss_fn, opt, num_microbatches=N,
                                    donate=False)
     state = trainer.create_train_state(params, opt, 0)
     s_full, m_full = step(state, batch)
@@ -98,6 +98,6 @@ def test_train_step_matches_rowwise(setup, common):
 def test_needs_group_size(setup):
     cfg, params, batch = setup
     with pytest.raises(ValueError, match="group_size"):
-        pipeline.make_logp_fn(cfg)(params, shared_prefix.split_shared_prefix(batch, S))
+        policy.make_logp_fn(cfg)(params, shared_prefix.split_shared_prefix(batch, S))
     with pytest.raises(ValueError, match="whole number of groups"):
-        pipeline.make_logp_fn(cfg, group_size=5)(params, shared_prefix.split_shared_prefix(batch, S))
+        policy.make_logp_fn(cfg, group_size=5)(params, shared_prefix.split_shared_prefix(batch, S))

@@ -86,10 +86,9 @@ class GuessNumberEnv(interface.TextEnv):
         return interface.Step(state=new, message=message, reward=reward.astype(jnp.float32),
                               done=found | out | ~call.ok, info=info)
 
-    def metrics(self, info):
-        return {"rollout/found_rate": float(np.mean(info["found"])),
-                "rollout/invalid_rate": float(np.mean(info["invalid"])),
-                "rollout/guesses_mean": float(np.mean(info["guesses"]))}
+    def episode_metrics(self):
+        return {"found_rate": interface.rate("found", plot=True), "invalid_rate": interface.rate("invalid"),
+                "guesses_mean": interface.mean_of("guesses", plot=True)}
 
 
 def consistent_guess(state: State, key: jax.Array):
@@ -105,10 +104,18 @@ def sample_starts(key: jax.Array, num_groups: int) -> Start:
     return Start(secret=jax.random.randint(key, (num_groups,), 1, MAX_NUMBER + 1, jnp.int32))
 
 
-def make_teacher(config, env):
+def make_teacher(config, env) -> interface.Teacher:
     """Warm start: `consistent_guess` transcripts; call-table row k is `guess(number=k + 1)`."""
-    return consistent_guess, [("guess", {"number": k}) for k in range(1, MAX_NUMBER + 1)]
+    del config, env
+    return interface.Teacher(consistent_guess, tuple(("guess", {"number": k}) for k in range(1, MAX_NUMBER + 1)))
+
+
+def eval_suites(config) -> dict[str, interface.EvalSuite]:
+    """Every secret once."""
+    del config
+    starts = lambda key, ids: Start(secret=jnp.asarray(np.asarray(ids) % MAX_NUMBER + 1, jnp.int32))  # noqa: E731
+    return {"secrets": interface.EvalSuite(num_episodes=MAX_NUMBER, starts=starts)}
 
 
 registry.register("guess_number", lambda env_config, **overrides: GuessNumberEnv(),
-                  lambda config: sample_starts, make_teacher)
+                  lambda config: sample_starts, make_teacher, eval_suites=eval_suites)

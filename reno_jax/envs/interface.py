@@ -20,17 +20,24 @@ Writing one (see `reno_jax.envs.tictactoe.env` and `reno_jax.envs.connect4.env`,
   * `reset(start)` and `step(state, call)` are per episode (the rollout vmaps them), branch-free (`jnp.where`,
     `lax.select`), and take their randomness from keys inside `start` / `state` (no hidden RNG);
   * `info` is the environment's own pytree of per-episode figures (`[]` leaves, the same structure every step);
-    `finish` may fix it up at the end (e.g. mark truncation), `metrics` turns a batch of it into log scalars.
+    `finish` may fix it up at the end (e.g. mark truncation); `episode_metrics` declares the figures a batch of it
+    reduces to, each with its reduction (`Metric`).
+
+What the training loop, the evaluation and the warm start need beyond the episode itself (how a step's start
+records are drawn, an optional scripted teacher, the evaluation suites) an environment declares in its registry
+entry (`reno_jax.envs.registry.register`), with the `EvalSuite` and `Teacher` types below.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from reno_jax.protocol.messages import Message, ToolCall  # noqa: F401  (the interface speaks them)
 
@@ -87,13 +94,115 @@ class TextEnv(abc.ABC):
         del state, truncated
         return info
 
-    def metrics(self, info: Mapping[str, Any]) -> dict[str, float]:
-        """Host: log scalars from a batch of final infos (``[B]`` NumPy arrays). Default: the mean of each leaf."""
-        out = {}
-        for k, v in info.items():
-            out[f"rollout/{k}_mean"] = float(jnp.mean(jnp.asarray(v, jnp.float32)))
-        return out
+    def episode_metrics(self) -> Mapping[str, "Metric"]:
+        """Host: the figures a batch of final infos reduces to, by name (logged as ``rollout/<name>`` in training,
+        ``<suite>/<name>`` in evaluation). Default: none declared, and `summarize` takes the mean of every info
+        leaf."""
+        return {}
 
     def max_turns(self) -> int:
         """Upper bound on agent turns per episode (the rollout runs ``min(this, rollout max_turns)``)."""
         return 1 << 30
+
+
+# ---------------------------------------------------------------------------------------------- figures
+
+REDUCTIONS = {"mean": np.mean, "sum": np.sum, "min": np.min, "max": np.max}
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One figure of a batch of episodes, declared by the environment that defines it.
+
+    Attributes:
+      value: host ``info -> [B]`` per-episode values from a batch of final infos (NumPy arrays).
+      reduce: how the batch reduces them: ``"mean"``, ``"sum"``, ``"min"`` or ``"max"``.
+      where: optional host ``info -> bool [B]``: only those episodes count (NaN when there are none).
+      plot: the figure gets a panel in the run's learning curves.
+    """
+
+    value: Callable[[Mapping[str, np.ndarray]], Any]
+    reduce: str = "mean"
+    where: Callable[[Mapping[str, np.ndarray]], Any] | None = None
+    plot: bool = False
+
+    def __post_init__(self):
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {sorted(REDUCTIONS)}, got {self.reduce!r}")
+
+    def __call__(self, info: Mapping[str, np.ndarray]) -> float:
+        values = np.asarray(self.value(info), np.float64)
+        if self.where is not None:
+            values = values[np.asarray(self.where(info), bool)]
+            if values.size == 0:
+                return float("nan")
+        return float(REDUCTIONS[self.reduce](values))
+
+
+def rate(key: str, equals: Any = None, where: Callable | None = None, plot: bool = False) -> Metric:
+    """The share of episodes whose ``info[key]`` is true (or equals ``equals``)."""
+    if equals is None:
+        return Metric(lambda info: np.asarray(info[key], bool), where=where, plot=plot)
+    return Metric(lambda info: np.asarray(info[key]) == equals, where=where, plot=plot)
+
+
+def mean_of(key: str, plot: bool = False) -> Metric:
+    """The mean of ``info[key]`` over episodes."""
+    return Metric(lambda info: info[key], plot=plot)
+
+
+def summarize(env: TextEnv, info: Mapping[str, Any]) -> dict[str, float]:
+    """The environment's figures of a batch of final infos (host), by their declared names; an environment that
+    declares none gets the mean of every info leaf."""
+    info = {k: np.asarray(v) for k, v in info.items()}
+    declared = env.episode_metrics()
+    if not declared:
+        return {k: float(np.mean(v.astype(np.float64))) for k, v in info.items()}
+    return {name: metric(info) for name, metric in declared.items()}
+
+
+# ---------------------------------------------------------------------------------------------- companions
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+    """A scripted policy for the supervised warm start (``reno_jax.rl.sft.env_transcripts``).
+
+    Attributes:
+      policy: traceable per episode ``(state, key) -> (row int32 [], support bool [R])``: the row of `calls` to
+        play and the rows it could have played (the soft targets of ``sft.soft_targets``).
+      calls: the R calls as ``(tool_name, {argument: value})``, written out as the policy would write them.
+    """
+
+    policy: Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]
+    calls: tuple
+
+    def __post_init__(self):
+        if not self.calls:
+            raise ValueError("a Teacher needs at least one call")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSuite:
+    """A fixed evaluation an environment declares (``registry.register(eval_suites=...)``).
+
+    ``num_episodes`` episodes, numbered 0..N-1, are played greedily, one per start, in the environment built with
+    ``env_overrides`` (e.g. another opponent, or training-only shaping turned off). ``starts(key, ids)`` gives the
+    start records of episodes ``ids`` (``int [n]``): the same key and ids give the same starts. The figures are the
+    environment's `episode_metrics` plus ``extra(info, ids)`` (host, ``[N]`` arrays) where given.
+
+    ``default``: run when no suite is named (``experiments.evaluate``) and by evaluation during training.
+    ``scalable``: ``num_episodes`` may be changed (games drawn at random); a fixed set (every position, every
+    secret) is only cut short.
+    """
+
+    num_episodes: int
+    starts: Callable[[jax.Array, np.ndarray], Any]
+    env_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    extra: Callable[[Mapping[str, np.ndarray], np.ndarray], Mapping[str, float]] | None = None
+    default: bool = True
+    scalable: bool = False
+
+    def __post_init__(self):
+        if int(self.num_episodes) < 1:
+            raise ValueError(f"an EvalSuite needs at least one episode, got {self.num_episodes}")

@@ -5,7 +5,7 @@ Two jitted pure functions, each compiled once per model (every board renders to 
 
 * `decision_distribution`: the **heat map**. The canonical call `<tool_call>{"name": "choose_square",
   "arguments": {"square": k}}</tool_call>` tokenises to the same ids for every k except one, the square's token
-  (`sft.call_token_table`'s `square_offset`): the decision token. We feed the move-task prompt plus the call's
+  (`sft.CallTable.choice_offset`): the decision token. We feed the move-task prompt plus the call's
   tokens before that position and read the next-token distribution there:
 
       mass  = sum_k p(square token k | prompt, call prefix)        (k = 1..9, the raw mass on the nine squares)
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax import pipeline
+from reno_jax.loop import build
 from reno_jax.envs.tictactoe import minimax, wording as text, tool_parser
 from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.envs.tictactoe import rules as ttt
@@ -43,7 +43,9 @@ def decision_tokens(tokenizer, turn_end_id: int, pad_id: int) -> tuple[np.ndarra
     """`(prefix int32 [P], square_ids int32 [9])`: the canonical call's tokens before the decision token, and the
     decision token of each square 1..9. Raises `ValueError` when the tokenizer's nine calls do not differ in
     exactly one token (the heat map is then not one next-token distribution)."""
-    ids, _, offset = sft.call_token_table(tokenizer, turn_end_id, pad_id)
+    table = sft.build_call_table(tokenizer, [(text.TOOL_NAME, {"square": k}) for k in range(1, 10)], turn_end_id,
+                                 pad_id, [text.TOOL_NAME])
+    ids, offset = np.asarray(table.ids), table.choice_offset
     if offset < 0:
         raise ValueError("this tokenizer's nine choose_square calls do not differ in exactly one token; "
                          "the decision-token heat map is undefined")
@@ -124,7 +126,7 @@ class Policy:
     model_config: ling3.Ling3Config
 
     def __post_init__(self):
-        self.env = pipeline.make_compiled_env(self.config, self.tokenizer, self.model_config, task="move")
+        self.env = build.make_compiled_env(self.config, self.tokenizer, self.model_config, task="move")
         prefix, square_ids = decision_tokens(self.tokenizer, self.env.spec.turn_end_id, self.env.spec.pad_id)
         self._prefix, self._square_ids = jnp.asarray(prefix), jnp.asarray(square_ids)
         self._heat = jax.jit(functools.partial(decision_distribution, model_config=self.model_config))
@@ -132,7 +134,7 @@ class Policy:
 
     def _reply_fn(self, greedy: bool):
         if greedy not in self._replies:
-            rc = pipeline.rollout_config(self.config, greedy=greedy, group_size=1)
+            rc = build.rollout_config(self.config, greedy=greedy, group_size=1)
             self._replies[greedy] = jax.jit(functools.partial(model_reply, model_config=self.model_config,
                                                               rollout_config=rc))
         return self._replies[greedy]

@@ -15,7 +15,8 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from reno_jax import pipeline
+from reno_jax.loop import build
+from reno_jax.rl import recipe
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.rl import trainer
@@ -53,9 +54,9 @@ class RunDir:
     def __init__(self, workdir: str):
         self.workdir = os.path.abspath(workdir)
         self.config = load_config(self.workdir)
-        self.tokenizer = pipeline.build_tokenizer(self.config)
-        self.model_config, self._abstract_params = pipeline.abstract_model(self.config, self.tokenizer)
-        optimizer = pipeline.make_optimizer(self.config)
+        self.tokenizer = build.build_tokenizer(self.config)
+        self.model_config, self._abstract_params = build.abstract_model(self.config, self.tokenizer)
+        optimizer = recipe.make_optimizer(self.config)
         # The restore target of a checkpoint's TrainState, from shapes only (nothing is initialised).
         self._abstract_state = jax.eval_shape(
             lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(0)), self._abstract_params)

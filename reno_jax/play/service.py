@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from reno_jax import pipeline
+from reno_jax.rl import curriculum
 from reno_jax.play import board_text
 from reno_jax.play import policy as policy_lib
 from reno_jax.play import run_dir as run_dir_lib
@@ -67,7 +67,7 @@ class PlayService:
         except ValueError:  # a corrupt metrics row: /api/metrics says so; the run information still answers
             rows = []
         last = int(rows[-1]["step"]) if rows else 0
-        num_steps = pipeline.total_steps(self.run.config)  # a curriculum's stages included
+        num_steps = curriculum.total_steps(self.run.config)  # a curriculum's stages included
         path = os.path.join(self.run.workdir, "metrics.jsonl")
         recent = os.path.exists(path) and time.time() - os.path.getmtime(path) < _LIVE_SECONDS
         default = self.default_step if self.default_step in steps else (steps[-1] if steps else None)

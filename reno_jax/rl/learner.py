@@ -343,8 +343,8 @@ class Learner:
 
     Args:
       config: `LearnerConfig`.
-      logp_fn, loss_fn, optimizer: as in `trainer.make_train_step` (e.g. `pipeline.make_logp_fn(model_config,
-        group_size=G)` and `pipeline.make_loss_fn(config)`).
+      logp_fn, loss_fn, optimizer: as in `trainer.make_train_step` (e.g. `policy.make_logp_fn(model_config,
+        group_size=G)` and `recipe.make_loss_fn(config)`).
       ref_logp_fn, ref_params: a reference policy (`ref_logp_fn(params, batch)[0]` = logp [B, L]) scored on every
         train batch as `ref_logp`, for losses anchored to it (forking KL); both or neither.
       rollout_fn: `rollout_fn(params, key, starts) -> Trajectory`, for `run_step`.

@@ -1,9 +1,9 @@
-"""Supervised warm start: teach the call *format* (not strategy) on transcripts of random legal moves.
+"""Supervised warm start pieces: a scripted teacher's calls as tokens (`CallTable`), whole teacher conversations
+written by stepping an environment in jit (`env_transcripts`), soft targets and the NLL loss.
 
-The default experiment starts from a randomly initialised model, which cannot emit a well-formed tool call at
-all. A short supervised phase on conversations whose assistant turn is a `choose_square` call on a UNIFORMLY
-RANDOM legal square shows the model the format while carrying no information about which square is good; RL then
-has to discover the strategy from rewards alone.
+A model initialised at random cannot write a well-formed tool call at all. A short supervised phase on
+conversations of a teacher that knows the format but no strategy (e.g. a uniformly random legal move) shows the
+model the format; RL then has to find the strategy from rewards alone. `reno_jax.loop.warmstart` runs it.
 """
 
 from __future__ import annotations
@@ -18,70 +18,6 @@ import numpy as np
 
 from reno_jax.envs import interface
 from reno_jax.rollout import rollout as rollout_lib
-from reno_jax.envs.tictactoe import wording as text
-
-
-def call_text(square: int) -> str:
-    """The assistant's tool call for ``square`` (1..9), in the Hermes/Qwen/Ling format."""
-    args = json.dumps({"name": text.TOOL_NAME, "arguments": {"square": int(square)}})
-    return f"<tool_call>{args}</tool_call>"
-
-
-def random_move_transcripts(tokenizer, boards: np.ndarray, rng: np.random.Generator, max_length: int,
-                            turn_end_id: int, pad_id: int, prompt_cache: dict | None = None,
-                            board_style: str = "grid"):
-    """Host-side batch of ``prompt + random legal call + turn end`` token ids.
-
-    Args:
-      tokenizer: HF tokenizer with the chat template used by the rollout.
-      boards: ``int8 [N, 9]`` positions (the prompt names the side to move).
-      rng: NumPy generator that picks the random legal squares.
-      max_length: L, the padded length.
-      turn_end_id: the token that ends an assistant turn (the rollout's stop token).
-      pad_id: padding id.
-      prompt_cache: optional dict (board bytes -> prompt ids) reused across calls; rendering the chat template is
-        the slow part of building a batch (one cache per board style).
-      board_style: the prompts' board style (`wording.BOARD_STYLES`).
-
-    Returns:
-      dict of NumPy arrays: ``tokens [N, L] int32``, ``valid [N, L] bool``, ``loss_mask [N, L] bool`` (1 on the
-      response tokens, which is what the policy would have to generate), ``squares [N]``.
-    """
-    n = len(boards)
-    tokens = np.full((n, max_length), pad_id, np.int32)
-    valid = np.zeros((n, max_length), bool)
-    loss_mask = np.zeros((n, max_length), bool)
-    squares = np.zeros((n,), np.int32)
-    for i, board in enumerate(np.asarray(boards)):
-        legal = np.flatnonzero(board == 0)
-        if len(legal) == 0:
-            raise ValueError(f"board {i} has no legal move: {board.tolist()}")
-        square = int(rng.choice(legal)) + 1
-        cache_key = board.tobytes()
-        if prompt_cache is not None and cache_key in prompt_cache:
-            prompt = prompt_cache[cache_key]
-        else:
-            prompt = text.prompt_ids(tokenizer, text.move_task_messages(board, style=board_style))
-            if prompt_cache is not None:
-                prompt_cache[cache_key] = prompt
-        response = list(tokenizer.encode(call_text(square), add_special_tokens=False)) + [int(turn_end_id)]
-        ids = prompt + response
-        if len(ids) > max_length:
-            raise ValueError(f"transcript of {len(ids)} tokens does not fit max_length={max_length}")
-        tokens[i, :len(ids)] = ids
-        valid[i, :len(ids)] = True
-        loss_mask[i, len(prompt):len(ids)] = True
-        squares[i] = square
-    return {"tokens": tokens, "valid": valid, "loss_mask": loss_mask, "squares": squares}
-
-
-def call_token_table(tokenizer, turn_end_id: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(ids int32 [9, W], lengths int32 [9], square_offset)``: the call for square k+1 followed by the turn-end
-    token; ``square_offset`` is the one position where the nine calls differ (the square's token) when they all
-    have the same length and differ in exactly one token, else -1."""
-    table = build_call_table(tokenizer, [(text.TOOL_NAME, {"square": k}) for k in range(1, 10)], turn_end_id,
-                             pad_id, [text.TOOL_NAME])
-    return np.asarray(table.ids), np.asarray(table.length), table.choice_offset
 
 
 @flax.struct.dataclass
@@ -197,41 +133,18 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
             "support": support, "info": info}
 
 
-def _random_legal_square(state, key):
-    """Tic-tac-toe game teacher: a uniformly random legal square (format only, no strategy)."""
-    legal = state.game.board == 0
-    noise = jax.random.uniform(key, legal.shape)
-    return jnp.argmax(jnp.where(legal, noise, -1.0)).astype(jnp.int32), legal
+def uniform_soft_targets(support: jax.Array, choice_ids) -> dict:
+    """Soft targets of a teacher that picks uniformly among its support, from ``support bool [B, L, R]``
+    (`env_transcripts`'s, at each call's choice token) and ``choice_ids int [R]`` (each call row's choice token).
 
-
-def random_game_transcripts(key: jax.Array, starts, env, call_ids: jax.Array, call_len: jax.Array, *,
-                            max_turns: int, length: int, square_offset: int = -1) -> dict:
-    """Whole tic-tac-toe games in which the agent plays UNIFORMLY RANDOM legal moves (format only), in jit.
-
-    `env_transcripts` with the random-legal teacher on the game `TicTacToeEnv`; the opponent answers as set in
-    `starts` (its keys too). Returns `tokens`, `valid`, `loss_mask`, `legal_squares bool [B, L, 9]` (at each
-    call's square token when `square_offset >= 0`) and `outcome int32 [B]` (truncated games: 6).
+    Returns the batch entries ``soft_target_ids int32 [B, R]`` and ``soft_target_weights float32 [B, L, R]``
+    (1/#support on the supported rows at choice positions, 0 elsewhere); `rl.policy.make_logp_fn` then scores
+    those positions by the expected log-likelihood under the target, so one transcript teaches every choice the
+    teacher could have made (e.g. every legal square) instead of the one it sampled.
     """
-    calls = CallTable(ids=jnp.asarray(call_ids, jnp.int32), length=jnp.asarray(call_len, jnp.int32),
-                      tool=jnp.zeros((9,), jnp.int32), args=jnp.arange(1, 10, dtype=jnp.int32)[:, None],
-                      choice_offset=int(square_offset))
-    out = env_transcripts(key, starts, env, _random_legal_square, calls, max_turns=max_turns, length=length)
-    return {"tokens": out["tokens"], "valid": out["valid"], "loss_mask": out["loss_mask"],
-            "legal_squares": out["support"], "outcome": out["info"]["outcome"]}
-
-
-def uniform_soft_targets(legal_squares: jax.Array, square_ids) -> dict:
-    """Soft targets of the uniformly random legal policy from ``legal_squares bool [B, L, 9]``.
-
-    Returns the batch entries ``soft_target_ids int32 [B, 9]`` (each row: the nine square tokens) and
-    ``soft_target_weights float32 [B, L, 9]`` (1/#legal on the legal squares at square positions, 0 elsewhere);
-    `pipeline.make_logp_fn` then scores those positions by the expected log-likelihood under the target, so the
-    warm start learns *which squares are legal* from every example at once instead of from one sampled square.
-    The target is still the random legal policy: no strategy information.
-    """
-    legal = jnp.asarray(legal_squares, jnp.float32)
-    weights = legal / jnp.maximum(jnp.sum(legal, axis=-1, keepdims=True), 1.0)
-    ids = jnp.broadcast_to(jnp.asarray(square_ids, jnp.int32), (legal.shape[0], legal.shape[-1]))
+    support = jnp.asarray(support, jnp.float32)
+    weights = support / jnp.maximum(jnp.sum(support, axis=-1, keepdims=True), 1.0)
+    ids = jnp.broadcast_to(jnp.asarray(choice_ids, jnp.int32), (support.shape[0], support.shape[-1]))
     return {"soft_target_ids": ids, "soft_target_weights": weights}
 
 

@@ -18,13 +18,14 @@ the same opponent (the same reply to the same position), and replays are exact.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from reno_jax.envs import interface
 from reno_jax.envs.connect4 import opponents, rules, wording
 from reno_jax.envs.interface import Message, Step, TextEnv, ToolCall
 
@@ -157,20 +158,14 @@ class Connect4Env(TextEnv):
         """`sample_starts` with this env's opponent setting."""
         return sample_starts(key, num_groups, self.opponent, agent_player)
 
-    def metrics(self, info: Mapping[str, Any]) -> dict[str, float]:
-        outcome = np.asarray(info["outcome"])
-        out = {
-            f"rollout/{name}_rate": float(np.mean(outcome == code))
-            for code, name in enumerate(OUTCOME_NAMES)
-            if code != OUTCOME_ONGOING
-        }
-        out["rollout/agent_moves_mean"] = float(np.mean(np.asarray(info["num_agent_moves"], np.float32)))
+    def episode_metrics(self):
+        out = {f"{name}_rate": interface.rate("outcome", equals=code, plot=name in ("win", "loss", "truncated"))
+               for code, name in enumerate(OUTCOME_NAMES) if code != OUTCOME_ONGOING}
+        out["agent_moves_mean"] = interface.mean_of("num_agent_moves")
         if self.opponent == "mixed":
-            opp = np.asarray(info["opponent"])
             for kind, name in enumerate(opponents.KIND_NAMES):
-                games = opp == kind
-                if games.any():
-                    out[f"rollout/win_rate_vs_{name}"] = float(np.mean(outcome[games] == OUTCOME_WIN))
+                out[f"win_rate_vs_{name}"] = interface.rate(
+                    "outcome", equals=OUTCOME_WIN, where=lambda info, kind=kind: np.asarray(info["opponent"]) == kind)
         return out
 
     # ------------------------------------------------------------------------------------------------ traced
@@ -289,61 +284,3 @@ class Connect4Env(TextEnv):
         """`teacher_column` as an ok ``drop_piece`` call."""
         column = self.teacher_column(state, key, policy)
         return ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=column[None])
-
-
-# ---------------------------------------------------------------------------------------------- registry
-
-
-def _make_env(env_config, **overrides) -> Connect4Env:
-    get = lambda name, default: overrides.get(name, env_config.get(name, default))  # noqa: E731
-    return Connect4Env(opponent=str(get("opponent", "random")), negamax_depth=int(get("negamax_depth", 3)),
-                       max_agent_turns=int(get("max_agent_turns", 21)))
-
-
-def make_sampler(config):
-    env = _make_env(config.env)
-    side = config.env.get("agent_player", "alternate")
-    return lambda key, num_groups: env.sample_starts(key, num_groups, side)
-
-
-CENTER_ORDER = (3, 2, 4, 1, 5, 0, 6)  # 0-based columns, the centre first
-
-
-def center_greedy_column(state: Connect4State) -> jax.Array:
-    """A scripted player for warm-start transcripts: win if it can, else block, else the most central legal
-    column (`CENTER_ORDER`); 0-based. Deterministic, so a small model can imitate it; against the random opponent
-    the centre order alone wins ~90% of games (docs/benchmarks.md)."""
-    game = state.game
-    legal = rules.legal_columns(game)
-    rank = jnp.zeros((rules.COLS,), jnp.int32).at[jnp.asarray(CENTER_ORDER)].set(jnp.arange(7, 0, -1))
-    score = (100 * opponents.winning_columns(game).astype(jnp.int32)
-             + 10 * opponents.blocking_columns(game).astype(jnp.int32) + rank)
-    return jnp.argmax(jnp.where(legal, score, -1)).astype(jnp.int32)
-
-
-def make_teacher(config, env: Connect4Env):
-    """`(teacher, calls)` for `rl.sft.env_transcripts`: `config.sft.teacher` is "center_greedy" (default),
-    "greedy", "negamax" or "random"; call-table row k is `drop_piece(column=k + 1)`."""
-    policy = str(config.sft.get("teacher", "center_greedy"))
-    if policy not in ("center_greedy", "greedy", "negamax", "random"):
-        raise ValueError(f"sft.teacher must be center_greedy, greedy, negamax or random, got {policy!r}")
-
-    def teacher(state, key):
-        legal = rules.legal_columns(state.game)
-        if policy == "center_greedy":
-            col = center_greedy_column(state)
-        else:
-            col = jnp.maximum(env.teacher_column(state, key, policy) - 1, 0)
-        return col, legal
-
-    calls = [("drop_piece", {"column": k}) for k in range(1, rules.COLS + 1)]
-    return teacher, calls
-
-
-def _register():
-    from reno_jax.envs import registry
-
-    registry.register("connect4", _make_env, make_sampler, make_teacher)
-
-
-_register()

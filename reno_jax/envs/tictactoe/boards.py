@@ -401,3 +401,23 @@ def load_jsonl(path: str | Path, require_x_to_move: bool = True) -> tuple[np.nda
     if not boards:
         return np.zeros((0, ttt.NUM_SQUARES), np.int8), ids
     return np.stack(boards), ids
+
+
+def load_boards(env_config) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, heldout)`` boards as ``int8 [N, 9]`` from a config's ``env`` section: a JSONL (``boards_path``),
+    positions met in play (``board_source="play"``) or AReno's generator (``num_boards``, ``board_seed``,
+    ``max_random_moves``, ``board_sides``); ``heldout_fraction`` of them held out."""
+    env = env_config
+    if env.get("boards_path", ""):
+        boards, _ = load_jsonl(env.boards_path)
+    elif env.get("board_source", "random") == "play":
+        boards = play_boards(env.num_boards, seed=env.board_seed, hero_epsilon=env.get("play_epsilon", 0.1),
+                             opponent_epsilon=env.get("opponent_epsilon", 0.5), o_share=env.get("o_share", 0.5))
+    else:
+        boards = generate_boards(env.num_boards, seed=env.board_seed,
+                                 max_random_moves=env.get("max_random_moves", MAX_RANDOM_MOVES),
+                                 sides=env.get("board_sides", "x"))
+    boards = np.asarray(boards, np.int8)
+    if env.get("heldout_fraction", 0.0):
+        return train_heldout_split(boards, env.heldout_fraction, env.board_seed)
+    return boards, boards[:0]

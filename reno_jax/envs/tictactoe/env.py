@@ -221,32 +221,18 @@ class TicTacToeEnv(interface.TextEnv):
                 info[name] = outcome == code
         return info
 
-    def metrics(self, info) -> dict[str, float]:
-        outcome = np.asarray(info["outcome"])
-        out = {f"rollout/{name}_rate": float(np.mean(outcome == code))
-               for code, name in enumerate(OUTCOME_NAMES) if name != "ongoing"}
-        out["rollout/optimal_move_rate"] = float(np.mean(np.asarray(info["is_optimal"])))
-        out["rollout/seeking_move_rate"] = float(np.mean(np.asarray(info["is_seeking"])))
-        out["rollout/win_taken_rate"] = float(np.mean(np.asarray(info["win_taken"])))
+    def episode_metrics(self):
+        if self.task == "move":
+            return {"optimal_move_rate": interface.rate("is_optimal", plot=True),
+                    "seeking_move_rate": interface.rate("is_seeking"),
+                    "illegal_rate": interface.rate("illegal", plot=True),
+                    "win_taken_rate": interface.rate("win_taken", plot=True)}
+        out = {f"{name}_rate": interface.rate(name, plot=name in ("win", "draw", "loss"))
+               for name in OUTCOME_NAMES if name != "ongoing"}
+        out["optimal_move_rate"] = interface.rate("is_optimal")
+        out["seeking_move_rate"] = interface.rate("is_seeking")
+        out["win_taken_rate"] = interface.rate("win_taken")
         return out
-
-
-# ---------------------------------------------------------------------------------------------- registry
-
-
-def _field(env_config, name, overrides, default=None):
-    if name in overrides:
-        return overrides[name]
-    return env_config.get(name, default) if hasattr(env_config, "get") else getattr(env_config, name, default)
-
-
-def _make_env(env_config, **overrides) -> TicTacToeEnv:
-    return TicTacToeEnv.create(task=str(_field(env_config, "task", overrides, "move")),
-                               board_style=str(_field(env_config, "board_style", overrides, "grid")),
-                               suboptimal_penalty=float(_field(env_config, "suboptimal_penalty", overrides, 0.0)),
-                               independent_opponents=bool(_field(env_config, "independent_opponents", overrides,
-                                                                 False)),
-                               win_seeking=bool(_field(env_config, "win_seeking", overrides, False)))
 
 
 def agent_players(side: str, num_groups: int, o_share: float = 0.5):
@@ -262,32 +248,3 @@ def agent_players(side: str, num_groups: int, o_share: float = 0.5):
         o = np.floor((k + 1) * o_share) > np.floor(k * o_share)
         return np.where(o, 2, 1).astype(np.int8)
     return {"x": 1, "o": 2}[side]
-
-
-def make_sampler(config):
-    """This step's starts (one per group) for `config.env`: dataset boards (move task) or opening games."""
-    from reno_jax import pipeline  # the board datasets are configured like the rest of the experiment
-
-    env_config = config.env
-    if str(env_config.get("task", "move")) == "move":
-        train_boards, _ = pipeline.load_boards(config)
-
-        def sample(key, num_groups):
-            idx = jax.random.choice(key, len(train_boards), (num_groups,), replace=len(train_boards) < num_groups)
-            return move_starts(train_boards[np.asarray(idx)])
-        return sample
-
-    def sample(key, num_groups):
-        return game_starts(key, num_groups, agent_player=agent_players(env_config.agent_player, num_groups,
-                                                                       float(env_config.get("o_share", 0.5))),
-                           opponent=env_config.opponent, epsilon=env_config.opponent_epsilon)
-    return sample
-
-
-def _register():
-    from reno_jax.envs import registry
-
-    registry.register("tictactoe", _make_env, make_sampler)
-
-
-_register()

@@ -1,0 +1,84 @@
+"""Connect Four's registry entry: the env from a config's `env` section, the step's start records, the warm-start
+teacher and the evaluation suites.
+
+Teachers (`sft.teacher`): "center_greedy" (default: win, else block, else the most central legal column), or one
+of the opponents' policies ("greedy", "negamax", "random"). Suites: whole games against each opponent ("random",
+"greedy", "negamax", all three by default), the agent moving first in even episodes and second in odd ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from reno_jax.envs import interface, registry
+from reno_jax.envs.connect4 import env as c4_env
+from reno_jax.envs.connect4 import opponents, rules
+
+TEACHERS = ("center_greedy", "greedy", "negamax", "random")
+GAMES_PER_SUITE = 256
+CENTER_ORDER = (3, 2, 4, 1, 5, 0, 6)  # 0-based columns, the centre first
+
+
+def make_env(env_config, **overrides) -> c4_env.Connect4Env:
+    get = lambda name, default: overrides.get(name, env_config.get(name, default))  # noqa: E731
+    return c4_env.Connect4Env(opponent=str(get("opponent", "random")), negamax_depth=int(get("negamax_depth", 3)),
+                              max_agent_turns=int(get("max_agent_turns", 21)))
+
+
+def make_sampler(config):
+    env = make_env(config.env)
+    side = config.env.get("agent_player", "alternate")
+    if side not in c4_env.AGENT_PLAYER_SETTINGS:
+        raise ValueError(f"env.agent_player must be one of {list(c4_env.AGENT_PLAYER_SETTINGS)}, got {side!r}")
+    return lambda key, num_groups: env.sample_starts(key, num_groups, side)
+
+
+def center_greedy_column(state: c4_env.Connect4State) -> jax.Array:
+    """A scripted player for warm-start transcripts: win if it can, else block, else the most central legal
+    column (`CENTER_ORDER`); 0-based. Deterministic, so a small model can imitate it; against the random opponent
+    the centre order alone wins ~90% of games (docs/benchmarks.md)."""
+    game = state.game
+    legal = rules.legal_columns(game)
+    rank = jnp.zeros((rules.COLS,), jnp.int32).at[jnp.asarray(CENTER_ORDER)].set(jnp.arange(7, 0, -1))
+    score = (100 * opponents.winning_columns(game).astype(jnp.int32)
+             + 10 * opponents.blocking_columns(game).astype(jnp.int32) + rank)
+    return jnp.argmax(jnp.where(legal, score, -1)).astype(jnp.int32)
+
+
+def make_teacher(config, env: c4_env.Connect4Env) -> interface.Teacher:
+    """`config.sft.teacher` (default "center_greedy"); call row k is `drop_piece(column=k + 1)`."""
+    policy = str(config.sft.get("teacher", "center_greedy"))
+    if policy not in TEACHERS:
+        raise ValueError(f"sft.teacher must be one of {list(TEACHERS)}, got {policy!r}")
+
+    def teacher(state, key):
+        legal = rules.legal_columns(state.game)
+        if policy == "center_greedy":
+            col = center_greedy_column(state)
+        else:
+            col = jnp.maximum(env.teacher_column(state, key, policy) - 1, 0)
+        return col, legal
+
+    return interface.Teacher(teacher, tuple(("drop_piece", {"column": k}) for k in range(1, rules.COLS + 1)))
+
+
+def _game_suite(opponent: str) -> interface.EvalSuite:
+    def starts(key, ids):
+        ids = np.asarray(ids)
+        if len(ids) % 2 or ids[0] % 2:
+            raise ValueError("Connect Four suites alternate sides by episode: batches must start on an even "
+                             "episode and hold an even number of them")
+        return c4_env.sample_starts(jax.random.fold_in(key, int(ids[0])), len(ids), opponent, "alternate")
+
+    return interface.EvalSuite(num_episodes=GAMES_PER_SUITE, starts=starts, scalable=True,
+                               env_overrides={"opponent": opponent})
+
+
+def eval_suites(config) -> dict[str, interface.EvalSuite]:
+    del config
+    return {name: _game_suite(name) for name in opponents.KIND_NAMES}
+
+
+ENTRY = registry.register("connect4", make_env, make_sampler, make_teacher, eval_suites=eval_suites)

@@ -1,0 +1,224 @@
+"""The RL post-training loop for any registered environment, as a library call:
+
+    rows = reno_jax.loop.train(config, workdir)
+
+validate the config -> build tokenizer, model (or restore the latest checkpoint) and device layout -> warm start
+(once, cached in the workdir) -> for each curriculum stage: rollout -> learner step -> metrics row, checkpoint,
+curves, and every `eval_every` steps the environment's default evaluation suites. The CLI
+(`python -m experiments.train`) is a thin layer over it.
+
+Writes into `workdir`: `config.json`, `metrics.jsonl` (one JSON object per step, kept exact across restarts),
+TensorBoard event files, `learning_curves.png` (refreshed during the run), Orbax checkpoints under
+`checkpoints/`, and the cached warm start under `warmstart/`. Calling it again with the same workdir resumes from
+the latest checkpoint.
+
+Several processes (`jax.distributed` initialised by the caller): the workdir must be one directory every process
+sees. Process 0 writes the files above and shows the progress bars; every process takes part in the Orbax saves
+and restores. Every process builds the same whole host batch (episode starts, warm-start transcripts) from the
+same key, since these are tiny next to the rollout, and `Layout.place_batch` materialises only its own rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from reno_jax import parallel
+from reno_jax.checkpoint import metrics as metrics_lib
+from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.envs import registry
+from reno_jax.errors import ConfigError
+from reno_jax.loop import build, evaluation, hosts, warmstart
+from reno_jax.loop.config import validate_config
+from reno_jax.rl import curriculum, learner as learner_lib, policy, recipe, trainer
+from reno_jax.rollout import rollout as rollout_lib
+from reno_jax.rollout import summary as summary_lib
+
+# Panels of learning_curves.png around the environment's own (`Metric(plot=True)`).
+LEADING_CURVES = ("rollout/rewards_mean", "rollout/tool_call_valid_rate")
+TRAILING_CURVES = ("rollout/informative_group_rate", "train/entropy", "train/forking_entropy", "train/grad_norm",
+                   "perf/step_seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRunner:
+    """What one curriculum stage runs: its environment, learner and start sampler (the optimiser is the run's)."""
+    stage: curriculum.Stage
+    env: rollout_lib.CompiledEnv
+    learner: learner_lib.Learner
+    starts_fn: Callable[[jax.Array], Any]
+
+
+def with_env(config, env: registry.Entry | None):
+    """The config to run: as given, or with `env.name` set to `env`'s (an entry registered from the caller's code)."""
+    if env is None:
+        return config
+    if registry.get(env.name) is not env:
+        raise ValueError(f"environment {env.name!r} is not the registered one; pass registry.register(...)'s entry")
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.env.name = env.name
+    return config
+
+
+def train(config, workdir: str, *, env: registry.Entry | None = None) -> list[dict]:
+    """Runs (or resumes) the experiment; returns the metric rows written in this call.
+
+    `env`: an environment registered by the caller (`registry.register(...)` returns it); default: the one
+    `config.env.name` names (after importing `config.env.module`). Raises `ConfigError` (naming the flag) for a
+    config that cannot run, before anything is written.
+    """
+    config = with_env(config, env)
+    validate_config(config)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
+    os.makedirs(workdir, exist_ok=True)
+    key_model, key_sft, key_rl = jax.random.split(jax.random.PRNGKey(config.seed), 3)
+    tokenizer = build.build_tokenizer(config)
+    model_config, abstract_params = build.abstract_model(config, tokenizer)
+    layout = build.make_layout(config, model_config)
+    with layout.activate():  # the programs' sharding constraints see the mesh (no-op on one device)
+        return _train(config, workdir, layout, tokenizer, model_config, abstract_params, key_model, key_sft, key_rl)
+
+
+def _train(config, workdir, layout, tokenizer, model_config, abstract_params, key_model, key_sft,
+           key_rl) -> list[dict]:
+    stages = curriculum.curriculum_stages(config)  # one stage (the config) unless it has a curriculum
+    total = stages[-1].last_step
+    optimizer = recipe.make_optimizer(config)
+    main_process = hosts.is_main_process()
+
+    # Restore (onto this run's mesh, whatever mesh wrote the checkpoint) before writing anything: a checkpoint of
+    # another model raises RestoreError naming the leaf and both shapes, and the run's files stay as they were.
+    ckpt = ckpt_lib.Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
+                                 max_to_keep=config.keep_checkpoints)
+    abstract = layout.abstract_state(jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, key_rl),
+                                                    abstract_params))
+    anchored = any(bool(stage.config.rl.get("forking_kl_coef", 0.0)) for stage in stages)
+    first = stages[0].config  # the warm start runs once, with the first stage's settings
+    warm = not config.model.get("path", "") and first.sft.num_steps > 0
+    warm_cache = os.path.join(os.path.abspath(workdir), warmstart.CACHE_SUBDIR)
+    try:
+        state = ckpt.restore(abstract)
+        if warm and (state is None or anchored) and os.path.isdir(warm_cache):  # the cache will be restored
+            ckpt_lib.check_item(warm_cache, {"params": abstract.params})
+    except ckpt_lib.RestoreError:
+        ckpt.close()
+        raise
+    if main_process:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+    params = None
+    if state is None or anchored:  # the forking KL's anchor is the warm start (or the initial model)
+        # Drawn (or read) straight onto the mesh: each device makes only its own shards.
+        _, params = build.build_model(config, key_model, tokenizer, layout)
+        if warm:
+            params = warmstart.cached_warm_start(workdir, first, model_config, params, tokenizer, key_sft,
+                                                      layout=layout).params
+    ref_params = jax.tree.map(jnp.copy, params) if anchored else None
+    if state is None:
+        state = layout.place_state(trainer.create_train_state(params, optimizer, key_rl))
+        start = 0
+    else:
+        start = int(state.step)
+        hosts.say(f"Resumed from step {start} onto {layout.mesh.size} device(s) (checkpoint in {ckpt.directory})")
+    del abstract, params
+
+    writer = metrics_lib.MetricsWriter(workdir, start_step=start) if main_process else None
+    plotter = None
+    if main_process and config.plot_every:  # drawn on a thread: the loop does not wait for matplotlib
+        plotter = metrics_lib.CurvePlotter(writer.path, os.path.join(workdir, "learning_curves.png"))
+    eval_every = int(config.get("eval_every", 0) or 0)
+    eval_key = jax.random.PRNGKey(config.seed + 1)
+    rows, panels, seen = [], (), {}
+    for index, stage in enumerate(stages):
+        if stage.last_step <= start:
+            continue
+        runner = stage_runner(stage, model_config, tokenizer, optimizer, layout, ref_params)
+        panels = tuple(dict.fromkeys(panels + curve_keys(runner.env.env)))  # every stage's panels, in order
+        desc = "GSPO" if len(stages) == 1 else f"GSPO {index + 1}/{len(stages)} {stage.name}"
+        first_step = max(start, stage.first_step)
+        bar = hosts.progress(first_step, stage.last_step, initial=first_step, total=total, desc=desc)
+        for _ in bar:
+            t0 = time.time()
+            # The rollout is waited for only to time it apart from the train step (perf/rollout_seconds).
+            state, traj, metrics, t_rollout = runner.learner.run_step(state, runner.starts_fn, time_rollout=True)
+            step = int(state.step)
+            host_traj = hosts.to_host(traj)  # the step's host syncs for logging: rollout and metrics, once
+            row = summary_lib.rollout_summary(host_traj, runner.env.env)
+            row.update({k: float(v) for k, v in hosts.to_host(metrics).items()})
+            if "train/ratio_mean" not in row and "train/seq_ratio_mean" in row:
+                row["train/ratio_mean"] = row["train/seq_ratio_mean"]
+            row["perf/step_seconds"] = time.time() - t0
+            row["perf/rollout_seconds"] = t_rollout
+            row["perf/rollout_tokens_per_s"] = float(np.asarray(host_traj.loss_mask).sum()) / max(t_rollout, 1e-9)
+            if len(stages) > 1:
+                row["stage"] = index
+            if eval_every and (step % eval_every == 0 or step == total):
+                t_eval = time.time()
+                results = evaluation.evaluate(state.params, model_config, tokenizer, stage.config, key=eval_key,
+                                                show_progress=False)
+                row.update(evaluation.flat_figures(results, prefix="eval/"))
+                row["perf/eval_seconds"] = time.time() - t_eval
+            rows.append(writer.write(step, row) if writer is not None else {"step": step, **row})
+            seen.update(dict.fromkeys(row))
+            bar.set_postfix(reward=f"{row['rollout/rewards_mean']:+.3f}",
+                            valid=f"{row['rollout/tool_call_valid_rate']:.2f}")
+            ckpt.save(state, config, force=step == total or step == stage.last_step)
+            if plotter is not None and step % config.plot_every == 0 and step < total:
+                plotter.request(present_panels(panels, seen))
+        bar.close()
+    if plotter is not None and rows:
+        plotter.close(present_panels(panels, seen))  # the last drawing covers every step
+    ckpt.close()
+    if writer is not None:
+        writer.close()
+    return rows
+
+
+def stage_runner(stage: curriculum.Stage, model_config, tokenizer, optimizer, layout: parallel.Layout,
+                 ref_params=None) -> StageRunner:
+    """One stage's environment, rollout, loss and schedules, and the sampler of its episode starts."""
+    config = stage.config
+    r = config.rl
+    env = build.make_compiled_env(config, tokenizer, model_config)
+    rc = build.rollout_config(config)
+    num_groups = int(config.rollout.boards_per_step)
+    rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
+    ref_logp_fn = None
+    if r.get("forking_kl_coef", 0.0):  # the forking KL's reference: the warm start, scored on every train batch
+        ref_logp_fn = policy.make_logp_fn(model_config, with_entropy=False, group_size=rc.group_size)
+    # Every step also reports how far the train forward is from the rollout (train/rollout_*, and with a recorded
+    # routing train/routing_agreement), from the first minibatch, which is scored before any update.
+    learner = learner_lib.Learner(
+        recipe.learner_config(config, step_offset=stage.first_step),
+        policy.make_logp_fn(model_config, group_size=rc.group_size, remat=bool(r.get("remat", False)),
+                            entropy_top_k=int(r.get("entropy_top_k", 0)),
+                            routing_replay=bool(r.get("routing_replay", False)), temperature=rc.temperature),
+        recipe.make_loss_fn(config), optimizer, ref_logp_fn=ref_logp_fn,
+        ref_params=ref_params if ref_logp_fn is not None else None,
+        rollout_fn=functools.partial(rollout_fn, env=env), num_groups=num_groups, rollout_metrics=True)
+    sampler = build.env_entry(config).make_sampler(config)
+    return StageRunner(stage=stage, env=env, learner=learner,
+                       starts_fn=lambda k: layout.place_batch(sampler(k, num_groups)))
+
+
+def curve_keys(env) -> tuple[str, ...]:
+    """Panels of learning_curves.png: rewards and call validity, the environment's plotted figures, then the
+    learner's."""
+    return LEADING_CURVES + summary_lib.plotted_metrics(env) + TRAILING_CURVES
+
+
+def present_panels(panels: tuple[str, ...], logged: dict) -> tuple[str, ...]:
+    """The `panels` the run has logged, then the evaluated versions of the environment's plotted figures
+    (`eval/<suite>/<figure>`, from evaluation during training), a few at most."""
+    plotted = {p.split("/", 1)[1] for p in panels if p.startswith("rollout/")}
+    evaluated = tuple(k for k in logged if k.startswith("eval/") and k.rsplit("/", 1)[-1] in plotted)
+    return tuple(p for p in panels if p in logged) + evaluated[:4]

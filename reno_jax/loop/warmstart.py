@@ -1,0 +1,132 @@
+"""The supervised warm start, one loop for every environment: next-token training on whole conversations of the
+environment's scripted teacher (`registry` entry's `make_teacher`), written by stepping the environment itself
+(`rl.sft.env_transcripts`), so the token sequences are exactly those a rollout of the same calls would hold.
+
+A warm start that should teach the call format and nothing more uses a teacher with no strategy (tic-tac-toe:
+a uniformly random legal square); `sft.soft_targets` then scores every call against the teacher's whole choice
+(uniform over its support) instead of the one sampled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.envs import interface
+from reno_jax.errors import ConfigError
+from reno_jax.loop import build, hosts
+from reno_jax.rl import policy, sft, trainer
+from reno_jax.rollout import rollout as rollout_lib
+
+CACHE_SUBDIR = "warmstart"
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartResult:
+    """The warm-started parameters and what the warm start did (`cached`: restored from the workdir)."""
+    params: Any
+    cached: bool
+    final_nll: float = float("nan")
+    seconds: float = 0.0
+    teacher: dict = dataclasses.field(default_factory=dict)  # the teacher's own figures on its transcripts
+
+    def summary(self) -> dict:
+        return {"cached": self.cached, "final_nll": self.final_nll, "seconds": self.seconds,
+                **{f"teacher/{k}": v for k, v in self.teacher.items()}}
+
+
+def transcript_length(env: rollout_lib.CompiledEnv, calls: sft.CallTable, turns: int, rollout_length: int) -> int:
+    """The padded length of the teacher's conversations: the prompt, `turns` calls at their longest and the tool
+    responses between them, at most the rollout's conversation length."""
+    width = int(np.max(np.asarray(calls.length)))
+    return min(rollout_length, env.prompt_len + turns * width + (turns - 1) * env.response_len)
+
+
+def env_config_for_warm_start(config):
+    """The config the warm start plays: `sft.env` fields (e.g. other opponents) replace `env`'s."""
+    overrides = dict(config.sft.get("env", {}) or {})
+    if not overrides:
+        return config
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.env.update(overrides)
+    return config
+
+
+def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layout=None) -> WarmStartResult:
+    """`config.sft.num_steps` supervised steps on teacher transcripts; returns the trained parameters.
+
+    `layout` (`parallel.Layout`): where the train state and the batches live (default: as given, one device).
+    """
+    s = config.sft
+    config = env_config_for_warm_start(config)
+    entry = build.env_entry(config)
+    if entry.make_teacher is None:
+        raise ConfigError(f"--config.sft.num_steps={s.num_steps}: env.name={entry.name!r} has no warm-start teacher;"
+                          " set --config.sft.num_steps=0 or register one (registry.register(make_teacher=...))")
+    env = build.make_compiled_env(config, tokenizer, model_config)
+    teacher = entry.make_teacher(config, env.env)
+    tool_names = [t["function"]["name"] for t in env.env.chat().tools]
+    calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names)
+    rc = build.rollout_config(config)
+    turns = rollout_lib.num_turns(env, rc)
+    length = int(s.get("max_length", 0)) or transcript_length(env, calls, turns,
+                                                              rollout_lib.conversation_length(env, rc))
+    soft = bool(s.get("soft_targets", False))
+    if soft and calls.choice_offset < 0:
+        raise ConfigError("--config.sft.soft_targets=True needs teacher calls that differ in exactly one token "
+                          f"(env.name={entry.name!r}'s do not)")
+    choice_ids = np.asarray(calls.ids)[:, calls.choice_offset] if soft else None
+    sampler = entry.make_sampler(config)
+    optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, s.num_steps),
+                                       s.num_steps, weight_decay=0.0, clip_norm=1.0)
+    state = trainer.create_train_state(params, optimizer, key)
+    state = state if layout is None else layout.place_state(state)
+    step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
+    place = (lambda batch: batch) if layout is None else layout.place_batch
+    t0, nll, infos = time.time(), float("nan"), []
+    bar = hosts.progress(int(s.num_steps), desc="warm start")
+    for _ in bar:
+        key, k_starts, k_play = jax.random.split(key, 3)
+        out = sft.env_transcripts(k_play, sampler(k_starts, int(s.batch_size)), env, teacher.policy, calls,
+                                  max_turns=turns, length=length)
+        batch = {k: out[k] for k in ("tokens", "valid", "loss_mask")}
+        if soft:
+            batch.update(sft.uniform_soft_targets(out["support"], choice_ids))
+        batch["old_logp"] = jnp.zeros(batch["tokens"].shape, jnp.float32)
+        batch["advantages"] = jnp.zeros(batch["tokens"].shape[:1], jnp.float32)
+        state, metrics = step_fn(state, place(batch))
+        nll = float(metrics["nll"])
+        infos.append(jax.device_get(out["info"]))
+        bar.set_postfix(nll=f"{nll:.3f}")
+    teacher_figures = {}
+    if infos:
+        info = jax.tree.map(lambda *xs: np.concatenate(xs), *infos)
+        teacher_figures = interface.summarize(env.env, info)
+    return WarmStartResult(params=state.params, cached=False, final_nll=nll, seconds=time.time() - t0,
+                           teacher=teacher_figures)
+
+
+def cached_warm_start(workdir: str, config, model_config, params, tokenizer, key: jax.Array, *,
+                      layout=None) -> WarmStartResult:
+    """`warm_start`, saved in `workdir/warmstart` and restored from there when a run is resumed or repeated."""
+    path = os.path.abspath(os.path.join(workdir, CACHE_SUBDIR))
+    if os.path.isdir(path):
+        restored = ckpt_lib.restore_item(path, {"params": params})
+        hosts.say(f"Reusing the cached warm start in {path}")
+        return WarmStartResult(params=restored["params"], cached=True)
+    result = warm_start(config, model_config, params, tokenizer, key, layout=layout)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, {"params": result.params})
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    hosts.say(f"Warm start done: {result.summary()}")
+    return result

@@ -1,0 +1,33 @@
+"""A batch of episodes in figures: the rollout's own (rewards, lengths, call validity) and the environment's
+(its declared `episode_metrics`), host floats, named like the published AReno run where one exists."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from reno_jax.envs import interface
+
+
+def rollout_summary(traj, env: interface.TextEnv, prefix: str = "rollout/") -> dict[str, float]:
+    """Per-step figures of a host `Trajectory` (`rollout/rewards_mean`, ..., then `rollout/<env metric>`)."""
+    reward = np.asarray(traj.reward, np.float64)
+    stats = jax.tree.map(np.asarray, traj.stats)
+    out = {
+        "rewards_mean": float(reward.mean()),
+        "rewards_std": float(reward.std()),
+        "rewards_min": float(reward.min()),
+        "rewards_max": float(reward.max()),
+        "accuracy": float((reward > 0).mean()),
+        "response_len_mean": float(np.asarray(traj.loss_mask).sum(axis=1).mean()),
+        "prompt_len_mean": float(np.asarray(traj.prompt_length).mean()),
+        "tool_call_valid_rate": float(np.mean(stats.valid_call)),
+        "turns_mean": float(np.mean(stats.num_turns)),
+    }
+    out.update(interface.summarize(env, jax.tree.map(np.asarray, traj.env_info)))
+    return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def plotted_metrics(env: interface.TextEnv, prefix: str = "rollout/") -> tuple[str, ...]:
+    """The environment's figures that ask for a learning-curve panel."""
+    return tuple(f"{prefix}{name}" for name, metric in env.episode_metrics().items() if metric.plot)
