@@ -1,51 +1,117 @@
-"""reno_jax.rl.sft: format-only warm-start data (random legal moves) for the move and game tasks."""
+"""reno_jax.rl.sft: teacher call tables and whole teacher conversations written by stepping an environment
+(`env_transcripts`), with tic-tac-toe's warm-start teacher (`registration.random_legal_square`: a uniformly random
+legal square, the call format and no strategy); soft targets over the teacher's support."""
+
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.rl import policy
-from reno_jax.envs.tictactoe import tasks, wording as text, tool_parser
 from reno_jax.envs.tictactoe import env as E
-from reno_jax.envs.tictactoe import rules as ttt
-from reno_jax.protocol.tokenizer import load_tokenizer
+from reno_jax.envs.tictactoe import registration
+from reno_jax.envs.tictactoe import tasks, tool_parser
+from reno_jax.envs.tictactoe import wording as text
 from reno_jax.models import ling3
-from reno_jax.rl import sft
+from reno_jax.protocol.tokenizer import load_tokenizer
+from reno_jax.rl import policy, sft
 from reno_jax.rollout import rollout as R
 
 TURNS = 5
+
+
+def call_text(square) -> str:
+    """The teacher's call as an assistant message's content (what `build_call_table` tokenizes)."""
+    return f"<tool_call>{json.dumps({'name': text.TOOL_NAME, 'arguments': {'square': int(square)}})}</tool_call>"
+
+
+def _call_table(tok, env, teacher):
+    tool_names = [t["function"]["name"] for t in env.env.chat().tools]
+    return sft.build_call_table(tok, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names)
 
 
 @pytest.fixture(scope="module")
 def game_world():
     tok = load_tokenizer(None)
     env = R.compile_env(E.TicTacToeEnv.create("game"), tok)
+    teacher = registration.make_teacher(None, env.env)
+    calls = _call_table(tok, env, teacher)
     rc = R.RolloutConfig(max_new_tokens=12, max_turns=TURNS)
     length = R.conversation_length(env, rc)
-    ids, lens, offset = sft.call_token_table(tok, env.spec.turn_end_id, env.spec.pad_id)
     n = 24
     agent = np.where(np.arange(n) % 2 == 0, 1, 2).astype(np.int8)
     kinds = np.array([tasks.OPPONENT_RANDOM, tasks.OPPONENT_MINIMAX, tasks.OPPONENT_EPSILON] * (n // 3), np.int32)
     starts = E.game_starts(jax.random.PRNGKey(3), n, agent_player=agent, opponent=kinds, epsilon=0.5)
-    out = sft.random_game_transcripts(jax.random.PRNGKey(4), starts, env, ids, lens, max_turns=TURNS,
-                                      length=length, square_offset=offset)
-    return dict(tok=tok, env=env, ids=ids, lens=lens, offset=offset, agent=agent, kinds=kinds, starts=starts,
-                out=jax.device_get(out), length=length)
+    out = sft.env_transcripts(jax.random.PRNGKey(4), starts, env, teacher.policy, calls, max_turns=TURNS,
+                              length=length)
+    return dict(tok=tok, env=env, calls=calls, ids=np.asarray(calls.ids), lens=np.asarray(calls.length),
+                offset=calls.choice_offset, agent=agent, kinds=kinds, starts=starts, out=jax.device_get(out),
+                length=length)
 
 
-def test_call_token_table(game_world):
+def test_call_table_rows_parse_as_the_teachers_calls(game_world):
     tok, ids, lens, offset = game_world["tok"], game_world["ids"], game_world["lens"], game_world["offset"]
+    env, calls = game_world["env"], game_world["calls"]
     assert ids.shape[0] == 9 and offset >= 0
+    assert len(set(lens.tolist())) == 1  # one length: the rows differ in the square's token only
     for k in range(9):
+        assert ids[k, lens[k] - 1] == int(env.chat.turn_end_id)
         got = tok.decode(ids[k, :lens[k] - 1].tolist(), skip_special_tokens=False)
+        assert got == call_text(k + 1)
         assert tool_parser.parse_tool_call_text(got) == (tool_parser.KIND_OK, k + 1)
     assert len(set(ids[:, offset].tolist())) == 9  # the square's own token
+    np.testing.assert_array_equal(np.asarray(calls.args)[:, 0], np.arange(1, 10))
+    np.testing.assert_array_equal(np.asarray(calls.tool), 0)  # choose_square, the one tool
 
 
+def test_random_legal_square_plays_uniformly_among_legal_squares():
+    boards = np.array([[1, 2, 0, 0, 1, 2, 0, 0, 0],  # X to move, 5 empty
+                       [1, 2, 1, 2, 1, 2, 0, 0, 2],  # 2 empty
+                       [0] * 9], np.int8)
+    env = E.TicTacToeEnv.create("move")
+    state, _ = jax.vmap(env.reset)(E.move_starts(boards))
+    draw = jax.jit(jax.vmap(jax.vmap(registration.random_legal_square, in_axes=(None, 0)), in_axes=(0, None)))
+    rows, support = jax.device_get(draw(state, jax.random.split(jax.random.PRNGKey(0), 400)))
+    for b, board in enumerate(boards):
+        np.testing.assert_array_equal(support[b], np.broadcast_to(board == 0, (400, 9)))
+        played = set(rows[b].tolist())
+        assert played == set(np.flatnonzero(board == 0).tolist()), "every legal square, and only those"
+        counts = np.bincount(rows[b], minlength=9)[board == 0]
+        assert counts.min() > 400 / (board == 0).sum() / 2  # roughly uniform
+    game_env = E.TicTacToeEnv.create("game")  # a game state: the board inside the game
+    starts = E.game_starts(jax.random.PRNGKey(1), 4, agent_player=np.int8(2), opponent="random")
+    gstate, _ = jax.vmap(game_env.reset)(starts)
+    row, legal = jax.device_get(jax.vmap(registration.random_legal_square)(gstate, jax.random.split(
+        jax.random.PRNGKey(2), 4)))
+    np.testing.assert_array_equal(legal, np.asarray(gstate.game.board) == 0)
+    assert legal.sum(1).tolist() == [8] * 4 and legal[np.arange(4), row].all()
 
 
-def test_game_transcripts_are_random_legal_games_in_rollout_text(game_world):
+def test_move_transcript_is_one_legal_call_after_the_prompt():
+    tok = load_tokenizer(None)
+    env = R.compile_env(E.TicTacToeEnv.create("move"), tok)
+    teacher = registration.make_teacher(None, env.env)
+    calls = _call_table(tok, env, teacher)
+    boards = np.array([[1, 2, 0, 0, 1, 2, 0, 0, 0], [0] * 9], np.int8)
+    length = env.prompt_len + int(np.max(np.asarray(calls.length)))
+    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(0), E.move_starts(boards), env, teacher.policy,
+                                             calls, max_turns=1, length=length))
+    for b, board in enumerate(boards):
+        mask = out["loss_mask"][b]
+        s, e = int(np.argmax(mask)), int(mask.sum()) + int(np.argmax(mask))
+        assert mask[s:e].all() and e == int(out["valid"][b].sum())
+        prompt = tok.decode(out["tokens"][b, :s].tolist(), skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)
+        assert prompt == text.chat_text(tok, text.move_task_messages(board), add_generation_prompt=True)
+        kind, square = tool_parser.parse_tool_call_text(tok.decode(out["tokens"][b, s:e - 1].tolist(),
+                                                                    skip_special_tokens=False))
+        assert kind == tool_parser.KIND_OK and board[square - 1] == 0
+        np.testing.assert_array_equal(out["support"][b, s + calls.choice_offset], board == 0)
+        assert int(out["info"]["outcome"][b]) != tasks.OUTCOME_ILLEGAL
+
+
+def test_game_transcripts_are_random_legal_games_as_the_rollout_renders_them(game_world):
     w = game_world
     tok, out, offset = w["tok"], w["out"], w["offset"]
     square_tokens = w["ids"][:, offset]
@@ -73,10 +139,10 @@ def test_game_transcripts_are_random_legal_games_in_rollout_text(game_world):
             kind, square = tool_parser.parse_tool_call_text(call)
             assert kind == tool_parser.KIND_OK
             assert board[square - 1] == 0, "the random policy only plays legal squares"
-            legal = out["legal_squares"][b, s + offset]
+            legal = out["support"][b, s + offset]
             np.testing.assert_array_equal(legal, board == 0)
             assert out["tokens"][b, s + offset] == square_tokens[square - 1]
-            assert not out["legal_squares"][b, s + offset + 1:e].any()
+            assert not out["support"][b, s + offset + 1:e].any()
             board[square - 1] = agent
             if t + 1 < len(spans):  # the opponent replied: read its square from the next board in the text
                 nxt = out["tokens"][b, e:spans[t + 1][0]].tolist()
@@ -84,13 +150,13 @@ def test_game_transcripts_are_random_legal_games_in_rollout_text(game_world):
                 opp = [k for k in range(9) if f"Opponent played {k + 1}." in resp]
                 assert len(opp) == 1 and board[opp[0]] == 0
                 board[opp[0]] = 3 - agent
-                msgs += [{"role": "assistant", "content": sft.call_text(square)}, text.tool_message(board, opp[0] + 1, 0)]
+                msgs += [{"role": "assistant", "content": call_text(square)}, text.tool_message(board, opp[0] + 1, 0)]
         want = text.chat_text(tok, msgs, add_generation_prompt=True)
         got = tok.decode(out["tokens"][b, :spans[-1][0]].tolist(), skip_special_tokens=False,
                          clean_up_tokenization_spaces=False)
         assert got == want
-        outcomes.add(int(out["outcome"][b]))
-        assert int(out["outcome"][b]) in (tasks.OUTCOME_ONGOING, tasks.OUTCOME_WIN, tasks.OUTCOME_DRAW,
+        outcomes.add(int(out["info"]["outcome"][b]))
+        assert int(out["info"]["outcome"][b]) in (tasks.OUTCOME_ONGOING, tasks.OUTCOME_WIN, tasks.OUTCOME_DRAW,
                                           tasks.OUTCOME_LOSS)
     assert outcomes & {tasks.OUTCOME_WIN, tasks.OUTCOME_LOSS}, "24 random games should include decided ones"
 
@@ -101,7 +167,7 @@ def test_soft_targets_are_the_expected_log_likelihood(game_world):
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     rows = slice(0, 2)
     batch = {k: jnp.asarray(w["out"][k][rows]) for k in ("tokens", "valid")}
-    legal = jnp.asarray(w["out"]["legal_squares"][rows])
+    legal = jnp.asarray(w["out"]["support"][rows])
     square_ids = w["ids"][:, w["offset"]]
     soft = sft.uniform_soft_targets(legal, square_ids)
     np.testing.assert_allclose(np.asarray(soft["soft_target_weights"].sum(-1)),
