@@ -15,6 +15,7 @@ import pytest
 from reno_jax.envs.connect4 import env as c4env
 from reno_jax.envs.connect4 import opponents, rules, wording
 from reno_jax.protocol.chat import Slot, resolve
+from reno_jax.envs import interface
 from reno_jax.envs.interface import ToolCall
 
 ENV_KINDS = dict(random=0, greedy=1, negamax=2)
@@ -357,9 +358,10 @@ def test_teacher_games_against_every_opponent_end_within_max_turns():
     outcome = np.asarray(info["outcome"])
     assert set(outcome.tolist()) <= {1, 2, 3}  # the teacher never makes an invalid or illegal call
     np.testing.assert_array_equal(total, np.select([outcome == 1, outcome == 3], [1.0, -1.0], 0.0))
-    metrics = env.metrics(info)
-    assert abs(metrics["rollout/win_rate"] + metrics["rollout/draw_rate"] + metrics["rollout/loss_rate"] - 1) < 1e-6
-    assert 4 <= metrics["rollout/agent_moves_mean"] <= 21
+    metrics = interface.summarize(env, info)
+    assert abs(metrics["win_rate"] + metrics["draw_rate"] + metrics["loss_rate"] - 1) < 1e-6
+    assert 4 <= metrics["agent_moves_mean"] <= 21
+    assert {"win_rate_vs_random", "win_rate_vs_greedy", "win_rate_vs_negamax"} <= set(metrics)  # mixed opponents
 
 
 def test_teacher_takes_a_win_and_is_zero_when_done():
