@@ -49,7 +49,8 @@ normaliser for Dr. GRPO), so that the three terms are on the same scale.
                    into exactly the full-batch gradient.
 
 The statistics (``approx_kl``, ``kl``, ``entropy``) are token means regardless of the loss's aggregation so they
-can be compared between losses.
+can be compared between losses. How each metric combines over micro-batches and minibatches is declared in
+``METRIC_REDUCTIONS`` next to them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ Array = jax.Array
 # outside every clip range (so the value of the loss is unaffected in all practical cases), and the clamp keeps
 # exp finite; otherwise a clipped branch, even when not selected, backpropagates 0 * inf = NaN.
 _MAX_LOG_RATIO = 20.0
+
+# How a loss metric combines over the micro-batches and minibatches of a train step (`trainer.make_train_step`):
+# "mean" (micro-batches weighted by `normalizer`, minibatches averaged; every metric not listed), "min" / "max"
+# (over both), "sum" (summed over micro-batches, averaged over minibatches: a minibatch total) and "count"
+# (summed over both: the step's total).
+METRIC_REDUCTIONS: Mapping[str, str] = {
+    "ratio_min": "min",
+    "ratio_max": "max",
+    "normalizer": "sum",
+    "icepop_masked_count": "count",
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------

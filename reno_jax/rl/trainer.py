@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from reno_jax.parallel import constraints
+from reno_jax.rl import losses
 
 Array = jax.Array
 PyTree = Any
@@ -306,6 +307,8 @@ def split_rng(state: TrainState) -> tuple[TrainState, Array]:
 
 
 REQUIRED_BATCH_KEYS = ("tokens", "loss_mask", "old_logp", "advantages")
+METRIC_REDUCTION_KINDS = ("mean", "min", "max", "sum", "count")
+MISMATCH_MAXIMA = ("abs_max", "ratio_max")  # `mismatch_sums` entries that combine by max (the others are sums)
 
 
 class RoutingStats(NamedTuple):
@@ -340,24 +343,11 @@ def mismatch_metrics(sums: dict, routing: RoutingStats | None) -> dict:
     return out
 
 
-def _reduce_kind(name):
-    """How a loss metric combines over micro-batches and minibatches (see ``make_train_step``)."""
-    if name.endswith("_count"):
-        return "count"
-    if name.endswith("_min"):
-        return "min"
-    if name.endswith("_max"):
-        return "max"
-    if name == "normalizer":
-        return "sum"
-    return "mean"
-
-
 def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.GradientTransformation,
                     num_minibatches: int = 1, num_microbatches: int = 1, *, shuffle: bool = False,
                     donate: bool = True, loss_batch_keys: Sequence[str] = (), rollout_metrics: bool = False,
-                    max_logp_shift: float = 0.0, shift_probe_rows: int = 0, shift_backtracks: int = 4
-                    ) -> Callable[[TrainState, Mapping[str, Array]], tuple[TrainState, dict]]:
+                    max_logp_shift: float = 0.0, shift_probe_rows: int = 0, shift_backtracks: int = 4,
+                    metric_reductions: Mapping[str, str] | None = None) -> Callable[[TrainState, Mapping[str, Array]], tuple[TrainState, dict]]:
     """Builds ``train_step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
 
     Args:
@@ -396,6 +386,9 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         (plus one per halving). Metrics ``logp_shift`` (of the whole, unhalved update) and ``update_scale`` (applied).
       shift_probe_rows: rows of the probe, a whole number of groups for a shared-prefix batch (its first rows
         are then whole groups); at most a micro-batch's rows (a ValueError at trace time otherwise).
+      metric_reductions: how each of ``loss_fn``'s metrics combines over micro-batches and minibatches
+        ("mean", "min", "max", "sum", "count"; see ``losses.METRIC_REDUCTIONS``, the default, which declares the
+        metrics of ``reno_jax.rl.losses``); a metric not listed is a (normalizer-weighted) mean.
 
     ``batch``: dict of arrays with leading dimension B (divisible by M*K), at least ``tokens [B, L]``,
     ``loss_mask [B, L]``, ``old_logp [B, L]``, ``advantages [B]`` (optional ``ref_logp [B, L]`` and anything
@@ -404,13 +397,16 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     A minibatch whose loss or gradient (global norm) is not finite leaves params and optimizer state untouched
     and increments ``state.skipped_updates``. ``state.step`` increments by one per call.
 
-    Metrics (float32 scalars): the loss's metrics (weighted mean over micro-batches and mean over minibatches;
-    ``*_min`` / ``*_max`` reduce with min / max; ``*_count`` is summed over micro-batches and minibatches (the
-    step's total); ``normalizer`` is the minibatch total, averaged over minibatches), ``loss``, ``grad_norm``
+    Metrics (float32 scalars): the loss's metrics, each reduced as ``metric_reductions`` declares, ``loss``, ``grad_norm``
     (global norm before clipping, mean over minibatches), ``grad_norm_max``, ``skipped`` (updates skipped in this call) and ``skipped_updates`` (running total).
     """
     num_minibatches, num_microbatches = int(num_minibatches), int(num_microbatches)
     loss_batch_keys = tuple(loss_batch_keys)
+    reductions = dict(losses.METRIC_REDUCTIONS if metric_reductions is None else metric_reductions)
+    bad = {k: v for k, v in reductions.items() if v not in METRIC_REDUCTION_KINDS}
+    if bad:
+        raise ValueError(f"metric_reductions must be among {METRIC_REDUCTION_KINDS}, got {bad}")
+    reduction = lambda name: reductions.get(name, "mean")  # noqa: E731
     if num_minibatches < 1 or num_microbatches < 1:
         raise ValueError("num_minibatches and num_microbatches must be >= 1")
     max_logp_shift = float(max_logp_shift)
@@ -487,14 +483,14 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(
             body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
         # Mismatch sums over the micro-batches (plain sums / maxima: token-level, not loss-weighted).
-        extra = {k: (jnp.max(v) if k.endswith("_max") else jnp.sum(v)) if k != "routing"
+        extra = {k: (jnp.max(v) if k in MISMATCH_MAXIMA else jnp.sum(v)) if k != "routing"
                  else jax.tree.map(jnp.sum, v) for k, v in extras.items()}
         denom = jnp.maximum(w_sum, 1e-30)  # w_sum == 0 only when every loss sum is 0 too
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
         has_w = ws > 0
         out = {}
         for k, v in mets.items():
-            kind = _reduce_kind(k)
+            kind = reduction(k)
             if kind in ("sum", "count"):
                 out[k] = jnp.sum(v)
             elif kind == "min":
@@ -553,7 +549,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
             update, (state.params, state.opt_state, jnp.zeros([], jnp.int32)), mbs)
         metrics = {}
         for k, v in mets.items():
-            kind = _reduce_kind(k)
+            kind = reduction(k)
             reduce = {"min": jnp.min, "max": jnp.max, "count": jnp.sum}.get(kind, jnp.mean)
             metrics[k] = reduce(v)
         metrics["grad_norm_max"] = jnp.max(mets["grad_norm"])
