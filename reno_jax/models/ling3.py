@@ -38,7 +38,7 @@ from reno_jax.models.mla import mla_attention
 from reno_jax.sharding import hints
 
 __all__ = ["Ling3Config", "ling3_tiny_real", "tiny_test_config", "init_params", "init_cache", "forward",
-           "token_logprobs", "Routing", "moe_layer_indices", "from_pretrained", "save_pretrained", "count_params", "param_shapes"]
+           "token_logprobs", "Routing", "moe_layer_indices", "count_params", "param_shapes"]
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -556,17 +556,3 @@ def token_logprobs(params: dict, config: Ling3Config, tokens: jax.Array, valid: 
     if valid is not None:
         logp = jnp.where(valid, logp, 0.0)
     return logp
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-
-def from_pretrained(*args, **kwargs):
-    """(config, params) from a HF checkpoint directory; see reno_jax.models.conversion.from_pretrained."""
-    from reno_jax.models.conversion import from_pretrained as impl
-    return impl(*args, **kwargs)
-
-
-def save_pretrained(*args, **kwargs):
-    """Write a HF checkpoint directory; see reno_jax.models.conversion.save_pretrained."""
-    from reno_jax.models.conversion import save_pretrained as impl
-    return impl(*args, **kwargs)
