@@ -27,7 +27,7 @@ def load_tokenizer(path: str | None = None):
     ):
         if path is None:
             raise FileNotFoundError(
-                f"shipped tokenizer missing in {directory}; build it with `python -m reno_jax.envs.tictactoe.tokenizer_corpus`"
+                f"shipped tokenizer missing in {directory}; rebuild it (see reno_jax/assets/build_tokenizer.py)"
             )
         raise FileNotFoundError(f"no tokenizer.json / tokenizer_config.json in {directory!r}")
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
