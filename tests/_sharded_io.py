@@ -201,7 +201,8 @@ def process(address: str, process_id: str) -> dict:
 
     shardings = parallel.param_shardings(MODEL, mesh, "fsdp")
     params = ling3.init_params(MODEL, jax.random.PRNGKey(0), shardings=shardings)
-    _, loaded = conversion.from_pretrained(GOLDEN, shardings=shardings)
+    _, loaded = conversion.from_pretrained(  # the golden checkpoint's own config, not MODEL
+        GOLDEN, shardings=functools.partial(parallel.param_shardings, mesh=mesh, preset="fsdp"))
     return dict(process=jax.process_index(), devices=jax.device_count(), placed=_placed(params, shardings),
                 sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params)),
                 init_equal=same_shards(params, ling3.init_params(MODEL, jax.random.PRNGKey(0))),
