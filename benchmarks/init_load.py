@@ -19,6 +19,7 @@ The last line is one JSON object with every figure (seconds).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -96,8 +97,8 @@ def main():
         if args.mesh:
             mesh_config = parallel.MeshConfig.from_string(args.mesh)
             mesh = parallel.make_mesh(mesh_config)
-            (_, sharded), res["load_mesh_s"] = timed(conversion.from_pretrained, path,
-                                                     shardings=(mesh, mesh_config.preset))
+            shardings = functools.partial(parallel.param_shardings, mesh=mesh, preset=mesh_config.preset)
+            (_, sharded), res["load_mesh_s"] = timed(conversion.from_pretrained, path, shardings=shardings)
             _, res["save_from_mesh_s"] = timed(conversion.save_pretrained, sharded, config, os.path.join(tmp, "out"))
     print(json.dumps(res))
 

@@ -11,6 +11,7 @@ Each prints one JSON line of findings; the arrays it wrote go to OUT as .npz fil
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -144,7 +145,8 @@ def eight(out: str) -> dict:
         loads = {}
         for name, mesh, preset in (("fsdp", fsdp_mesh, "fsdp"), ("fsdp_ep", ep_mesh, "fsdp_ep")):
             del reads[:]
-            _, got = conversion.from_pretrained(GOLDEN, shardings=(mesh, preset))
+            _, got = conversion.from_pretrained(
+                GOLDEN, shardings=functools.partial(parallel.param_shardings, mesh=mesh, preset=preset))
             shardings = parallel.param_shardings(config, mesh, preset)
             equal = all(np.array_equal(a, b) for a, b in zip(host_tree(got).values(), host_tree(want).values()))
             loads[name] = dict(placed=_placed(got, shardings), equal=equal, reads=len(reads), full_reads=full_reads,
@@ -202,7 +204,8 @@ def process(address: str, process_id: str) -> dict:
 
     shardings = parallel.param_shardings(MODEL, mesh, "fsdp")
     params = ling3.init_params(MODEL, jax.random.PRNGKey(0), shardings=shardings)
-    _, loaded = conversion.from_pretrained(GOLDEN, shardings=(mesh, "fsdp"))
+    _, loaded = conversion.from_pretrained(  # the golden checkpoint's own config, not MODEL
+        GOLDEN, shardings=functools.partial(parallel.param_shardings, mesh=mesh, preset="fsdp"))
     return dict(process=jax.process_index(), devices=jax.device_count(), placed=_placed(params, shardings),
                 sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params)),
                 init_equal=same_shards(params, ling3.init_params(MODEL, jax.random.PRNGKey(0))),

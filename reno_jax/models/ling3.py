@@ -35,9 +35,10 @@ from reno_jax.models.config import Ling3Config, ling3_tiny_real, tiny_test_confi
 from reno_jax.models.kda import kda_attention
 from reno_jax.models.layers import einsum_f32, moe, rms_norm, swiglu_mlp
 from reno_jax.models.mla import mla_attention
+from reno_jax.sharding import hints
 
 __all__ = ["Ling3Config", "ling3_tiny_real", "tiny_test_config", "init_params", "init_cache", "forward",
-           "token_logprobs", "Routing", "moe_layer_indices", "from_pretrained", "save_pretrained", "count_params", "param_shapes"]
+           "token_logprobs", "Routing", "moe_layer_indices", "count_params", "param_shapes"]
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -490,17 +491,16 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     positions = jnp.arange(t, dtype=jnp.int32)[None, :] + (0 if length is None else length[:, None])
     positions = jnp.broadcast_to(positions, (b, t))
 
-    from reno_jax.parallel import constraints  # noqa: PLC0415 (parallel imports the models package)
     # On a mesh, chunks of more than one token (training, prefill) keep their rows split over the batch axes and
     # every other dimension whole between layers and in the logits, so GSPMD gathers each layer's (fsdp-split)
     # weights instead of splitting the matmuls along the hidden size and reducing activations as large as the
     # [B, T, V] logits. A decode step (T = 1) is left to propagation: there the weights stay where they are and
     # the few rows' partial products are reduced, far less traffic than gathering every weight at every step.
     # Without a mesh: the identity.
-    rows = constraints.constrain_rows if t > 1 else (lambda v: v)
+    rows = hints.constrain_rows if t > 1 else (lambda v: v)
     m = params["model"]
     x = jnp.take(m["word_embeddings"]["embedding"], input_ids, axis=0)
-    x = rows(constraints.after_lookup(x, ("model", "word_embeddings", "embedding")))
+    x = rows(hints.after_lookup(x, ("model", "word_embeddings", "embedding")))
     eps = config.rms_norm_eps
     hidden = [x]
     new_layers = []
@@ -556,17 +556,3 @@ def token_logprobs(params: dict, config: Ling3Config, tokens: jax.Array, valid: 
     if valid is not None:
         logp = jnp.where(valid, logp, 0.0)
     return logp
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-
-def from_pretrained(*args, **kwargs):
-    """(config, params) from a HF checkpoint directory; see reno_jax.models.conversion.from_pretrained."""
-    from reno_jax.models.conversion import from_pretrained as impl
-    return impl(*args, **kwargs)
-
-
-def save_pretrained(*args, **kwargs):
-    """Write a HF checkpoint directory; see reno_jax.models.conversion.save_pretrained."""
-    from reno_jax.models.conversion import save_pretrained as impl
-    return impl(*args, **kwargs)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from reno_jax.parallel import constraints
+from reno_jax.sharding import hints
 from reno_jax.rl import losses
 
 Array = jax.Array
@@ -429,7 +429,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         if rows > micro["tokens"].shape[1]:
             raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro['tokens'].shape[1]} rows)")
         probe = jax.tree.map(lambda x: x[0, :rows] if jnp.ndim(x) > 1 else x, micro)
-        probe = jax.tree.map(lambda x: constraints.constrain_rows(x) if jnp.ndim(x) else x, probe)
+        probe = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, probe)
         apply = lambda scale: optax.apply_updates(params, jax.tree.map(lambda u: (u * scale).astype(u.dtype),
                                                                          updates))
 
@@ -471,15 +471,15 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     def minibatch_grads(params, micro):
         """Weighted accumulation over the leading (micro-batch) axis of ``micro``."""
         def body(acc, mb):
-            mb = jax.tree.map(lambda x: constraints.constrain_rows(x) if jnp.ndim(x) else x, mb)
+            mb = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, mb)
             (loss, (metrics, extra)), grads = grad_fn(params, mb)
             w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
             g_acc, l_acc, w_acc = acc
             g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
-            g_acc = constraints.like_params(g_acc)  # on a mesh: split like the parameters (else unchanged)
+            g_acc = hints.like_params(g_acc)  # on a mesh: split like the parameters (else unchanged)
             return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w, extra)
 
-        zeros = constraints.like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        zeros = hints.like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(
             body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
         # Mismatch sums over the micro-batches (plain sums / maxima: token-level, not loss-weighted).
@@ -525,7 +525,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         # On a mesh: every micro-batch's rows split over the batch axes (the placed batch splits the leading
         # dimension, which the reshape would turn into a split of the scanned micro-batch axis: each device would
         # then run whole micro-batches, all of them, on all-gathered rows). A no-op without a mesh.
-        mbs = jax.tree.map(lambda x: constraints.constrain_rows(x, axis=2) if jnp.ndim(x) > 2 else x, mbs)
+        mbs = jax.tree.map(lambda x: hints.constrain_rows(x, axis=2) if jnp.ndim(x) > 2 else x, mbs)
 
         def update(carry, micro):
             params, opt_state, skipped = carry
