@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "reno_jax"
 
 LAYERS = (  # low to high; a reno_jax module not under any of these is in the top layer
+    ("errors",),  # ConfigError, RunError: what every layer may raise
     ("sharding",),
     ("models",),
     ("parallel",),
