@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from configs import tictactoe_tiny
-from experiments import train_tictactoe
+from reno_jax import loop
+from reno_jax.envs.tictactoe import registration
 from reno_jax.envs.tictactoe import wording as text, tool_parser
 from reno_jax.models import ling3
 from reno_jax.play import board_text, policy as policy_lib, run_dir as run_dir_lib, service as service_lib
@@ -54,7 +55,7 @@ def tiny_config():
 @pytest.fixture(scope="module")
 def run_path(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("play_run"))
-    train_tictactoe.train(tiny_config(), workdir)
+    loop.train(tiny_config(), workdir)
     return workdir
 
 
@@ -128,7 +129,9 @@ def test_heat_map_is_the_models_square_distribution(service):
     heat = policy.heat_map(params, board)
     assert len(heat["probs"]) == 9 and abs(sum(heat["probs"]) - 1) < 1e-5 and 0 < heat["mass"] <= 1
     prompt = text.prompt_ids(policy.tokenizer, text.move_task_messages(board))
-    calls, _, offset = sft.call_token_table(policy.tokenizer, policy.env.spec.turn_end_id, policy.env.spec.pad_id)
+    table = sft.build_call_table(policy.tokenizer, registration.make_teacher(None, policy.env.env).calls,
+                                 int(policy.env.chat.turn_end_id), policy.env.pad_id, [text.TOOL_NAME])
+    calls, offset = np.asarray(table.ids), table.choice_offset
     tokens = jnp.asarray([prompt + list(call) for call in calls], jnp.int32)
     logp = jax.jit(lambda p, t: ling3.token_logprobs(p, policy.model_config, t))(params, tokens)
     square_p = np.exp(np.asarray(logp)[:, len(prompt) + offset])
