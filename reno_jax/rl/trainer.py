@@ -33,15 +33,18 @@ PyTree = Any
 # ----------------------------------------------------------------------------------------------------------------
 def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmup_steps: int = 0,
                      total_steps: int | None = None) -> Callable[[Array], Array]:
-    """Linear warmup then cosine decay, as a function of the optimizer update count (0-based).
+    """Linear warmup then cosine decay, as a function of the optimizer update count (0-based); optax's
+    ``warmup_cosine_decay_schedule``.
 
-    * warmup: update ``n < warmup_steps`` uses ``learning_rate * (n + 1) / warmup_steps`` (the first update is
-      not wasted on a zero learning rate);
-    * then cosine from ``learning_rate`` to ``end_learning_rate`` over updates ``[warmup_steps, total_steps)``,
-      constant ``end_learning_rate`` afterwards;
-    * ``total_steps=None``: constant ``learning_rate`` after warmup (``end_learning_rate`` unused).
+    * warmup: linear from ``learning_rate / warmup_steps`` at update 0 (so the first update is not wasted on a
+      zero learning rate) to ``learning_rate`` at update ``warmup_steps``;
+    * then cosine from ``learning_rate`` to ``end_learning_rate`` over updates ``[warmup_steps, total_steps]``,
+      constant ``end_learning_rate`` afterwards (``total_steps == warmup_steps`` decays over one update);
+    * ``total_steps=None``: constant ``learning_rate`` after warmup (``end_learning_rate`` unused);
+    * ``warmup_steps=0``: no warmup, the cosine (or the constant) from update 0.
+    * ``learning_rate=0``: 0 throughout (optax decays to ``end_learning_rate / learning_rate`` of the peak).
 
-    Counts are optimizer updates: a train step with ``num_minibatches = M`` makes M updates.
+    Counts are optimizer updates: a train step with ``num_minibatches = M`` makes M updates. Returns float32.
     """
     if learning_rate < 0 or end_learning_rate < 0:
         raise ValueError("learning rates must be >= 0")
@@ -51,16 +54,18 @@ def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmu
     if total_steps is not None and total_steps < warmup_steps:
         raise ValueError(f"total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
 
+    init_value = learning_rate / max(warmup_steps, 1)
+    if total_steps is None:
+        joined = optax.join_schedules(
+            [optax.linear_schedule(init_value, learning_rate, warmup_steps), optax.constant_schedule(learning_rate)],
+            [warmup_steps])
+    else:
+        joined = optax.warmup_cosine_decay_schedule(init_value, learning_rate, warmup_steps,
+                                                    decay_steps=max(int(total_steps), warmup_steps + 1),
+                                                    end_value=end_learning_rate)
+
     def schedule(count):
-        n = jnp.asarray(count, jnp.float32)
-        warm = learning_rate * jnp.minimum((n + 1.0) / max(warmup_steps, 1), 1.0)
-        if total_steps is None:
-            after = jnp.float32(learning_rate)
-        else:
-            decay_len = max(total_steps - warmup_steps, 1)
-            frac = jnp.clip((n - warmup_steps) / decay_len, 0.0, 1.0)
-            after = end_learning_rate + 0.5 * (learning_rate - end_learning_rate) * (1.0 + jnp.cos(math.pi * frac))
-        return jnp.where(n < warmup_steps, warm, after).astype(jnp.float32)
+        return jnp.asarray(joined(count), jnp.float32)
 
     return schedule
 
