@@ -177,9 +177,9 @@ def eight(out: str) -> dict:
 def four(run: str, out: str) -> dict:
     """RUN's one-device checkpoint restored onto fsdp 4 the way `experiments.evaluate --mesh` does it, and as a
     whole train state the way a resumed run on that mesh does."""
-    from experiments import evaluate
+    from experiments import cli
     assert jax.device_count() == 4, jax.devices()
-    mesh_config = evaluate.mesh_from_flags("fsdp=4,preset=fsdp", 8)
+    mesh_config = cli.mesh_from_flags("fsdp=4,preset=fsdp", 8)
     _, _, model_config, params, step = runs.load_run(run, mesh_config=mesh_config)
     layout = parallel.Layout.create(model_config, mesh_config)
     config = run_config()
