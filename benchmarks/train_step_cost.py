@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import tictactoe_tiny  # noqa: E402
-from reno_jax.loop import build  # noqa: E402
+from reno_jax.loop import build as loop_build  # noqa: E402
 from reno_jax.rl import policy, recipe, shared_prefix, trainer  # noqa: E402
 
 COMMON = 38  # leading tokens every move-task prompt shares
@@ -90,8 +90,8 @@ def build(name: str, continuation: int):
     for key, value in v.overrides:
         c.model.tiny[key] = value
     top_k = int(c.rl.entropy_top_k) if top_k is None else top_k
-    tokenizer = build.build_tokenizer(c)
-    model_config, params = build.build_model(c, jax.random.PRNGKey(0), tokenizer)
+    tokenizer = loop_build.build_tokenizer(c)
+    model_config, params = loop_build.build_model(c, jax.random.PRNGKey(0), tokenizer)
     optimizer = recipe.make_optimizer(c)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
     logp_fn = policy.make_logp_fn(model_config, group_size=group, entropy_top_k=top_k)
