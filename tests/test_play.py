@@ -69,7 +69,7 @@ def c4_config():
     c = connect4_tiny.get_config()
     c.num_steps = 1
     c.model.tiny.num_hidden_layers = 2
-    c.env.agent_player = 2
+    c.env = ml_collections.ConfigDict({**c.env.to_dict(), "agent_player": 2})  # the field is typed str
     c.sft.num_steps = 4
     c.sft.batch_size = 4
     c.sft.learning_rate = 1e-2
@@ -187,13 +187,13 @@ def test_connect4_board_view_rules():
     assert view.format(board) == C4_BOARD and view.to_move(board) == 1 and view.status(board) == "ongoing"
     after = view.apply(board, 2)
     assert view.format(after) == "." * 28 + "..x...." + "..xo..." and view.to_move(after) == 2
-    full = view.parse(_c4(["xoxoxox", "xoxoxox", "oxoxoxo", "xoxoxox", "xoxoxox", "oxoxoxo"]))
+    full = view.parse(_c4(["xoxxxoo", "oxoooxo", "oxxxoox", "xxooxxo", "xoxooox", "ooxoxxx"]))
     assert view.status(full) == "draw" and not view.legal(full).any()
     column_full = view.parse(_c4(["xo.....", "ox.....", "xo.....", "ox.....", "xo.....", "ox....."]))
     np.testing.assert_array_equal(view.legal(column_full), [0, 0, 1, 1, 1, 1, 1])
     x_wins = view.parse(_c4(["xxxxooo"]))
     assert view.status(x_wins) == "x_won" and view.result(x_wins) == 1 and not view.legal(x_wins).any()
-    assert view.status(view.parse(_c4(["xxx.ooo", "x..o..."]))) == "ongoing"
+    assert view.status(view.parse(_c4(["xxx.ooo", "x...o.."]))) == "ongoing"
     # Best moves: an immediate win, else the block of the opponent's.
     assert view.best_actions(view.parse(_c4(["xxx.oo."]))) == [3]
     assert view.best_actions(view.parse(_c4(["ooo.xxx", "x......"]))) == [3]  # O to move wins at 4

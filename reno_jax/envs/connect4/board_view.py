@@ -65,4 +65,4 @@ def board_view(config) -> interface.BoardView:
         colors=("", "#d62d20", "#e6a800"), sides=("X", "O"), to_move=rules.np_to_move, legal=rules.np_legal,
         apply=apply, result=result, decision_start=lambda board: c4_env.position_starts(np.asarray(board)[None]),
         decision_overrides={"single_move": True, "opponent": "random"}, check=check, best_actions=forced_columns,
-        trained_side=int(side) if side in (1, 2) else None)
+        trained_side=int(side) if str(side) in ("1", "2") else None)
