@@ -70,7 +70,7 @@ def c4_config():
     c.num_steps = 1
     c.model.tiny.num_hidden_layers = 2
     c.env = ml_collections.ConfigDict({**c.env.to_dict(), "agent_player": 2})  # the field is typed str
-    c.sft.num_steps = 4
+    c.sft.num_steps = 30  # enough for well-formed calls, so the browser's game goes on for a few moves
     c.sft.batch_size = 4
     c.sft.learning_rate = 1e-2
     c.rollout.boards_per_step = 2
@@ -278,8 +278,9 @@ def test_run_dir_lists_warm_start_and_checkpoints(run_path, service):
 
 
 def _check_heat_map(svc, step, text):
-    """mass * probs[a] == p(choice of action a | prompt, call prefix), scored independently: the host chat
-    template's prompt (the environment's first message) + each teacher call in full, through
+    """mass * probs[a] == p(choice of action a | prompt, call prefix), scored independently: the rollout's prompt
+    of the one-decision episode (its tokens as `render_user` writes them: Connect Four's board is tokenised cell by
+    cell, not as the chat template's text would be) + each teacher call in full, unpadded, through
     `ling3.token_logprobs` (the training scorer)."""
     decisions = svc.decisions
     params = svc.run.restore_params(step)
@@ -289,7 +290,8 @@ def _check_heat_map(svc, step, text):
     assert abs(sum(heat["probs"]) - 1) < 1e-5 and 0 < heat["mass"] <= 1
     env = decisions.env
     _, message = env.env.reset(jax.tree.map(lambda a: a[0], decisions.view.decision_start(board)))
-    prompt = chat.prompt_ids(decisions.tokenizer, env.env.chat(), chat.user_messages(env.env.chat(), message))
+    ids, n = env.render_user(message)
+    prompt = [int(i) for i in np.asarray(ids)[: int(n)]]
     table = decisions.table
     calls = [list(row[:n]) for row, n in zip(np.asarray(table.ids), np.asarray(table.length))]
     tokens = jnp.asarray([prompt + call for call in calls], jnp.int32)
@@ -387,6 +389,7 @@ def test_api_refusals_are_clear_and_the_server_survives(client):
     assert error_of(client.post("/api/play", content=b"{not json", headers={"content-type": "application/json"}),
                     400)
     assert "no suite 'chess'" in error_of(client.get("/api/episode?suite=chess"), 404)
+    assert "square" in error_of(client.post("/api/play", json={"board": ".........", "square": 5}), 400)
     assert client.get(f"/api/policy?board={BOARD}&step=1").status_code == 200  # still serving
 
 

@@ -25,7 +25,8 @@ Writing one (see `reno_jax.envs.tictactoe.env` and `reno_jax.envs.connect4.env`,
 
 What the training loop, the evaluation and the warm start need beyond the episode itself (how a step's start
 records are drawn, an optional scripted teacher, the evaluation suites) an environment declares in its registry
-entry (`reno_jax.envs.registry.register`), with the `EvalSuite` and `Teacher` types below.
+entry (`reno_jax.envs.registry.register`), with the `EvalSuite` and `Teacher` types below; a board game may also
+declare how the play page draws its board and lets a person play on it (`BoardView`).
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ class BoardView:
         if not isinstance(text, str) or len(text) != n:
             raise ValueError(f"a board is {n} characters of {self.chars!r}, row by row from the top left; "
                              f"got {text!r}")
-        lowered = text.lower()
+        lowered = text.lower() if self.chars == self.chars.lower() else text  # X and x alike, unless they differ
         bad = sorted({c for c in lowered if c not in self.chars})
         if bad:
             raise ValueError(f"a board is {n} characters of {self.chars!r}; {text!r} has {''.join(bad)!r}")

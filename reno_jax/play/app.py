@@ -36,6 +36,8 @@ STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 
 
 class PlayRequest(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # a misspelt field is an error, not a silent default
+
     board: str | None = None  # None: the empty board
     action: int | None = None
     step: int | None = None

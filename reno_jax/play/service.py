@@ -53,6 +53,7 @@ class PlayService:
         self.default_curves = LEADING_CURVES + summary_lib.plotted_metrics(build.make_env(config))
         self._decisions = None  # the jitted functions, built on the first model call (a run may have no checkpoint)
         self._episodes = None
+        self._suites = None
         self.default_step = default_step
         self._cache_size = cache_size
         self._params = collections.OrderedDict()  # step -> params, least recently used first
@@ -90,10 +91,17 @@ class PlayService:
                 "labels": [v.label(a) for a in range(v.num_actions)], "empty": v.format(empty), "first_side": first,
                 "trained_side": v.trained_side, "model_side": model_side}
 
+    @property
+    def eval_suites(self) -> dict:
+        """The environment's evaluation suites (built once: some enumerate every position)."""
+        if self._suites is None:
+            entry = self.entry
+            self._suites = dict(entry.eval_suites(self.run.config)) if entry.eval_suites is not None else {}
+        return self._suites
+
     def suites(self) -> list[dict]:
-        suites = self.entry.eval_suites(self.run.config) if self.entry.eval_suites is not None else {}
         return [{"name": SAMPLER, "num_episodes": None}] + [
-            {"name": name, "num_episodes": int(s.num_episodes)} for name, s in suites.items()]
+            {"name": name, "num_episodes": int(s.num_episodes)} for name, s in self.eval_suites.items()]
 
     def info(self) -> dict:
         steps = self.run.steps()
@@ -254,7 +262,7 @@ class PlayService:
         if suite == SAMPLER:
             start, overrides = self.entry.make_sampler(config)(jax.random.PRNGKey(seed), 1), {}
         else:
-            suites = self.entry.eval_suites(config) if self.entry.eval_suites is not None else {}
+            suites = self.eval_suites
             if suite not in suites:
                 raise PlayError(404, f"no suite {suite!r}; choose {SAMPLER!r} or one of {sorted(suites)}")
             chosen = suites[suite]
