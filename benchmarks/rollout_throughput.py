@@ -16,7 +16,7 @@ temperature 1 without top-k/top-p:
   host_loop        a Python loop calling a jitted single decode step per token (cache donated) after one jitted
                    prefill call: what a rollout without in-jit control flow costs.
   transformers     ``transformers.BailingHybridForCausalLM`` (PyTorch, CPU) loading the same weights written by
-                   ``ling3.save_pretrained``, ``generate(do_sample=True, min_new_tokens = max_new_tokens = N)``.
+                   ``conversion.save_pretrained``, ``generate(do_sample=True, min_new_tokens = max_new_tokens = N)``.
                    Needs ``pip install torch==2.13.0`` (benchmark only); skipped when torch is missing.
 
 Timings are the best of --repeats runs after a warm-up (compile) run; the variants' timed runs are interleaved
@@ -47,7 +47,7 @@ from configs import tictactoe_tiny  # noqa: E402
 from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
 from reno_jax.envs.tictactoe import wording as text  # noqa: E402
 from reno_jax.protocol.tokenizer import load_tokenizer  # noqa: E402
-from reno_jax.models import ling3  # noqa: E402
+from reno_jax.models import conversion, ling3  # noqa: E402
 from reno_jax.rollout import generate as gen  # noqa: E402
 from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
 from reno_jax.rollout import rollout as R  # noqa: E402
@@ -136,7 +136,7 @@ def load_transformers(params, mc, workdir):
         from transformers import BailingHybridForCausalLM
     except Exception as e:  # torch missing, or a transformers without the model
         return None, f"{type(e).__name__}: {e}"
-    ling3.save_pretrained(params, mc, workdir)
+    conversion.save_pretrained(params, mc, workdir)
     torch.set_num_threads(os.cpu_count() or 1)
     model = BailingHybridForCausalLM.from_pretrained(workdir, dtype=torch.float32)
     model.eval()

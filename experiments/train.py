@@ -24,7 +24,7 @@ from experiments import cli, distributed
 from reno_jax import loop
 from reno_jax.loop import hosts
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tictactoe_tiny.py", "Experiment config file.",
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and plots go.", required=True)
 
@@ -47,6 +47,8 @@ def main(argv):
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments: {argv[1:]}")
     cli.check_workdir_for_writing(_WORKDIR.value)
+    if _CONFIG.value is None:
+        raise cli.UserError("--config is required: a config file such as configs/<name>.py")
     # Orbax logs every checkpoint step at INFO; keep the console to the progress bars and our own lines.
     logging.set_verbosity(logging.WARNING)
     rows = loop.train(_CONFIG.value, _WORKDIR.value)

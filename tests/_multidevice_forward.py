@@ -15,6 +15,7 @@ from reno_jax.loop import config as loop_config
 from reno_jax.rl import policy
 from reno_jax.models import layers, ling3
 from reno_jax.rl import losses, trainer
+from reno_jax.sharding.axes import MESH_AXES
 
 MESHES = (  # (mesh sizes, preset): every mesh axis, the expert- and the tensor-parallel preset (fsdp is in both)
     (dict(data=2, fsdp=2, expert=2), "fsdp_ep"),
@@ -144,7 +145,7 @@ def grouped_blocked_dispatch():
                             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     out = []
     for shape, preset in (((1, 2, 1, 1), "fsdp"), ((1, 1, 2, 1), "fsdp_ep")):
-        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]).reshape(shape), parallel.MESH_AXES)
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]).reshape(shape), MESH_AXES)
         shardings = parallel.param_shardings(config, mesh, preset)["model"]["layers_1"]["mlp"]
         with jax.set_mesh(mesh):
             groups = layers._dispatch_groups(2048, config.num_experts_per_tok, config.num_experts)

@@ -87,6 +87,12 @@ def load_error(path: Path) -> str:
     return str(info.value)
 
 
+def test_shardings_must_be_a_tree_or_a_function_of_the_config():
+    # the model layer knows no mesh presets: a preset's shardings come from reno_jax.parallel
+    with pytest.raises(TypeError, match="shardings must be None, a params tree"):
+        conv.from_pretrained(GOLDEN, shardings=(None, "fsdp"))
+
+
 # ------------------------------------------------------------------------------------------------- table
 
 

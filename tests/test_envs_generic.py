@@ -20,6 +20,7 @@ from reno_jax.loop import config as loop_config
 from reno_jax.rl import policy
 from reno_jax.envs import guess_number, interface, registry
 from reno_jax.envs.connect4 import env as c4env
+from reno_jax.envs.connect4 import registration as c4reg
 from reno_jax.envs.connect4 import rules as c4rules
 from reno_jax.models import ling3
 from reno_jax.protocol import chat
@@ -88,12 +89,13 @@ def test_connect4_rollout_plays_forced_columns_and_renders_the_environments_text
 
 def test_guess_number_transcripts_step_the_environment(tok):
     env = R.compile_env(guess_number.GuessNumberEnv(), tok)
-    teacher, calls = guess_number.make_teacher(None, env.env)
-    table = sft.build_call_table(tok, calls, env.chat.turn_end_id, env.pad_id, ["guess"])
+    teacher = guess_number.make_teacher(None, env.env)
+    assert isinstance(teacher, interface.Teacher)
+    table = sft.build_call_table(tok, teacher.calls, env.chat.turn_end_id, env.pad_id, ["guess"])
     assert table.ids.shape[0] == guess_number.MAX_NUMBER
     starts = guess_number.sample_starts(jax.random.PRNGKey(0), 16)
     length = R.conversation_length(env, R.RolloutConfig(max_new_tokens=16, max_turns=5))
-    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(1), starts, env, teacher, table, max_turns=5,
+    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(1), starts, env, teacher.policy, table, max_turns=5,
                                              length=length))
     info = out["info"]
     assert info["found"].mean() > 0.5 and not info["invalid"].any()
@@ -113,13 +115,15 @@ def test_guess_number_transcripts_step_the_environment(tok):
 
 def test_registry_and_config_validation():
     assert {"tictactoe", "connect4", "guess_number"} <= set(registry.names())
-    with pytest.raises(KeyError, match="unknown environment"):
+    with pytest.raises(ValueError, match="unknown environment 'chess'"):
         registry.get("chess")
+    with pytest.raises(ValueError, match="env.name is not set"):
+        registry.entry_for(ml_collections.ConfigDict({"task": "move"}))
     from configs import connect4_tiny
     c = connect4_tiny.get_config()
     loop_config.validate_config(c)
     c.env.name = "chess"
-    with pytest.raises(errors.ConfigError, match="env.name"):
+    with pytest.raises(errors.ConfigError, match=r"--config\.env.*unknown environment 'chess'"):
         loop_config.validate_config(c)
     c = connect4_tiny.get_config()
     c.env.opponent = "minimax"  # tic-tac-toe's, not Connect Four's
@@ -143,8 +147,8 @@ def _guess_config(tmp_steps=1):
 
 
 def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
-    from experiments import train
-    rows = train.train(_guess_config(2), str(tmp_path))
+    from reno_jax import loop
+    rows = loop.train(_guess_config(2), str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("rollout/found_rate", "rollout/guesses_mean", "rollout/rewards_mean", "train/loss"):
         assert all(np.isfinite(r[key]) for r in rows), key
@@ -154,32 +158,53 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["env"] == "guess_number" and summary["checkpoint_step"] == 2
-    assert 0.0 <= summary["all/found_rate"] <= 1.0 and summary["all/num_episodes"] == 4
-    assert summary["all/agent_calls"] >= 4  # every episode makes at least one call
-    assert summary["all/invalid_or_illegal_per_call"] <= summary["all/invalid_or_illegal_rate"]
+    assert 0.0 <= summary["secrets/found_rate"] <= 1.0 and summary["secrets/num_episodes"] == 4
+    assert summary["secrets/mean_turns"] >= 1  # every episode makes at least one call
+    assert 0.0 <= summary["secrets/invalid_rate"] <= 1.0
+    assert 0.0 <= summary["secrets/tool_call_valid_rate"] <= 1.0
 
 
-def test_bad_call_rates_per_episode_and_per_call():
-    bad_call_rates = pipeline.bad_call_rates
-    # 4 episodes of 5, 3, 1 and 2 calls; the second ends on an unparsable call, the fourth on an illegal move.
-    out = bad_call_rates(valid_call=np.array([True, False, True, True]), illegal=np.array([False, False, False, True]),
-                         num_turns=np.array([5, 3, 1, 2]))
-    assert out == {"invalid_or_illegal_rate": 0.5, "agent_calls": 11, "invalid_or_illegal_per_call": 2 / 11}
-    assert bad_call_rates(np.array([True]), False, np.array([0]))["invalid_or_illegal_per_call"] == 0.0
+def test_summarize_reduces_infos_by_the_declared_metrics():
+    info = {"found": np.array([True, False, True, True]), "guesses": np.array([2, 7, 3, 1]),
+            "invalid": np.array([False, True, False, False])}
+    env = guess_number.GuessNumberEnv()
+    assert interface.summarize(env, info) == {"found_rate": 0.75, "invalid_rate": 0.25, "guesses_mean": 3.25}
+    from reno_jax.rollout import summary
+    assert summary.plotted_metrics(env) == ("rollout/found_rate", "rollout/guesses_mean")
+
+    class Declared(guess_number.GuessNumberEnv):
+        def episode_metrics(self):
+            return {"calls": interface.Metric(lambda i: i["guesses"], reduce="sum"),
+                    "most": interface.Metric(lambda i: i["guesses"], reduce="max"),
+                    "found_when_fast": interface.rate("found", where=lambda i: i["guesses"] <= 3),
+                    "found_when_slow": interface.rate("found", where=lambda i: i["guesses"] > 10),  # none: NaN
+                    "two_guesses": interface.rate("guesses", equals=2)}
+
+    out = interface.summarize(Declared(), info)
+    assert (out["calls"], out["most"], out["found_when_fast"], out["two_guesses"]) == (13.0, 7.0, 1.0, 0.25)
+    assert np.isnan(out["found_when_slow"])
+
+    class Undeclared(guess_number.GuessNumberEnv):  # no declared metrics: the mean of every info leaf
+        def episode_metrics(self):
+            return {}
+
+    assert interface.summarize(Undeclared(), info) == {"found": 0.75, "guesses": 3.25, "invalid": 0.25}
+    with pytest.raises(ValueError, match="reduce"):
+        interface.Metric(lambda i: i["found"], reduce="median")
 
 
 def test_center_greedy_teacher_wins_blocks_and_prefers_the_centre():
     e = c4env.Connect4Env()
     start = jax.tree.map(lambda a: a[0], c4env.sample_starts(jax.random.PRNGKey(0), 1, "random", 1))
     state, _ = e.reset(start)
-    assert int(c4env.center_greedy_column(state)) == 3  # empty board: the centre
+    assert int(c4reg.center_greedy_column(state)) == 3  # empty board: the centre
     board = np.zeros((6, 7), np.int8)
     board[5, 0:3] = c4rules.X  # X to win at column 3 (0-based) ... and O threatens column 6 too
     board[5, 4:6] = c4rules.O
     board[4, 6] = c4rules.O
     game = c4rules.state_from_board(jnp.asarray(board))
     state = state.replace(game=game)
-    assert int(c4env.center_greedy_column(state)) == 3  # the win comes first
+    assert int(c4reg.center_greedy_column(state)) == 3  # the win comes first
 
 
 def test_logp_fn_scores_the_tempered_policy(params):

@@ -365,7 +365,7 @@ def test_load_boards_from_play():
     from reno_jax.loop import config as loop_config
     c = tictactoe_tiny_game.get_config()
     c.env.task, c.env.num_boards, c.env.board_source, c.env.play_epsilon = "move", 64, "play", 0.2
-    train, heldout = boards_lib.load_boards(c.env)
+    train, heldout = B.load_boards(c.env)
     np.testing.assert_array_equal(train, B.play_boards(64, c.env.board_seed, 0.2, c.env.opponent_epsilon,
                                                        c.env.o_share))
     assert heldout.shape == (0, 9)
@@ -497,10 +497,10 @@ def test_agent_players_spread_the_o_groups():
 
 def test_game_sampler_uses_o_share():
     from configs import tictactoe_tiny_game
-    from reno_jax.envs.tictactoe import env as ttt_env
+    from reno_jax.envs.tictactoe import registration
     c = tictactoe_tiny_game.get_config()
     c.env.agent_player, c.env.o_share = "alternate", 0.75
-    starts = ttt_env.make_sampler(c)(jax.random.PRNGKey(0), 8)
+    starts = registration.make_sampler(c)(jax.random.PRNGKey(0), 8)
     assert np.asarray(starts.agent_player).tolist() == [1, 2, 2, 2, 1, 2, 2, 2]
 
 

@@ -1,4 +1,5 @@
-"""End-to-end CLI tests: a shortened default run (warm start + GSPO), resume, determinism, evaluation."""
+"""End to end: a shortened default run (warm start + GSPO) as a library call (`reno_jax.loop.train`) and through
+the CLIs, resume, determinism, evaluation suites, and config errors that name the flag."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs import tictactoe_tiny
-from experiments import train_tictactoe
+from reno_jax import loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +56,7 @@ def strip_perf(row):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("run"))
-    rows = train_tictactoe.train(short_config(2), workdir)
+    rows = loop.train(short_config(2), workdir)
     assert [r["step"] for r in rows] == [1, 2]
     return workdir
 
@@ -80,7 +81,7 @@ def test_short_default_run_writes_everything(run_dir):
 
 
 def test_same_seed_same_metrics(run_dir, tmp_path):
-    rows = train_tictactoe.train(short_config(2), str(tmp_path))
+    rows = loop.train(short_config(2), str(tmp_path))
     assert [strip_perf(r) for r in rows] == [strip_perf(r) for r in read_rows(run_dir)]
 
 
@@ -90,7 +91,7 @@ def test_resume_continues_from_latest_checkpoint(run_dir, tmp_path):
     import shutil
     workdir = str(tmp_path / "resumed")
     shutil.copytree(run_dir, workdir)
-    rows = train_tictactoe.train(short_config(3), workdir)
+    rows = loop.train(short_config(3), workdir)
     assert [r["step"] for r in rows] == [3]
     assert [r["step"] for r in read_rows(workdir)] == [1, 2, 3]
 
@@ -102,19 +103,37 @@ def test_evaluate_cli_prints_json_summary(run_dir):
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("mean_reward", "invalid_rate", "illegal_rate", "optimal_move_rate", "win_taken_rate",
-                "num_episodes"):
-        assert key in summary
-    assert summary["num_episodes"] == 16
-    assert summary["checkpoint_step"] == 2
-    assert 0.0 <= summary["invalid_rate"] <= 1.0
+    assert (summary["checkpoint_step"], summary["env"], summary["greedy"]) == (2, "tictactoe", True)
+    # The move task's default suite (every X-to-move position), cut to 16 episodes.
+    for key in ("mean_reward", "tool_call_valid_rate", "cut_off_rate", "illegal_rate", "optimal_move_rate",
+                "seeking_move_rate", "win_taken_rate", "num_episodes"):
+        assert f"positions/{key}" in summary, key
+    assert not any(k.startswith(("positions_o/", "minimax/")) for k in summary)  # not default suites
+    assert summary["positions/num_episodes"] == 16
+    assert 0.0 <= summary["positions/tool_call_valid_rate"] <= 1.0
+    suite_lines = [json.loads(line) for line in out.stdout.strip().splitlines()[:-1] if line.startswith("{")]
+    assert [line["suite"] for line in suite_lines] == ["positions"]
     with open(os.path.join(run_dir, "eval_transcripts.txt")) as f:
         assert "<|im_start|>user" in f.read()
 
 
+def test_evaluate_cli_lists_suites_and_names_unknown_ones(run_dir):
+    out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={run_dir}", "--list_suites"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    listed = {line.split(":")[0]: line for line in out.stdout.strip().splitlines()}
+    assert {"positions", "positions_o", "positions_both", "minimax", "random", "epsilon"} <= set(listed)
+    assert "heldout" not in listed  # the run holds no boards out
+    assert listed["positions"].endswith("2423 episodes (default)") and "(default)" not in listed["minimax"]
+    out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={run_dir}",
+                          "--suites=positions,chess"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "unknown evaluation suite(s) ['chess']" in out.stderr and "'positions_o'" in out.stderr
+
+
 def test_train_cli_rejects_unknown_config_field(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.train_tictactoe", "--config=configs/tictactoe_tiny.py",
+        [sys.executable, "-m", "experiments.train", "--config=configs/tictactoe_tiny.py",
          f"--workdir={tmp_path}", "--config.rl.no_such_field=1"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
@@ -139,13 +158,13 @@ def test_short_run_with_forking_kl_anchor(tmp_path):
     c.rl.forking_kl_coef = 0.1
     c.rl.forking_entropy_hold = 0.0
     c.rl.forking_entropy_end = 1.0
-    rows = train_tictactoe.train(c, str(tmp_path))
+    rows = loop.train(c, str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2]
     assert all(np.isfinite(r["train/forking_kl"]) for r in rows)
     assert rows[0]["train/forking_kl_coef"] == pytest.approx(0.1) and rows[1]["train/forking_kl_coef"] < 0.1
     c.rl.forking_entropy_coef = 0.1
     with pytest.raises(ValueError, match="alternatives"):
-        train_tictactoe.train(c, str(tmp_path / "both"))
+        loop.train(c, str(tmp_path / "both"))
 
 
 def _short_game_config():
@@ -168,7 +187,7 @@ def test_short_game_run_with_game_warm_start(tmp_path):
     c = _short_game_config()
     del c["curriculum"]
     c.sft.soft_targets = True
-    rows = train_tictactoe.train(c, str(tmp_path))
+    rows = loop.train(c, str(tmp_path))
     assert [r["step"] for r in rows] == [1] and "stage" not in rows[0]
     for key in ("rollout/win_rate", "rollout/loss_rate", "rollout/draw_rate", "rollout/illegal_rate"):
         assert 0.0 <= rows[0][key] <= 1.0
@@ -186,21 +205,23 @@ def test_game_config_curriculum_run_resume_and_evaluation(tmp_path):
     c.curriculum.move.rollout.boards_per_step = 2
     c.curriculum.move.rollout.group_size = 2
     workdir = str(tmp_path / "run")
-    rows = train_tictactoe.train(c, workdir)
+    rows = loop.train(c, workdir)
     assert [(r["step"], r["stage"]) for r in rows] == [(1, 0), (2, 1)]
     assert "rollout/optimal_move_rate" in rows[0] and "rollout/win_rate" not in rows[0]
     assert 0.0 <= rows[1]["rollout/loss_rate"] <= 1.0
     c.num_steps = 2  # one more game step: resumes after step 2, in the game stage
-    rows = train_tictactoe.train(c, workdir)
+    rows = loop.train(c, workdir)
     assert [(r["step"], r["stage"]) for r in rows] == [(3, 1)]
     assert [r["step"] for r in read_rows(workdir)] == [1, 2, 3]
     out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}",
-                          "--opponent=minimax,random", "--num_episodes=4"], cwd=REPO, capture_output=True,
+                          "--suites=minimax,random", "--num_episodes=4"], cwd=REPO, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["checkpoint_step"] == 3
+    assert figures["env"] == "tictactoe" and not any(k.startswith("epsilon/") for k in figures)
     for opp in ("minimax", "random"):
+        assert figures[f"{opp}/num_episodes"] == 4
         for key in ("win_rate", "draw_rate", "loss_rate"):
             assert 0.0 <= figures[f"{opp}/{key}"] <= 1.0
     assert figures["minimax/win_rate"] == 0.0  # perfect play never loses
@@ -230,7 +251,7 @@ def test_train_cli_names_the_bad_flag(tmp_path):
 def test_train_cli_rejects_a_workdir_that_is_a_file(tmp_path):
     path = tmp_path / "file"
     path.write_text("keep me")
-    out = _cli(["experiments.train_tictactoe", f"--workdir={path}"], tmp_path)
+    out = _cli(["experiments.train", f"--workdir={path}"], tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert _last_stderr_line(out).endswith(f"error: --workdir={path} is a file; expected a directory (created if missing)")
     assert path.read_text() == "keep me"
@@ -262,26 +283,22 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
 ])
 def test_config_errors_name_the_flag(field, value, needle, tmp_path):
     from reno_jax import errors
-    from reno_jax.loop import build
-    from reno_jax.loop import runs
     c = short_config(2)
     section, name = field.split(".")
     c[section][name] = value
     with pytest.raises(errors.ConfigError) as info:
-        train_tictactoe.train(c, str(tmp_path / "w"))
+        loop.train(c, str(tmp_path / "w"))
     assert needle in str(info.value)
     assert not os.path.exists(tmp_path / "w")
 
 
 def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
     from reno_jax import errors
-    from reno_jax.loop import build
-    from reno_jax.loop import runs
     c = short_config(2)
     c.rl.share_prompt_prefix, c.rl.share_common_prefix = False, True
     with pytest.raises(errors.ConfigError, match="--config.rl.share_common_prefix=True needs "
                                                     "--config.rl.share_prompt_prefix=True"):
-        train_tictactoe.train(c, str(tmp_path / "w"))
+        loop.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w")
 
 
@@ -291,18 +308,15 @@ def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
 ])
 def test_update_guard_flags_are_checked(tmp_path, name, value, needle):
     from reno_jax import errors
-    from reno_jax.loop import build
-    from reno_jax.loop import runs
     c = short_config(2)
     c.rl[name] = value
     with pytest.raises(errors.ConfigError, match=needle.replace(".", r"\.")):
-        train_tictactoe.train(c, str(tmp_path / "w"))
+        loop.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w")
 
 
 def test_load_run_errors_and_abstract_restore_target(run_dir, tmp_path):
     from reno_jax import errors
-    from reno_jax.loop import build
     from reno_jax.loop import runs
     import shutil
     empty = tmp_path / "no_checkpoint"
@@ -317,9 +331,7 @@ def test_load_run_errors_and_abstract_restore_target(run_dir, tmp_path):
 
 
 def test_rollout_config_keeps_every_rollout_field():
-    from reno_jax import errors
     from reno_jax.loop import build
-    from reno_jax.loop import runs
     c = short_config(1)
     c.rollout.cache_dtype = "bfloat16"
     c.rollout.prefill_chunk = 16
@@ -340,7 +352,7 @@ def test_short_run_with_routing_replay(tmp_path):
     c.rl.max_logp_shift = 0.0  # as above: the guard is not what this test is about
     c.rl.routing_replay = True
     c.rl.num_microbatches = 2
-    rows = train_tictactoe.train(c, str(tmp_path))
+    rows = loop.train(c, str(tmp_path))
     assert [r["step"] for r in rows] == [1]
     row = rows[0]
     assert row["train/routing_agreement"] > 0.99

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from reno_jax import parallel
+from reno_jax.sharding.axes import MESH_AXES
 from reno_jax.models import config as config_lib
 from reno_jax.models import conversion, ling3
 
@@ -46,7 +47,7 @@ def test_every_parameter_has_logical_axes_of_its_rank(config):
         for spec in jax.tree.leaves(parallel.param_partition_specs(config, preset),
                                     is_leaf=lambda x: isinstance(x, PartitionSpec)):
             used = [n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)]
-            assert len(used) == len(set(used)) and set(used) <= set(parallel.MESH_AXES)
+            assert len(used) == len(set(used)) and set(used) <= set(MESH_AXES)
 
 
 def test_mesh_sizes_resolve_and_bad_meshes_name_the_numbers():
@@ -70,10 +71,10 @@ def test_mesh_sizes_resolve_and_bad_meshes_name_the_numbers():
 
 def test_fit_spec_replicates_what_the_mesh_does_not_divide():
     devices = np.array(jax.devices() * 1)
-    mesh = jax.sharding.Mesh(devices.reshape(1, 1, 1, 1), parallel.MESH_AXES)
+    mesh = jax.sharding.Mesh(devices.reshape(1, 1, 1, 1), MESH_AXES)
     assert parallel.fit_spec(PartitionSpec("fsdp", None), (6, 4), mesh) == PartitionSpec(None, None)
     assert parallel.logical_to_spec(("embed", "embed"), {"embed": ("fsdp",)}) == PartitionSpec("fsdp", None)
-    abstract_mesh = jax.sharding.AbstractMesh((2, 4, 1, 1), parallel.MESH_AXES)
+    abstract_mesh = jax.sharding.AbstractMesh((2, 4, 1, 1), MESH_AXES)
     assert parallel.fit_spec(PartitionSpec("fsdp", ("data", "fsdp")), (8, 6), abstract_mesh) == \
         PartitionSpec("fsdp", None)
     assert parallel.fit_spec(PartitionSpec(("data", "fsdp"), None), (16, 3), abstract_mesh) == \
@@ -140,16 +141,15 @@ def test_a_batch_that_does_not_split_over_the_mesh_names_the_numbers(eight_devic
 
 def test_a_mesh_the_devices_cannot_hold_is_a_config_error(tmp_path):
     from configs import tictactoe_tiny
-    from experiments import train_tictactoe
-    from reno_jax import errors
+    from reno_jax import errors, loop
     from reno_jax.loop import build
     c = tictactoe_tiny.get_config()
     c.mesh.data = 2 * jax.device_count()
     with pytest.raises(errors.ConfigError, match=r"--config.mesh: mesh \(data=\d+, .*\) has \d+ devices but \d+ are"):
-        train_tictactoe.train(c, str(tmp_path / "w"))
+        loop.train(c, str(tmp_path / "w"))
     c.mesh.data, c.mesh.preset = 1, "zero3"
     with pytest.raises(errors.ConfigError, match="unknown sharding preset 'zero3'"):
-        train_tictactoe.train(c, str(tmp_path / "w"))
+        loop.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w"), "a config that cannot run writes nothing"
     layout = build.make_layout(tictactoe_tiny.get_config(), ling3.tiny_test_config())
     assert layout.single_device and layout.batch_ways == 1

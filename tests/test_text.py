@@ -131,9 +131,11 @@ def test_digits_are_single_tokens_and_the_call_is_short(shipped):
 
 def test_build_tokenizer_script_makes_a_working_tokenizer(tmp_path):
     from reno_jax.assets import build_tokenizer
+    from reno_jax.envs.tictactoe import tokenizer_corpus
 
-    corpus = build_tokenizer.generate_corpus(num_games=40, num_positions=80, seed=3)
-    out = build_tokenizer.build(str(tmp_path), vocab_size=400, corpus=corpus)
+    render = build_tokenizer.template_renderer(build_tokenizer.chat_template())
+    corpus = tokenizer_corpus.generate_corpus(render, num_games=40, num_positions=80, seed=3)
+    out = build_tokenizer.build(str(tmp_path), corpus, vocab_size=400)
     tok = tokenizer_lib.load_tokenizer(out)
     assert len(tok) == 400 and tok.eos_token == "<|im_end|>"
     board = np.array([1, 0, 2, 0, 0, 0, 0, 0, 0], np.int8)

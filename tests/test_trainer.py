@@ -81,15 +81,29 @@ def get_step(loss_name, opt_name, M=1, K=1, shuffle=False):
 # ---------------------------------------------------------------------------------------------------------------
 def test_schedule_warmup_then_cosine():
     s = trainer.make_lr_schedule(1e-3, 1e-4, warmup_steps=4, total_steps=14)
-    np.testing.assert_allclose([float(s(n)) for n in range(4)], [2.5e-4, 5e-4, 7.5e-4, 1e-3], rtol=1e-6)
-    np.testing.assert_allclose(float(s(4)), 1e-3, rtol=1e-6)
+    # Warmup: linear from learning_rate / warmup_steps (not 0: the first update counts) to the peak at update 4.
+    np.testing.assert_allclose([float(s(n)) for n in range(5)], [2.5e-4, 4.375e-4, 6.25e-4, 8.125e-4, 1e-3],
+                               rtol=1e-6)
     np.testing.assert_allclose(float(s(9)), 1e-4 + 0.5 * 9e-4, rtol=1e-5)  # half-way through the cosine
+    assert float(s(5)) < 1e-3 and float(s(13)) > 1e-4  # decaying, not there yet
     np.testing.assert_allclose(float(s(14)), 1e-4, rtol=1e-5)
     np.testing.assert_allclose(float(s(100)), 1e-4, rtol=1e-5)
+    out = jax.jit(s)(jnp.int32(9))
+    assert out.dtype == jnp.float32 and out.shape == ()
+    # No warmup: the cosine from update 0; total_steps None: constant after warmup.
+    cos = trainer.make_lr_schedule(2e-3, 1e-4, warmup_steps=0, total_steps=4)
+    np.testing.assert_allclose([float(cos(n)) for n in (0, 2, 4, 9)], [2e-3, 1.05e-3, 1e-4, 1e-4], rtol=1e-5)
     const = trainer.make_lr_schedule(2e-3, warmup_steps=0)
     assert float(const(0)) == pytest.approx(2e-3) and float(const(10 ** 6)) == pytest.approx(2e-3)
-    with pytest.raises(ValueError):
-        trainer.make_lr_schedule(1e-3, warmup_steps=10, total_steps=5)
+    warm_const = trainer.make_lr_schedule(2e-3, warmup_steps=4)
+    np.testing.assert_allclose([float(warm_const(n)) for n in (0, 2, 4, 10 ** 6)], [5e-4, 1.25e-3, 2e-3, 2e-3],
+                               rtol=1e-6)
+    # total_steps == warmup_steps: the peak at the end of warmup, end_learning_rate from the next update.
+    short = trainer.make_lr_schedule(1e-3, 1e-4, warmup_steps=2, total_steps=2)
+    np.testing.assert_allclose([float(short(n)) for n in range(5)], [5e-4, 7.5e-4, 1e-3, 1e-4, 1e-4], rtol=1e-5)
+    for bad in (dict(warmup_steps=10, total_steps=5), dict(warmup_steps=-1), dict(end_learning_rate=-1.0)):
+        with pytest.raises(ValueError):
+            trainer.make_lr_schedule(1e-3, **bad)
 
 
 def test_join_lr_schedules():

@@ -50,6 +50,8 @@ import numpy as np
 import safetensors
 from absl import logging
 
+from reno_jax.models.config import Ling3Config
+
 MODEL_TYPE = "bailing_hybrid"
 ARCHITECTURES = ("BailingMoeV3ForCausalLM",)
 CONFIG_NAME = "config.json"
@@ -189,8 +191,6 @@ def check_config_dict(raw: Mapping[str, Any]) -> None:
 
 def as_config(config: Any) -> Any:
     """A Ling3Config as is, or a config.json dict turned into one (errors become CheckpointError)."""
-    from reno_jax.models.config import Ling3Config  # local import: keeps this module importable on its own
-
     if isinstance(config, Ling3Config):
         return config
     if not isinstance(config, Mapping):
@@ -484,9 +484,8 @@ def _shardings_for(shardings: Any, config: Any) -> Any:
         return shardings
     if callable(shardings):
         return shardings(config)
-    mesh, preset = shardings  # (jax.sharding.Mesh, preset name)
-    from reno_jax.parallel import rules  # local import: reno_jax.parallel builds on this module
-    return rules.param_shardings(config, mesh, preset)
+    raise TypeError("shardings must be None, a params tree of shardings or a function config -> such a tree, "
+                    f"got {type(shardings).__name__}")
 
 
 def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None) -> tuple[Any, dict]:
@@ -497,8 +496,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
     turned into jax arrays. MTP layers (`model.layers.{L..L+n-1}` with n = num_nextn_predict_layers) are skipped.
 
     shardings: where the leaves go. None: the default device (the whole leaf is read, converted and moved).
-    Otherwise a params tree of `jax.sharding.Sharding`, a function `config -> such a tree` (the config is only
-    known once config.json is read) or a `(mesh, preset)` pair (`reno_jax.parallel.param_shardings`): each leaf
+    Otherwise a params tree of `jax.sharding.Sharding` or a function `config -> such a tree` (the config is only
+    known once config.json is read; for a preset's layout on a mesh:
+    `functools.partial(reno_jax.parallel.param_shardings, mesh=mesh, preset=preset)`): each leaf
     is built with `jax.make_array_from_callback`, every addressable shard reading only its own block of the
     stored tensor (and of only the experts it holds), so no host and no device ever holds more than its shards
     plus one block; a block that several devices hold (replication) is read once. Several processes: each reads

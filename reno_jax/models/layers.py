@@ -42,8 +42,10 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from reno_jax.models.config import Ling3Config
+from reno_jax.sharding import hints
 
 # On CPU, models with at most this many routed experts run every expert on every token (see module docstring).
 DENSE_DISPATCH_MAX_EXPERTS = 16
@@ -257,11 +259,10 @@ def _dispatch_groups(n: int, k: int, num_experts: int) -> int:
     split along `embed` or `expert`: all-gathers or all-reduces of [blocks, D, Im] products, larger than the
     weights; docs/design.md, expert parallelism). With a tensor axis (fsdp_tp) the global dispatch is kept.
     `GROUPED_DISPATCH = False` keeps it everywhere (benchmarks/sharded_plan.py --global-dispatch)."""
-    from reno_jax.parallel import constraints  # noqa: PLC0415 (parallel imports the models package)
-    mesh = constraints.active_mesh()
+    mesh = hints.active_mesh()
     if mesh is None or not GROUPED_DISPATCH or mesh.shape.get("tensor", 1) > 1:
         return 1
-    names = constraints.batch_axes(n, mesh)
+    names = hints.batch_axes(n, mesh)
     if not names:
         return 1
     groups = 1
@@ -281,8 +282,7 @@ def _expert_split_mesh() -> bool:
     are small next to that read."""
     if not GROUPED_DISPATCH:
         return False
-    from reno_jax.parallel import constraints  # noqa: PLC0415
-    mesh = constraints.active_mesh()
+    mesh = hints.active_mesh()
     return mesh is not None and mesh.shape.get("expert", 1) > 1
 
 
@@ -291,16 +291,14 @@ def _grouped_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, experts:
     same function of every token (each token's experts, weights and combine do not depend on the other rows),
     with the groups split over the batch axes and the expert weights whole on every device (all-gathered once
     per use; their gradient is reduce-scattered back to the parameter's split)."""
-    from jax.sharding import PartitionSpec  # noqa: PLC0415
-    from reno_jax.parallel import constraints  # noqa: PLC0415
     n, d = x.shape
     k = experts.shape[1]
-    whole = {name: constraints.constrain(w, PartitionSpec()) for name, w in p_experts.items()}
-    xg = constraints.constrain_rows(x.reshape(groups, n // groups, d))
-    wg = constraints.constrain_rows(weights.reshape(groups, n // groups, k))
-    eg = constraints.constrain_rows(experts.reshape(groups, n // groups, k))
+    whole = {name: hints.constrain(w, PartitionSpec()) for name, w in p_experts.items()}
+    xg = hints.constrain_rows(x.reshape(groups, n // groups, d))
+    wg = hints.constrain_rows(weights.reshape(groups, n // groups, k))
+    eg = hints.constrain_rows(experts.reshape(groups, n // groups, k))
     out = jax.vmap(lambda xs, ws, es: moe_experts_blocked(whole, xs, ws, es))(xg, wg, eg)
-    return constraints.constrain_rows(out).reshape(n, d)
+    return hints.constrain_rows(out).reshape(n, d)
 
 
 def moe(p: dict, x: jax.Array, config: Ling3Config, *, dense_reference: bool = False,

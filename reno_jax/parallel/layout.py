@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from reno_jax.parallel import constraints
 from reno_jax.parallel import mesh as mesh_lib
 from reno_jax.parallel import rules
+from reno_jax.sharding import hints
 
 
 def put(x, sharding):
@@ -59,11 +59,11 @@ class Layout:
     @contextlib.contextmanager
     def activate(self):
         """A context in which traced programs see this mesh (`jax.set_mesh`) and the parameters' shardings, so
-        their sharding constraints (`reno_jax.parallel.constraints`) apply; on one device it does nothing."""
+        their sharding constraints (`reno_jax.sharding.hints`) apply; on one device it does nothing."""
         if self.single_device:
             yield
             return
-        with jax.set_mesh(self.mesh), constraints.params_sharded_as(self.param_shardings):
+        with jax.set_mesh(self.mesh), hints.params_sharded_as(self.param_shardings):
             yield
 
     def place_params(self, params):

@@ -1,11 +1,5 @@
-"""The device mesh: four named axes, sized from a config, checked against the devices there are.
-
-Axes (outermost first, so that `data` replicas are furthest apart and `tensor` shards are neighbours):
-
-    data    pure data parallelism: parameters replicated, batch split
-    fsdp    data parallelism with parameters (and optimizer state) sharded, gathered layer by layer
-    expert  routed experts split across devices (the batch is split over it too)
-    tensor  attention heads / MLP width split across devices (the batch is not)
+"""The device mesh: the four named axes of `reno_jax.sharding.axes` (outermost first, so that `data` replicas are
+furthest apart and `tensor` shards are neighbours), sized from a config, checked against the devices there are.
 
 `MeshConfig` sizes them (`-1`: every device left over, at most one axis); the default, all ones, is the single
 device every program ran on before, so nothing changes for a user with one device.
@@ -20,9 +14,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
-# Mesh axes a batch dimension is split over (tensor-parallel shards see the whole batch).
-BATCH_AXES = ("data", "fsdp", "expert")
+from reno_jax.sharding.axes import BATCH_AXES, MESH_AXES
 
 
 class MeshError(ValueError):

@@ -2,7 +2,7 @@
 
 Every parameter dimension has a logical name in the one conversion table (`conversion.param_table`,
 `Entry.axes`: vocab, embed, heads, lora, mlp, expert, ...). A preset maps those names to mesh axes
-(`reno_jax.parallel.mesh.MESH_AXES`); a name a preset does not list is replicated. So one table says what a
+(`reno_jax.sharding.axes.MESH_AXES`); a name a preset does not list is replicated. So one table says what a
 parameter is, and one small dict per preset says how the model is laid out:
 
     dp       everything replicated; only the batch is split (over data x fsdp x expert)
@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from reno_jax.models import conversion
+from reno_jax.sharding.axes import BATCH_AXES
 
 # Logical axis -> mesh axes (a tuple: a dimension may be split over several mesh axes).
 PRESETS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
@@ -157,7 +158,6 @@ def follow_params(tree: Any, params_shardings: dict, mesh: jax.sharding.Mesh) ->
 
 def batch_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:
     """Rows split over the mesh's batch axes, every other dimension whole."""
-    from reno_jax.parallel.mesh import BATCH_AXES
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 

@@ -1,7 +1,7 @@
 """Load the shipped tokenizer (``reno_jax/assets``) or any Hugging Face tokenizer, offline.
 
 ``load_tokenizer(None)`` gives the project's small byte-level BPE with its ChatML chat template (built by
-``python -m reno_jax.assets.build_tokenizer``); ``load_tokenizer(path)`` loads a local HF tokenizer directory
+``python -m reno_jax.envs.tictactoe.tokenizer_corpus``); ``load_tokenizer(path)`` loads a local HF tokenizer directory
 (e.g. a Ling-3.0 checkpoint) with ``AutoTokenizer`` and never touches the network.
 """
 
@@ -27,7 +27,7 @@ def load_tokenizer(path: str | None = None):
     ):
         if path is None:
             raise FileNotFoundError(
-                f"shipped tokenizer missing in {directory}; build it with `python -m reno_jax.assets.build_tokenizer`"
+                f"shipped tokenizer missing in {directory}; rebuild it (see reno_jax/assets/build_tokenizer.py)"
             )
         raise FileNotFoundError(f"no tokenizer.json / tokenizer_config.json in {directory!r}")
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)

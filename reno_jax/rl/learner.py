@@ -7,7 +7,7 @@ One step of agentic RL post-training is
 * ``prepare_batch(traj, step) -> (batch, stats)``: group-relative advantages (``losses.group_advantages``),
   DAPO-style dynamic sampling (``select_groups``: train on the groups whose rewards vary most) and the
   forking-regulariser coefficient of this step (``forking_entropy_schedule`` evaluated on the device step
-  counter), compiled (two programs, see ``make_prepare_batch``). ``stats`` holds device scalars:
+  counter), compiled as one program. ``stats`` holds device scalars:
   ``informative_group_rate`` and, for shared-prefix training, ``shortest_prompt``.
 * ``Learner.learner_step(state, traj) -> (state, metrics)``: the composition, with ``metrics`` device arrays
   named like the experiments log them (``train/<loss metric>``, ``rollout/informative_group_rate``).
@@ -38,12 +38,10 @@ import dataclasses
 import functools
 import math
 import time
-from fractions import Fraction
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from reno_jax.rl import losses, shared_prefix, trainer
@@ -53,9 +51,6 @@ Array = jax.Array
 SHORTEST_PROMPT_SYNC = "shortest_prompt"
 COMMON_PREFIX = "common_prefix"  # read in the same sync as the shortest prompt
 ROLLOUT_WAIT = "rollout_wait"
-
-_INT32_MAX = 2**31 - 1
-_F32_EXACT_INT = 2**24  # integers up to this are exact in float32
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -130,62 +125,6 @@ class LearnerConfig:
 
 # ---------------------------------------------------------------------------------------------- schedule
 
-def _last_true(pred: Callable[[int], bool], guess: float) -> int:
-    """Largest s in [-1, INT32_MAX] with pred(s), for pred true up to some s and false after (monotone)."""
-    s = -1 if math.isnan(guess) else int(min(max(math.floor(guess), -1), _INT32_MAX))
-    while s < _INT32_MAX and pred(s + 1):
-        s += 1
-    while s >= 0 and not pred(s):
-        s -= 1
-    return s
-
-
-def _ramp_fractions(hold: float, end: float, n: int) -> tuple[int, int, int] | None:
-    """Integers (a, b, c), all below 2**24, with (a - step * b) / c the ramp (end - step / n) / (end - hold).
-
-    hold and end are read as the decimals they were written as (`repr` round-trips: 0.8 -> 4/5); values that
-    need too many digits for that are replaced by the nearest fraction that fits, which moves the ramp by far
-    less than a float32 ulp. None when no fraction fits (a run of more than ~2**23 steps).
-    """
-    if not (math.isfinite(hold) and math.isfinite(end) and end > hold):
-        return None
-    exact_e, exact_h = Fraction(repr(end)), Fraction(repr(hold))
-    for limit in (None, 10**6, 10**5, 10**4):
-        e = exact_e if limit is None else exact_e.limit_denominator(limit)
-        h = exact_h if limit is None else exact_h.limit_denominator(limit)
-        # A coarser fraction must stay well inside float32 resolution of the value it replaces.
-        if e <= h or abs(e - exact_e) > 1e-9 * max(1, abs(exact_e)) or abs(h - exact_h) > 1e-9 * max(1, abs(exact_h)):
-            continue
-        b = math.lcm(e.denominator, h.denominator)
-        a, c = e * n * b, (e - h) * n * b
-        if max(abs(a), c, b) < _F32_EXACT_INT:
-            return int(a), b, int(c)
-    return None
-
-
-def _divide_to_float32(num: Array, den: int) -> Array:
-    """float32 nearest to num / den (ties to even), for int32 0 < num < den < 2**24, by binary long division.
-
-    Integer arithmetic because XLA rewrites float division by a constant (or a broadcast) as multiplication by
-    its reciprocal, which rounds twice: one float32 ulp off about a third of the time.
-    """
-    def body(carry):
-        q, rem, k = carry
-        rem = 2 * rem
-        bit = (rem >= den).astype(jnp.int32)
-        return 2 * q + bit, rem - bit * den, k + 1
-
-    # Quotient bits until 24 are significant: q in [2**23, 2**24), num / den = (q + rem / den) * 2**-k.
-    # num / den >= 1 / den > 2**-24, so at most 48 bits.
-    q, rem, k = jax.lax.while_loop(lambda c: c[0] < 2**23, body,
-                                   (jnp.int32(0), jnp.asarray(num, jnp.int32), jnp.int32(0)))
-    up = (2 * rem > den) | ((2 * rem == den) & (q % 2 == 1))
-    q = q + up.astype(jnp.int32)  # may reach 2**24: still exact in float32
-    # 2**-k built from its exponent bits: exact, and so is the product (a power of two times <= 25 bits).
-    scale = jax.lax.bitcast_convert_type((127 - k) << 23, jnp.float32)
-    return q.astype(jnp.float32) * scale
-
-
 def forking_entropy_schedule(num_steps: int, hold: float, end: float) -> optax.Schedule:
     """Scale of the forking regulariser at train step `count`: 1 until `hold * num_steps`, then linear to 0 at
     `end * num_steps`, 0 after.
@@ -193,44 +132,24 @@ def forking_entropy_schedule(num_steps: int, hold: float, end: float) -> optax.S
     Exploration is kept up while the policy still learns which squares are good, then released so the sampled
     policy can sharpen onto them before the end of the run.
 
-    A jittable function of the (device) step counter that equals the float32 rounding of the float64 host formula
-
-        t = step / max(num_steps, 1);  1 if t <= hold else 0 if t >= end else (end - t) / (end - hold)
-
-    The branch boundaries are found on the host with that formula's own float64 comparisons. On the ramp the
-    value is the rational (a - step * b) / c of `_ramp_fractions`, rounded once to float32 with integer
-    arithmetic: the float64 formula is within ~1e-13 (relative) of the same rational, and a float32 rounding
-    boundary is never that close to a fraction with such a denominator, so both round alike (tested for every
-    step of several runs). Runs too long for that (> ~2**23 steps) get a plain float32 ramp (a few ulps off).
+    An optax schedule (jittable, float32) of the step counter: ``optax.join_schedules`` of a constant 1, an
+    ``optax.linear_schedule`` from 1 to 0 over the ramp and a constant 0. The boundaries `hold * num_steps` and
+    `end * num_steps` need not be whole steps (the ramp is evaluated at the step's distance from its start).
+    `num_steps` below 1 counts as 1. With `end <= hold` there is no ramp: 1 up to and including step
+    `hold * num_steps`, 0 after (so `hold >= 1` keeps the scale at 1 for the whole run).
     """
     n = max(int(num_steps), 1)
-    hold, end = float(hold), float(end)
-    full_until = _last_true(lambda s: s / n <= hold, hold * n)  # last step at scale 1
-    zero_from = _last_true(lambda s: s / n < end, end * n) + 1  # first step at scale 0 (unless still <= hold)
-    ramp = _ramp_fractions(hold, end, n) if zero_from > full_until + 1 else None
-    if ramp is None and zero_from > full_until + 1:
-        en_hi = float(np.float32(end * n))
-        en_lo, span = end * n - en_hi, (end - hold) * n
+    start, stop = float(hold) * n, float(end) * n
+    if stop > start:
+        pieces = [optax.constant_schedule(1.0), optax.linear_schedule(1.0, 0.0, stop - start),
+                  optax.constant_schedule(0.0)]
+        joined = optax.join_schedules(pieces, [start, stop])
+    else:  # no ramp: 1 while step <= hold * n
+        joined = optax.join_schedules([optax.constant_schedule(1.0), optax.constant_schedule(0.0)],
+                                      [math.floor(start) + 1])
 
     def schedule(count):
-        step = jnp.asarray(count, jnp.int32)
-        on_ramp = (step > full_until) & (step < zero_from)
-        if zero_from <= full_until + 1:  # no step is on the ramp
-            linear = jnp.float32(0.0)
-        elif ramp is not None:
-            a, b, c = ramp
-            # Off the ramp the numerator is replaced by 1 so the int32 product cannot overflow and the long
-            # division stays in its domain; the fractions may also put a boundary step a hair outside (0, 1).
-            num = jnp.where(on_ramp, a - jnp.clip(step, 0, zero_from) * b, 1)
-            linear = jnp.where(num <= 0, jnp.float32(0.0),
-                               jnp.where(num >= c, jnp.float32(1.0), _divide_to_float32(jnp.clip(num, 1, c - 1), c)))
-        else:  # (end * n - step) / ((end - hold) * n); end * n in two float32 parts, for the cancellation near 0
-            # The barrier keeps XLA from folding the two parts back into one constant before the subtraction.
-            hi, lo = jax.lax.optimization_barrier((jnp.float32(en_hi), jnp.float32(en_lo)))
-            s = jnp.clip(step, 0, zero_from).astype(jnp.float32)
-            linear = jnp.clip(((hi - s) + lo) / jnp.float32(span), 0.0, 1.0)
-        return jnp.where(step <= full_until, jnp.float32(1.0),
-                         jnp.where(step >= zero_from, jnp.float32(0.0), linear)).astype(jnp.float32)
+        return jnp.asarray(joined(jnp.asarray(count, jnp.int32)), jnp.float32)
 
     return schedule
 
@@ -277,7 +196,7 @@ def common_prefix_length(tokens: Array) -> Array:
 
 
 def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[dict, dict]]:
-    """`prepare_batch(traj, step) -> (batch, stats)`: two compiled programs, no host sync.
+    """`prepare_batch(traj, step) -> (batch, stats)`: one compiled program, no host sync.
 
     `batch` is the row-wise train batch of `trainer.make_train_step` (`tokens`, `valid`, `loss_mask`, `old_logp`,
     `advantages`, with `routing` when the rollout recorded it and `entropy_scale [B]` with `forking_schedule`);
@@ -286,24 +205,18 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[di
     schedule = (forking_entropy_schedule(config.num_steps, config.forking_entropy_hold, config.forking_entropy_end)
                 if config.forking_schedule else None)
 
-    # Two programs where one would do, to keep runs bit-identical to the loop the experiments ran before the
-    # learner (op-by-op advantages, then a jitted selection). Measured on CPU: with the advantages fused into the
-    # selection's program, about 1 in 8 moves by an ulp or two, and the selection's std, computed alongside, breaks
-    # ties between equally spread groups differently. The advantages' program is tiny (a few ops per row): compiled
-    # without LLVM's optimisations, its fused std reduction rounds like the op-by-op one.
-    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
-    def advantages_of(reward):
-        return losses.group_advantages(reward, config.group_size, normalize_std=config.normalize_adv_std)
-
     @jax.jit
-    def assemble(fields, advantages, step):
+    def assemble(fields, step):
+        advantages = losses.group_advantages(fields["reward"], config.group_size,
+                                             normalize_std=config.normalize_adv_std)
         batch = {"tokens": fields["tokens"], "valid": fields["valid"], "loss_mask": fields["loss_mask"],
                  "old_logp": fields["behaviour_logp"], "advantages": advantages}
         if "routing" in fields:  # rollout routing [B, L, n_moe, K]: replayed and/or compared in the train step
             batch["routing"] = fields["routing"]
         batch, informative = select_groups(batch, fields["reward"], config.group_size, config.train_groups)
         if schedule is not None:  # per row because the trainer splits loss inputs like the batch
-            batch["entropy_scale"] = jnp.full(batch["advantages"].shape, schedule(step), jnp.float32)
+            scale = schedule(step - config.step_offset)
+            batch["entropy_scale"] = jnp.full(batch["advantages"].shape, scale, jnp.float32)
         stats = {"informative_group_rate": informative}
         if config.share_prompt_prefix:  # over every rolled-out row, selected or not, as the cut always was
             stats[SHORTEST_PROMPT_SYNC] = jnp.min(fields["prompt_length"])
@@ -312,10 +225,7 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[di
         return batch, stats
 
     def prepare_batch(traj, step):
-        fields = trajectory_fields(traj)
-        if config.step_offset:
-            step = step - config.step_offset
-        return assemble(fields, advantages_of(fields["reward"]), step)
+        return assemble(trajectory_fields(traj), step)
 
     return prepare_batch
 

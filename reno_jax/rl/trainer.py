@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from reno_jax.parallel import constraints
+from reno_jax.sharding import hints
 from reno_jax.rl import losses
 
 Array = jax.Array
@@ -33,15 +33,18 @@ PyTree = Any
 # ----------------------------------------------------------------------------------------------------------------
 def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmup_steps: int = 0,
                      total_steps: int | None = None) -> Callable[[Array], Array]:
-    """Linear warmup then cosine decay, as a function of the optimizer update count (0-based).
+    """Linear warmup then cosine decay, as a function of the optimizer update count (0-based); optax's
+    ``warmup_cosine_decay_schedule``.
 
-    * warmup: update ``n < warmup_steps`` uses ``learning_rate * (n + 1) / warmup_steps`` (the first update is
-      not wasted on a zero learning rate);
-    * then cosine from ``learning_rate`` to ``end_learning_rate`` over updates ``[warmup_steps, total_steps)``,
-      constant ``end_learning_rate`` afterwards;
-    * ``total_steps=None``: constant ``learning_rate`` after warmup (``end_learning_rate`` unused).
+    * warmup: linear from ``learning_rate / warmup_steps`` at update 0 (so the first update is not wasted on a
+      zero learning rate) to ``learning_rate`` at update ``warmup_steps``;
+    * then cosine from ``learning_rate`` to ``end_learning_rate`` over updates ``[warmup_steps, total_steps]``,
+      constant ``end_learning_rate`` afterwards (``total_steps == warmup_steps`` decays over one update);
+    * ``total_steps=None``: constant ``learning_rate`` after warmup (``end_learning_rate`` unused);
+    * ``warmup_steps=0``: no warmup, the cosine (or the constant) from update 0.
+    * ``learning_rate=0``: 0 throughout (optax decays to ``end_learning_rate / learning_rate`` of the peak).
 
-    Counts are optimizer updates: a train step with ``num_minibatches = M`` makes M updates.
+    Counts are optimizer updates: a train step with ``num_minibatches = M`` makes M updates. Returns float32.
     """
     if learning_rate < 0 or end_learning_rate < 0:
         raise ValueError("learning rates must be >= 0")
@@ -51,16 +54,18 @@ def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmu
     if total_steps is not None and total_steps < warmup_steps:
         raise ValueError(f"total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
 
+    init_value = learning_rate / max(warmup_steps, 1)
+    if total_steps is None:
+        joined = optax.join_schedules(
+            [optax.linear_schedule(init_value, learning_rate, warmup_steps), optax.constant_schedule(learning_rate)],
+            [warmup_steps])
+    else:
+        joined = optax.warmup_cosine_decay_schedule(init_value, learning_rate, warmup_steps,
+                                                    decay_steps=max(int(total_steps), warmup_steps + 1),
+                                                    end_value=end_learning_rate)
+
     def schedule(count):
-        n = jnp.asarray(count, jnp.float32)
-        warm = learning_rate * jnp.minimum((n + 1.0) / max(warmup_steps, 1), 1.0)
-        if total_steps is None:
-            after = jnp.float32(learning_rate)
-        else:
-            decay_len = max(total_steps - warmup_steps, 1)
-            frac = jnp.clip((n - warmup_steps) / decay_len, 0.0, 1.0)
-            after = end_learning_rate + 0.5 * (learning_rate - end_learning_rate) * (1.0 + jnp.cos(math.pi * frac))
-        return jnp.where(n < warmup_steps, warm, after).astype(jnp.float32)
+        return jnp.asarray(joined(count), jnp.float32)
 
     return schedule
 
@@ -429,7 +434,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         if rows > micro["tokens"].shape[1]:
             raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro['tokens'].shape[1]} rows)")
         probe = jax.tree.map(lambda x: x[0, :rows] if jnp.ndim(x) > 1 else x, micro)
-        probe = jax.tree.map(lambda x: constraints.constrain_rows(x) if jnp.ndim(x) else x, probe)
+        probe = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, probe)
         apply = lambda scale: optax.apply_updates(params, jax.tree.map(lambda u: (u * scale).astype(u.dtype),
                                                                          updates))
 
@@ -471,15 +476,15 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     def minibatch_grads(params, micro):
         """Weighted accumulation over the leading (micro-batch) axis of ``micro``."""
         def body(acc, mb):
-            mb = jax.tree.map(lambda x: constraints.constrain_rows(x) if jnp.ndim(x) else x, mb)
+            mb = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, mb)
             (loss, (metrics, extra)), grads = grad_fn(params, mb)
             w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
             g_acc, l_acc, w_acc = acc
             g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
-            g_acc = constraints.like_params(g_acc)  # on a mesh: split like the parameters (else unchanged)
+            g_acc = hints.like_params(g_acc)  # on a mesh: split like the parameters (else unchanged)
             return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w, extra)
 
-        zeros = constraints.like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        zeros = hints.like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(
             body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
         # Mismatch sums over the micro-batches (plain sums / maxima: token-level, not loss-weighted).
@@ -525,7 +530,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         # On a mesh: every micro-batch's rows split over the batch axes (the placed batch splits the leading
         # dimension, which the reshape would turn into a split of the scanned micro-batch axis: each device would
         # then run whole micro-batches, all of them, on all-gathered rows). A no-op without a mesh.
-        mbs = jax.tree.map(lambda x: constraints.constrain_rows(x, axis=2) if jnp.ndim(x) > 2 else x, mbs)
+        mbs = jax.tree.map(lambda x: hints.constrain_rows(x, axis=2) if jnp.ndim(x) > 2 else x, mbs)
 
         def update(carry, micro):
             params, opt_state, skipped = carry

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from reno_jax.envs.tictactoe import minimax
 from reno_jax.envs.tictactoe import rules as ttt
 
 ARENO_DEFAULT_SEED = 2026  # the seed in AReno's README command
@@ -77,8 +78,6 @@ def board_code_np(boards: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def _terminal_by_code() -> list[bool]:
     """``terminal[code]`` for all 3**9 codes, as a Python list (fast scalar indexing in the generator loop)."""
-    from reno_jax.envs.tictactoe import minimax  # local import: minimax imports nothing from here, but keep boards light
-
     all_boards = minimax.all_boards_numpy()
     full = ~(all_boards == ttt.EMPTY).any(-1)
     lines = minimax._lines_numpy(all_boards, ttt.X) | minimax._lines_numpy(all_boards, ttt.O)
@@ -165,8 +164,6 @@ def play_boards(n: int, seed: int, hero_epsilon: float = 0.1, opponent_epsilon: 
     Raises:
       ValueError: ``n`` < 1, or an ``epsilon`` / ``o_share`` outside [0, 1].
     """
-    from reno_jax.envs.tictactoe import minimax  # local import, as in _terminal_by_code
-
     if n <= 0:
         raise ValueError(f"n must be positive, got {n}")
     for name, v in (("hero_epsilon", hero_epsilon), ("opponent_epsilon", opponent_epsilon), ("o_share", o_share)):

@@ -1,6 +1,7 @@
 """Sharding constraints inside the programs, as hints to GSPMD: no-ops unless a multi-device mesh is set.
 
-The programs are written for one device and partitioned by GSPMD from their inputs' shardings (`layout.py`).
+The programs are written for one device and partitioned by GSPMD from their inputs' shardings
+(`reno_jax.parallel.layout`).
 Where propagation alone picks a bad layout (a micro-batch scan over a sharded axis, a gather whose table and
 indices are sharded on different dimensions), a constraint here names the intended one. They read the mesh from
 JAX's context (`with jax.set_mesh(mesh):` around tracing: `Layout.activate()`); without one, or on a one-device
@@ -18,7 +19,7 @@ import contextlib
 import jax
 from jax.sharding import PartitionSpec
 
-from reno_jax.parallel.mesh import BATCH_AXES
+from reno_jax.sharding.axes import BATCH_AXES
 
 
 def active_mesh():
