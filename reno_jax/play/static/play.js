@@ -108,7 +108,7 @@ function renderHeatmap(container, board, result) {
     // Colour by probability relative to the most likely move, so a flat policy still shows its ranking.
     const alpha = top > 0 ? 0.08 + 0.85 * (p / top) : 0;
     cell.style.background = `rgba(47, 111, 222, ${alpha.toFixed(3)})`;
-    cell.style.color = top > 0 && p / top > 0.55 ? "#fff" : "";
+    if (top > 0 && p / top > 0.55) cell.classList.add("dark");  // white text on the darker cells
     const best = result.best.includes(a);
     if (best) cell.classList.add("optimal");
     if (result.action === a) cell.classList.add("chosen");
