@@ -123,7 +123,7 @@ def test_registry_and_config_validation():
     c = connect4_tiny.get_config()
     loop_config.validate_config(c)
     c.env.name = "chess"
-    with pytest.raises(errors.ConfigError, match=r"--config\.env.*unknown environment 'chess'"):
+    with pytest.raises(errors.ConfigError, match=r"--config\.env\.name: unknown environment 'chess'"):
         loop_config.validate_config(c)
     c = connect4_tiny.get_config()
     c.env.opponent = "minimax"  # tic-tac-toe's, not Connect Four's
