@@ -42,6 +42,8 @@ SLOW = {
         "two processes on one distributed mesh",
     "tests/test_own_environment.py::test_an_environment_of_the_users_package_trains_and_evaluates_from_the_cli":
         "a training run and an evaluation through the CLIs, each in a fresh process",
+    "tests/test_experiments.py::test_game_config_curriculum_run_resume_and_evaluation":
+        "three training runs, then games against two opponents through the evaluation CLI (~160 s on 2 busy cores)",
 }
 
 
