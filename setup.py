@@ -1,13 +1,18 @@
 from setuptools import find_packages, setup
 
+# The core install (model, conversion, environments, rollout, losses, trainer, the loop and the train / evaluate
+# CLIs) has no web server stack; `pip install -e ".[play]"` adds it for the play page.
+_PLAY = ["fastapi>=0.110", "uvicorn>=0.29", "pydantic>=2"]
+
 setup(
     name="reno_jax",
     version="0.1.0",
     description="Agentic RL post-training of Ling-3.0 (bailing_hybrid) on tool-calling tic-tac-toe, in JAX.",
+    license="Apache-2.0",
     packages=find_packages(include=["reno_jax", "reno_jax.*", "experiments", "configs"]),
     package_data={"reno_jax": ["assets/*.json", "assets/*.jinja", "assets/*.npz",
                                "play/static/*.html", "play/static/*.js", "play/static/*.css"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # jax>=0.7 (jaxlib has no wheels for older Pythons)
     install_requires=[
         "jax>=0.7",
         "flax>=0.10",
@@ -24,11 +29,12 @@ setup(
         "tensorboardX>=2.6",
         "matplotlib>=3.8",
         "tqdm>=4.66",
-        "fastapi>=0.110",
-        "uvicorn>=0.29",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20"],
+        # The play page (`python -m experiments.play`): its web server; pydantic v2 for the request models.
+        "play": _PLAY,
+        # The suite covers the play page too (its API through httpx, its page in a browser through selenium).
+        "test": ["pytest>=8", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20"] + _PLAY,
         "gpu": ["jax[cuda12]"],
         "bench": ["pgx>=2.0", "torch==2.13.0"],
     },

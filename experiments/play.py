@@ -15,6 +15,10 @@ workdir may still be training. The JSON API the page uses is described in `reno_
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.json, checkpoints, metrics.jsonl).",
@@ -24,9 +28,19 @@ _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on (127.0.
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step the page opens at (default: the latest; 0: warm start).")
 
 
+def _require_play_extra() -> None:
+    """The web server stack is the `play` extra, not the core install: without it, one line saying how to get it."""
+    missing = [name for name in ("fastapi", "uvicorn", "pydantic") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"{os.path.basename(sys.argv[0])}: error: the play page needs {', '.join(missing)}; "
+              f'install them with: pip install -e ".[play]"', file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    _require_play_extra()
     if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO; keep the console to the URL
         logging.set_verbosity(logging.WARNING)
     # Imported here so that --help answers without loading JAX.

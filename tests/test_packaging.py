@@ -1,0 +1,86 @@
+"""Packaging: the core install (setup.py's install_requires) has no web server stack, and the core path (the loop,
+the losses, the train / evaluate CLIs) imports without it; the play page says in one line how to get it. Also:
+every test named in tests/conftest.py's SLOW table exists (a renamed test would silently join the fast tier)."""
+
+import ast
+import os
+import re
+import runpy
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import setuptools
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WEB = ("fastapi", "uvicorn", "starlette", "pydantic", "httpx", "selenium")
+# Makes the web packages unimportable in the subprocess, as in an install without the `play` / `test` extras.
+SHIM = "import sys\nfor name in ('fastapi', 'uvicorn', 'starlette', 'selenium'):\n    sys.modules[name] = None\n"
+
+
+def _setup_kwargs(monkeypatch) -> dict:
+    """The keyword arguments setup.py passes to `setuptools.setup` (setup.py run with `setup` captured)."""
+    captured = {}
+    monkeypatch.chdir(REPO)  # find_packages() looks under the working directory
+    with mock.patch.object(setuptools, "setup", lambda **kwargs: captured.update(kwargs)):
+        runpy.run_path(os.path.join(REPO, "setup.py"))
+    return captured
+
+
+def _name(requirement: str) -> str:
+    return re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SHIM + code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_core_install_requires_no_web_package_and_the_extras_have_them(monkeypatch):
+    kwargs = _setup_kwargs(monkeypatch)
+    core = {_name(r) for r in kwargs["install_requires"]}
+    assert {"jax", "flax", "optax", "orbax-checkpoint", "transformers"} <= core
+    assert not core & set(WEB), f"the core install lists web packages: {sorted(core & set(WEB))}"
+    extras = {extra: {_name(r) for r in reqs} for extra, reqs in kwargs["extras_require"].items()}
+    assert {"fastapi", "uvicorn", "pydantic"} <= extras["play"]
+    assert extras["play"] | {"pytest", "hypothesis", "httpx", "selenium"} <= extras["test"]
+    assert kwargs["license"] == "Apache-2.0" and os.path.isfile(os.path.join(REPO, "LICENSE"))
+    minimum = tuple(int(x) for x in re.fullmatch(r">=(\d+)\.(\d+)", kwargs["python_requires"]).groups())
+    assert sys.version_info[:2] >= minimum
+
+
+@pytest.mark.parametrize("modules", [
+    ("reno_jax.rl.losses", "reno_jax.loop", "experiments.train"),
+    ("experiments.evaluate",),  # a process of its own: train and evaluate define the same absl flags
+])
+def test_the_core_path_imports_without_the_web_packages(modules):
+    """Any import of fastapi / uvicorn / starlette / selenium on the way would raise ImportError."""
+    out = _python("".join(f"import {m}\n" for m in modules))
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_play_without_the_extra_is_one_line_naming_it(tmp_path):
+    out = _python(f"import runpy\nsys.argv = ['play.py', '--workdir={tmp_path}']\n"
+                  "runpy.run_module('experiments.play', run_name='__main__')\n")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        'play.py: error: the play page needs fastapi, uvicorn; install them with: pip install -e ".[play]"']
+
+
+def _slow_table() -> dict:
+    """tests/conftest.py's SLOW, read from its source (conftest is not importable as a module by name)."""
+    with open(os.path.join(REPO, "tests", "conftest.py")) as f:
+        for node in ast.parse(f.read()).body:
+            if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["SLOW"]:
+                return ast.literal_eval(node.value)
+    raise AssertionError("tests/conftest.py has no SLOW table")
+
+
+def test_every_slow_test_exists():
+    for nodeid, reason in _slow_table().items():
+        path, name = nodeid.split("::")
+        with open(os.path.join(REPO, path)) as f:
+            names = {node.name for node in ast.parse(f.read()).body if isinstance(node, ast.FunctionDef)}
+        assert name in names, f"tests/conftest.py's SLOW names {nodeid}, which is not a test"
+        assert reason.strip(), nodeid
