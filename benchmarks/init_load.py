@@ -10,8 +10,8 @@ the first model a test or a run builds), the second is what any further model of
 --mesh, also both straight onto that mesh (this checkout only). Then `jax.eval_shape` of the real Ling-3.0-tiny
 shape (7.9B parameters: traced, nothing drawn).
 
-A mid-size model (--load_hidden; 60M parameters at 512: above `HOST_DRAW_MAX`, so drawn leaf by leaf on the
-device) is initialised too; then (this checkout only) written with `save_pretrained` and read back with
+A mid-size model (--load_hidden; 60M parameters at 512: too large for `ling3`'s whole-model route, so drawn
+leaf by leaf) is initialised too; then (this checkout only) written with `save_pretrained` and read back with
 `from_pretrained`, unsharded and, with --mesh, onto the mesh's shards (then saved from them).
 The last line is one JSON object with every figure (seconds).
 """

@@ -44,10 +44,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from reno_jax.rl import policy
 from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
 from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
 from reno_jax.models import layers, ling3  # noqa: E402
+from reno_jax.rl import policy  # noqa: E402
 from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
 from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
@@ -215,7 +215,7 @@ def main():
     ap.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     ap.add_argument("--share-prefix", action="store_true", help="encode each group's prompt once (rl.shared_prefix)")
     ap.add_argument("--entropy", action="store_true",
-                    help="also compute the per-token entropy in the train step, as experiments/train_tictactoe.py "
+                    help="also compute the per-token entropy in the train step, as the training loop "
                          "does (a logged metric)")
     ap.add_argument("--compile-only", default="", metavar="TARGET",
                     help="no device: compile the train step for the GPU described by this GpuTargetConfig text "

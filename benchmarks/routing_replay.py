@@ -41,12 +41,10 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import moe_drift_tiny  # noqa: E402
-from experiments import train_tictactoe  # noqa: E402
-from reno_jax.loop import build
-from reno_jax.rl import policy
+from reno_jax import loop  # noqa: E402
+from reno_jax.loop import build, warmstart  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
-from reno_jax.rl import losses, trainer  # noqa: E402
-from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
+from reno_jax.rl import losses, policy, trainer  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
 
 
@@ -115,12 +113,12 @@ def _own_routing(model_config, params, tokens, valid):
 def scoring(config, workdir: str, num_batches: int) -> dict:
     """Part 1: the same rollout batches scored without / with replay, bf16 and the float32 reference."""
     key = jax.random.PRNGKey(config.seed)
-    key_model, key_sft, _ = jax.random.split(key, 3)  # as experiments/train_tictactoe.train splits it
+    key_model, key_sft, _ = jax.random.split(key, 3)  # as reno_jax.loop.train splits it
     tokenizer = build.build_tokenizer(config)
     model_config, params = build.build_model(config, key_model, tokenizer)
-    env = rollout_lib.compile_env(ttt_env.TicTacToeEnv.create("move"), tokenizer, vocab_size=model_config.vocab_size)
-    params, _ = train_tictactoe.warm_start(config, workdir, model_config, params, tokenizer, env, key_sft)
-    train_boards, _ = boards_lib.load_boards(config.env)
+    env = build.make_compiled_env(config, tokenizer, model_config)
+    params = warmstart.cached_warm_start(workdir, config, model_config, params, tokenizer, key_sft).params
+    sampler = build.env_entry(config).make_sampler(config)  # the training steps' starts (dataset boards)
     rc = build.rollout_config(config)
     assert rc.record_routing and rc.cache_dtype == "bfloat16"
     variants = {"bf16": (params, rc),
@@ -132,7 +130,7 @@ def scoring(config, workdir: str, num_batches: int) -> dict:
         rows = {"no_replay": [], "replay": [], "train_step_no_replay": [], "train_step_replay": []}
         for i in range(num_batches):
             k_starts, k_roll = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(100), i))
-            starts = train_tictactoe.sample_starts(config, k_starts, train_boards, config.rollout.boards_per_step)
+            starts = sampler(k_starts, config.rollout.boards_per_step)
             traj = rollout_fn(p, k_roll, starts, env=env)
             for setting in rows:
                 fn = score_in_train_step if setting.startswith("train_step") else score
@@ -168,9 +166,9 @@ def training(config, workdir: str, steps: int) -> dict:
         run_dir = os.path.join(workdir, "replay" if replay else "no_replay")
         shutil.rmtree(run_dir, ignore_errors=True)
         os.makedirs(run_dir)
-        shutil.copytree(os.path.join(workdir, "warmstart"), os.path.join(run_dir, "warmstart"))
+        shutil.copytree(os.path.join(workdir, warmstart.CACHE_SUBDIR), os.path.join(run_dir, warmstart.CACHE_SUBDIR))
         t0 = time.time()
-        rows = train_tictactoe.train(c, run_dir)
+        rows = loop.train(c, run_dir)
         keys = ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "train/routing_agreement",
                 "train/rollout_logp_abs_diff_mean", "train/rollout_logp_abs_diff_max", "train/rollout_k3_kl",
                 "train/rollout_ratio_max", "train/grad_norm", "perf/step_seconds")

@@ -2,13 +2,14 @@
 
 Each seed is a separate `python -m experiments.train` process (a fresh workdir, warm start included), timed
 wall-clock, then one `python -m experiments.evaluate` per evaluation spec. The run's own `metrics.jsonl` gives the
-curve figures; each evaluation's last output line (its JSON figures) gives the rest. Prints one Markdown row per
+curve figures; each evaluation's last output line (its JSON figures, `<suite>/<figure>`) gives the rest, as
+`<eval name>/<suite>/<figure>` (e.g. `greedy/positions/optimal_move_rate`). Prints one Markdown row per
 seed and the mean / min / max over seeds, writes every seed's reward curve into one PNG, and ends with one JSON
 line of figures.
 
     python benchmarks/seed_sweep.py --config=configs/tictactoe_tiny.py --seeds=0,1,2 --root=workdir/sweep
     python benchmarks/seed_sweep.py --config=configs/tictactoe_tiny_game.py --seeds=0,1,2 --root=workdir/sweep_game \
-        --eval="minimax:--opponent=minimax --num_episodes=1024" --eval="random:--opponent=random --num_episodes=1024"
+        --eval="greedy:--suites=minimax,random --num_episodes=1024" --eval="sampled:--suites=minimax --sampled"
 
 Runs run one after another: on a small machine two trainings at once would each take twice as long and the times
 would mean nothing. `--config_override` flags (e.g. `--config.num_steps=100`) are passed to every training.
@@ -59,6 +60,13 @@ def last_json_line(text: str) -> dict:
     raise ValueError("no JSON line in the output")
 
 
+def eval_figures(name: str, figures: dict) -> dict:
+    """An evaluation's last JSON line (`{"checkpoint_step", "env", "greedy", "<suite>/<figure>": ...}`) as the
+    row's `<name>/<suite>/<figure>` numbers (the step, the environment and the decoding flag are left out)."""
+    return {f"{name}/{k}": v for k, v in figures.items()
+            if "/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def run(cmd: list[str], log_path: str) -> tuple[str, float]:
     """Runs `cmd`, tees its output into `log_path`, returns (stdout+stderr, wall seconds); exits on failure."""
     start = time.perf_counter()
@@ -77,7 +85,7 @@ def parse_evals(specs: list[str]) -> list[tuple[str, list[str]]]:
     for spec in specs:
         name, sep, args = spec.partition(":")
         if not sep or not name:
-            raise SystemExit(f"--eval={spec!r}: expected NAME:FLAGS, e.g. 'minimax:--opponent=minimax'")
+            raise SystemExit(f"--eval={spec!r}: expected NAME:FLAGS, e.g. 'games:--suites=minimax,random'")
         out.append((name, shlex.split(args)))
     return out
 
@@ -111,7 +119,7 @@ def main(argv=None) -> None:
     parser.add_argument("--root", required=True, help="parent of the per-seed workdirs (must not hold them yet)")
     parser.add_argument("--eval", action="append", default=[], metavar="NAME:FLAGS",
                         help="an evaluation: a name and the experiments.evaluate flags (repeatable; default: "
-                             "'greedy:' = the run's own task, greedy)")
+                             "'greedy:' = the environment's default suites, greedy)")
     parser.add_argument("--trainer", default="experiments.train")
     parser.add_argument("--plot", default="", help="PNG of every seed's curve (default: ROOT/seed_sweep.png)")
     args, overrides = parser.parse_known_args(argv)
@@ -144,10 +152,8 @@ def main(argv=None) -> None:
             print(f"      evaluating {name} {shlex.join(flags)}", flush=True)
             out, wall = run([sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", *flags],
                             os.path.join(args.root, f"seed{seed}.eval_{name}.log"))
-            figures = last_json_line(out)
             row[f"{name}/eval_wall_s"] = round(wall, 1)
-            row.update({f"{name}/{k}": v for k, v in figures.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            row.update(eval_figures(name, last_json_line(out)))
         rows.append(row)
         print("      " + json.dumps(row), flush=True)
 

@@ -29,13 +29,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import tictactoe_tiny  # noqa: E402
-from reno_jax.loop import build
-from reno_jax.rl import policy
 from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
-from reno_jax.envs.tictactoe import minimax  # noqa: E402
-from reno_jax.envs.tictactoe import wording  # noqa: E402
+from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
+from reno_jax.envs.tictactoe import minimax, registration, wording  # noqa: E402
+from reno_jax.loop import build  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
-from reno_jax.rl import sft, trainer  # noqa: E402
+from reno_jax.rl import policy, sft, trainer  # noqa: E402
 
 
 def apply_overrides(config, pairs):
@@ -66,6 +65,22 @@ def correct_squares(table: dict, boards: np.ndarray) -> np.ndarray:
     return np.where(win.any(-1, keepdims=True), win, opt)
 
 
+def correct_square_teacher(table: dict):
+    """A tic-tac-toe teacher (`interface.Teacher.policy`, the call rows of `registration.make_teacher`) that plays
+    uniformly among `correct_squares` instead of among the legal ones."""
+    win = jnp.asarray(table["winning_mask"])
+    opt = jnp.asarray(table["optimal_mask"])
+    powers = jnp.asarray(3 ** np.arange(9), jnp.int32)
+
+    def teacher(state, key):
+        code = jnp.sum(state.board.astype(jnp.int32) * powers)
+        correct = jnp.where(win[code].any(), win[code], opt[code])
+        noise = jax.random.uniform(key, correct.shape)
+        return jnp.argmax(jnp.where(correct, noise, -1.0)).astype(jnp.int32), correct
+
+    return teacher
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400)
@@ -82,22 +97,22 @@ def main(argv=None):
     model_config, params = build.build_model(config, key, tokenizer)
     n_params = ling3.count_params(model_config)["total"]
     env = build.make_compiled_env(config, tokenizer, model_config)
-    turn_end = int(np.asarray(env.spec.stop_ids)[0])
-    pad = int(env.spec.pad_id)
+    pad = env.pad_id
     train_boards, _ = boards_lib.load_boards(config.env)
     table = minimax.tables_numpy()
-    train_correct = correct_squares(table, train_boards)
-
-    # The call up to (not including) the square digit, and the nine square tokens.
-    call = tokenizer.encode(sft.call_text(5), add_special_tokens=False)
-    digit_ids = [tokenizer.encode(str(s), add_special_tokens=False) for s in range(1, 10)]
-    if any(len(d) != 1 for d in digit_ids):
+    tool_names = [t["function"]["name"] for t in env.env.chat().tools]
+    calls = sft.build_call_table(tokenizer, registration.make_teacher(config, env.env).calls,
+                                 int(env.chat.turn_end_id), pad, tool_names)
+    if calls.choice_offset < 0:
         raise SystemExit("the tokenizer does not spell each square as one token")
-    digit_ids = np.array([d[0] for d in digit_ids])
-    cut = call.index(int(digit_ids[4]))
-    call_prefix = call[:cut]
+    teacher = correct_square_teacher(table)
 
-    eval_boards = boards_lib.exhaustive_x_to_move()
+    # The call up to (not including) the square's token, and the nine square tokens.
+    cut = calls.choice_offset
+    call_prefix = np.asarray(calls.ids)[0, :cut].tolist()
+    digit_ids = np.asarray(calls.ids)[:, cut]
+
+    eval_boards = boards_lib.exhaustive_positions("x")
     eval_correct = table["optimal_mask"][boards_lib.board_code_np(eval_boards)]
     style = config.env.get("board_style", "grid")
     prompts = [wording.prompt_ids(tokenizer, wording.move_task_messages(b, style=style)) + call_prefix
@@ -131,23 +146,23 @@ def main(argv=None):
     state = trainer.create_train_state(params, optimizer, key)
     step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss,
                                       optimizer)
-    length = int(env.spec.prompt_len) + config.rollout.max_new_tokens
+    length = env.prompt_len + int(np.max(np.asarray(calls.length)))
     rng = np.random.default_rng(args.seed)
-    cache = {}
+    key_play = jax.random.PRNGKey(args.seed + 1)
     curve = {}
     t0 = time.time()
     for step in range(1, args.steps + 1):
         idx = rng.choice(len(train_boards), size=args.batch, replace=True)
-        batch = sft.random_move_transcripts(tokenizer, train_boards[idx], rng, length, turn_end, pad, cache, style)
-        # Replace the random legal square with a correct one: the square digit is the only token that differs.
-        squares = np.array([rng.choice(np.flatnonzero(c)) + 1 for c in train_correct[idx]])
-        tokens = batch["tokens"]
-        for i in range(len(idx)):
-            pos = np.flatnonzero(batch["loss_mask"][i])[cut]
-            tokens[i, pos] = digit_ids[squares[i] - 1]
-        feed = {"tokens": jnp.asarray(tokens), "valid": jnp.asarray(batch["valid"]),
-                "loss_mask": jnp.asarray(batch["loss_mask"]),
-                "old_logp": jnp.zeros(tokens.shape, jnp.float32), "advantages": jnp.zeros((len(idx),), jnp.float32)}
+        # One turn of the move task, written by stepping the environment: the prompt and a correct square's call.
+        batch = sft.env_transcripts(jax.random.fold_in(key_play, step), ttt_env.move_starts(train_boards[idx]), env,
+                                    teacher, calls, max_turns=1, length=length)
+        if step == 1:  # the teacher's choices are the host's correct squares
+            at = np.argmax(np.asarray(batch["loss_mask"]), axis=1) + cut
+            support = np.asarray(batch["support"])[np.arange(len(idx)), at]
+            assert (support == correct_squares(table, train_boards[idx])).all()
+        feed = {k: batch[k] for k in ("tokens", "valid", "loss_mask")}
+        feed["old_logp"] = jnp.zeros(feed["tokens"].shape, jnp.float32)
+        feed["advantages"] = jnp.zeros((len(idx),), jnp.float32)
         state, m = step_fn(state, feed)
         if step % args.eval_every == 0 or step == args.steps:
             rate = evaluate(state.params)

@@ -1,7 +1,7 @@
 """What a GSPO train step of the embedded default costs, and which part of it: step time against variants.
 
 The default config's train step (`trainer.make_train_step` with the shared-prompt-prefix scorer, the top-k
-entropy, the forking-entropy bonus and AdamW, exactly as `experiments.train_tictactoe` builds it) on a synthetic
+entropy, the forking-entropy bonus and AdamW, exactly as `reno_jax.loop.train` builds it) on a synthetic
 batch of the default's shape: N boards x G samples, prompts of S tokens shared within a group, continuations of C
 tokens. Each variant changes one thing and reports its median step time and its ratio to the default measured in
 the same process, the variants' steps interleaved round by round:
@@ -43,10 +43,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import tictactoe_tiny  # noqa: E402
-from reno_jax.loop import build
-from reno_jax.rl import policy
-from reno_jax.rl import recipe
-from reno_jax.rl import shared_prefix, trainer  # noqa: E402
+from reno_jax.loop import build as loop_build  # noqa: E402
+from reno_jax.rl import policy, recipe, shared_prefix, trainer  # noqa: E402
 
 COMMON = 38  # leading tokens every move-task prompt shares
 
@@ -92,8 +90,8 @@ def build(name: str, continuation: int):
     for key, value in v.overrides:
         c.model.tiny[key] = value
     top_k = int(c.rl.entropy_top_k) if top_k is None else top_k
-    tokenizer = build.build_tokenizer(c)
-    model_config, params = build.build_model(c, jax.random.PRNGKey(0), tokenizer)
+    tokenizer = loop_build.build_tokenizer(c)
+    model_config, params = loop_build.build_model(c, jax.random.PRNGKey(0), tokenizer)
     optimizer = recipe.make_optimizer(c)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
     logp_fn = policy.make_logp_fn(model_config, group_size=group, entropy_top_k=top_k)

@@ -3,11 +3,14 @@ r"""A local web page for a training run: play against a checkpoint, see what the
   python -m experiments.play --workdir=workdir/tiny                  # then open the printed URL
   python -m experiments.play --workdir=workdir/tiny --port=8080 --step=550
 
-The page (no network needed: plain HTML/JS/CSS shipped in `reno_jax/play/static`) has a board you play on by
-clicking, the policy's probability for each square at its decision token before each of its moves (with the
-minimax-optimal squares marked and the model's raw turn and tool response), the run's curves refreshed live from
-`metrics.jsonl`, and a slider over the saved checkpoints (0 = the supervised warm start). The workdir may still
-be training. The JSON API the page uses is described in `reno_jax/play/app.py` and the README.
+The page (no network needed: plain HTML/JS/CSS shipped in `reno_jax/play/static`) works for any environment.
+One that declares a board view (`reno_jax.envs.interface.BoardView`) gets its board: you play the model by
+clicking a cell or dropping in a column (the model plays the side the run trained it on), with the policy's
+probability for each move at its decision token before each of its moves (best moves starred, where the game
+declares them) and the model's raw turn and the environment's answer. Any other environment gets transcripts: an
+episode of its sampler or of an evaluation suite, played by the chosen checkpoint. Both show the run's curves
+refreshed live from `metrics.jsonl` and pick among the saved checkpoints (0 = the supervised warm start). The
+workdir may still be training. The JSON API the page uses is described in `reno_jax/play/app.py` and the README.
 """
 
 from __future__ import annotations

@@ -98,35 +98,40 @@ def eight(out: str) -> dict:
     ep_mesh = parallel.make_mesh(parallel.MeshConfig(**EP_MESH, preset="fsdp_ep"))
     fsdp_mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=8, preset="fsdp"))
 
-    # Init straight onto the mesh: the preset's shardings, the values the one-device init gives (the parent
-    # compares the file with its own init), and the same again with every leaf drawn on the devices. (bf16: the
-    # two routes agree in tests/test_model.py.)
+    # Init straight onto the mesh: the preset's shardings and the values the one-device init gives (the parent
+    # compares the file with its own init; here, the unsharded init of this process, drawn by the whole-model route).
     ep = parallel.param_shardings(MODEL, ep_mesh, "fsdp_ep")
     params = ling3.init_params(MODEL, jax.random.PRNGKey(0), shardings=ep)
-    on_devices = ling3.init_params(MODEL, jax.random.PRNGKey(0), shardings=ep, host_draw_max=0)
+    typed = ling3.init_params(MODEL, jax.random.key(0), shardings=ep)
     np.savez(os.path.join(out, "init_fsdp_ep.npz"), **host_tree(params))
+    unsharded = host_tree(ling3.init_params(MODEL, jax.random.PRNGKey(0)))
     found["init"] = dict(
-        placed=_placed(params, ep) and _placed(on_devices, ep),
+        placed=_placed(params, ep) and _placed(typed, ep),
         sharded_leaves=sum(not s.is_fully_replicated for s in jax.tree.leaves(ep)),
         expert_spec=str(params["model"]["layers_1"]["mlp"]["experts"]["gate_proj"].sharding.spec),
-        device_route_equal=all(np.array_equal(a, b) for a, b in zip(host_tree(params).values(),
-                                                                    host_tree(on_devices).values())))
+        unsharded_equal=all(np.array_equal(a, unsharded[k]) for k, a in host_tree(params).items()),
+        typed_key_equal=all(np.array_equal(a, unsharded[k]) for k, a in host_tree(typed).items()))
 
     # The real Ling-3.0-tiny shape: traced without drawing (abstract values carry no shardings, so without them:
-    # tracing is then quicker), and the programs of its largest leaves compiled for the fsdp_ep mesh: each
-    # device's output is its shard and nothing larger is ever allocated.
+    # tracing is then quicker), and the programs of its largest leaves compiled for the fsdp_ep mesh and for one
+    # device: each device's output is its shard, and its temporaries (on CPU, JAX's threefry is a rolled loop whose
+    # state is a few leaf-size buffers) are the one-device program's divided by the shard count.
     real = ling3.ling3_tiny_real()
     real_shardings = parallel.param_shardings(real, ep_mesh, "fsdp_ep")
     abstract = jax.eval_shape(lambda k: ling3.init_params(real, k, jnp.bfloat16), jax.random.PRNGKey(0))
     programs = []
     for path in (("model", "layers_1", "mlp", "experts", "gate_proj"), ("model", "word_embeddings", "embedding")):
         leaf, sharding = conversion._get_leaf(abstract, path), conversion._get_leaf(real_shardings, path)
-        lowered = ling3._leaf_program(leaf.shape, leaf.dtype, "normal", sharding).lower(
-            np.zeros(2, np.uint32), np.int32(0), np.float32(0.02), np.float32(0.0))
-        memory = lowered.compile().memory_analysis()
+        memory = {}
+        for name, s in (("sharded", sharding), ("whole", None)):
+            lowered = ling3._leaf_program(leaf.shape, True, leaf.dtype, s, None).lower(
+                np.zeros(2, np.uint32), np.uint32(0), np.float32(0.02), np.float32(0.0), np.int32(0))
+            memory[name] = lowered.compile().memory_analysis()
         programs.append(dict(path="/".join(path), leaf_bytes=int(np.prod(leaf.shape)) * leaf.dtype.itemsize,
                              shards=int(np.prod([ep_mesh.shape[a] for a in sharding.spec if a])),
-                             output_bytes=int(memory.output_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes)))
+                             output_bytes=int(memory["sharded"].output_size_in_bytes),
+                             temp_bytes=int(memory["sharded"].temp_size_in_bytes),
+                             whole_temp_bytes=int(memory["whole"].temp_size_in_bytes)))
     found["real"] = dict(abstract_ok=abstract == conversion.abstract_params(real, jnp.bfloat16), programs=programs)
 
     # The golden checkpoint loaded onto shards under both presets: every shard reads only its block, once.
@@ -177,9 +182,9 @@ def eight(out: str) -> dict:
 def four(run: str, out: str) -> dict:
     """RUN's one-device checkpoint restored onto fsdp 4 the way `experiments.evaluate --mesh` does it, and as a
     whole train state the way a resumed run on that mesh does."""
-    from experiments import evaluate
+    from experiments import cli
     assert jax.device_count() == 4, jax.devices()
-    mesh_config = evaluate.mesh_from_flags("fsdp=4,preset=fsdp", 8)
+    mesh_config = cli.mesh_from_flags("fsdp=4,preset=fsdp", 8)
     _, _, model_config, params, step = runs.load_run(run, mesh_config=mesh_config)
     layout = parallel.Layout.create(model_config, mesh_config)
     config = run_config()

@@ -123,7 +123,7 @@ def test_registry_and_config_validation():
     c = connect4_tiny.get_config()
     loop_config.validate_config(c)
     c.env.name = "chess"
-    with pytest.raises(errors.ConfigError, match=r"--config\.env.*unknown environment 'chess'"):
+    with pytest.raises(errors.ConfigError, match=r"--config\.env\.name: unknown environment 'chess'"):
         loop_config.validate_config(c)
     c = connect4_tiny.get_config()
     c.env.opponent = "minimax"  # tic-tac-toe's, not Connect Four's
@@ -148,18 +148,26 @@ def _guess_config(tmp_steps=1):
 
 def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     from reno_jax import loop
-    rows = loop.train(_guess_config(2), str(tmp_path))
+    c = _guess_config(2)
+    c.eval_every = 2  # the default suite (every secret, greedy) at step 2, logged as eval/<suite>/<figure>;
+    # the same program as the evaluate CLI's below (16 episodes in one batch): compiled once per session
+    rows = loop.train(c, str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2]
+    assert not any(k.startswith("eval/") for k in rows[0])
+    assert rows[1]["eval/secrets/num_episodes"] == guess_number.MAX_NUMBER
+    assert 0.0 <= rows[1]["eval/secrets/found_rate"] <= 1.0 and rows[1]["perf/eval_seconds"] > 0
     for key in ("rollout/found_rate", "rollout/guesses_mean", "rollout/rewards_mean", "train/loss"):
         assert all(np.isfinite(r[key]) for r in rows), key
     out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={tmp_path}",
-                          "--num_episodes=4", "--batch_size=4", "--transcripts=1"],
+                          "--batch_size=16", "--transcripts=1"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["env"] == "guess_number" and summary["checkpoint_step"] == 2
-    assert 0.0 <= summary["secrets/found_rate"] <= 1.0 and summary["secrets/num_episodes"] == 4
+    assert 0.0 <= summary["secrets/found_rate"] <= 1.0 and summary["secrets/num_episodes"] == guess_number.MAX_NUMBER
     assert summary["secrets/mean_turns"] >= 1  # every episode makes at least one call
+    for figure in ("found_rate", "mean_reward", "mean_turns"):  # greedy on every secret: as evaluated in training
+        assert summary[f"secrets/{figure}"] == rows[1][f"eval/secrets/{figure}"], figure
     assert 0.0 <= summary["secrets/invalid_rate"] <= 1.0
     assert 0.0 <= summary["secrets/tool_call_valid_rate"] <= 1.0
 
@@ -191,6 +199,17 @@ def test_summarize_reduces_infos_by_the_declared_metrics():
     assert interface.summarize(Undeclared(), info) == {"found": 0.75, "guesses": 3.25, "invalid": 0.25}
     with pytest.raises(ValueError, match="reduce"):
         interface.Metric(lambda i: i["found"], reduce="median")
+
+
+def test_learning_curve_panels_follow_the_environments_plotted_metrics():
+    from reno_jax.loop import training
+    keys = training.curve_keys(guess_number.GuessNumberEnv())
+    assert keys[:2] == training.LEADING_CURVES and keys[-len(training.TRAILING_CURVES):] == training.TRAILING_CURVES
+    assert keys[2:4] == ("rollout/found_rate", "rollout/guesses_mean")  # Metric(plot=True) only
+    logged = dict.fromkeys(["rollout/rewards_mean", "rollout/found_rate", "train/grad_norm",
+                            "eval/secrets/found_rate", "eval/secrets/invalid_rate"])
+    assert training.present_panels(keys, logged) == ("rollout/rewards_mean", "rollout/found_rate",
+                                                     "train/grad_norm", "eval/secrets/found_rate")
 
 
 def test_center_greedy_teacher_wins_blocks_and_prefers_the_centre():

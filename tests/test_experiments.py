@@ -251,7 +251,7 @@ def test_train_cli_names_the_bad_flag(tmp_path):
 def test_train_cli_rejects_a_workdir_that_is_a_file(tmp_path):
     path = tmp_path / "file"
     path.write_text("keep me")
-    out = _cli(["experiments.train", f"--workdir={path}"], tmp_path)
+    out = _cli(["experiments.train", "--config=configs/tictactoe_tiny.py", f"--workdir={path}"], tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert _last_stderr_line(out).endswith(f"error: --workdir={path} is a file; expected a directory (created if missing)")
     assert path.read_text() == "keep me"

@@ -41,8 +41,8 @@ def _env(devices: int, cache: bool = True) -> dict:
 
 
 def _train(args, env):
-    return subprocess.Popen([sys.executable, "-m", "experiments.train_tictactoe", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "experiments.train", "--config=configs/tictactoe_tiny.py", *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_all(procs, timeout):
@@ -120,8 +120,8 @@ def test_two_processes_draw_and_load_the_model_straight_onto_their_shards():
 
 
 def test_a_process_id_out_of_range_is_one_line_naming_the_flag(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.train_tictactoe", f"--workdir={tmp_path / 'w'}",
-                          "--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"],
+    out = subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/tictactoe_tiny.py",
+                          f"--workdir={tmp_path / 'w'}", "--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"],
                          cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.strip().splitlines() if "error" in line.lower() or "Traceback" in line]

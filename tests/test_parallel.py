@@ -141,16 +141,15 @@ def test_a_batch_that_does_not_split_over_the_mesh_names_the_numbers(eight_devic
 
 def test_a_mesh_the_devices_cannot_hold_is_a_config_error(tmp_path):
     from configs import tictactoe_tiny
-    from experiments import train_tictactoe
-    from reno_jax import errors
+    from reno_jax import errors, loop
     from reno_jax.loop import build
     c = tictactoe_tiny.get_config()
     c.mesh.data = 2 * jax.device_count()
     with pytest.raises(errors.ConfigError, match=r"--config.mesh: mesh \(data=\d+, .*\) has \d+ devices but \d+ are"):
-        train_tictactoe.train(c, str(tmp_path / "w"))
+        loop.train(c, str(tmp_path / "w"))
     c.mesh.data, c.mesh.preset = 1, "zero3"
     with pytest.raises(errors.ConfigError, match="unknown sharding preset 'zero3'"):
-        train_tictactoe.train(c, str(tmp_path / "w"))
+        loop.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w"), "a config that cannot run writes nothing"
     layout = build.make_layout(tictactoe_tiny.get_config(), ling3.tiny_test_config())
     assert layout.single_device and layout.batch_ways == 1

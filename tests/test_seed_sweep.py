@@ -25,10 +25,19 @@ def test_last_json_line_skips_logs_and_progress_bars():
 
 
 def test_parse_evals():
-    assert seed_sweep.parse_evals(["greedy:", "mm:--opponent=minimax --num_episodes=8"]) == [
-        ("greedy", []), ("mm", ["--opponent=minimax", "--num_episodes=8"])]
+    assert seed_sweep.parse_evals(["greedy:", "games:--suites=minimax,random --num_episodes=8"]) == [
+        ("greedy", []), ("games", ["--suites=minimax,random", "--num_episodes=8"])]
     with pytest.raises(SystemExit, match="NAME:FLAGS"):
-        seed_sweep.parse_evals(["--opponent=minimax"])
+        seed_sweep.parse_evals(["--suites=minimax"])
+
+
+def test_eval_figures_keep_each_suites_numbers():
+    # experiments.evaluate's last line: the checkpoint, the environment, the decoding, then <suite>/<figure>.
+    line = {"checkpoint_step": 200, "env": "tictactoe", "greedy": True, "positions/optimal_move_rate": 0.9,
+            "positions/num_episodes": 2423, "minimax/x/win_rate": 0.0}
+    assert seed_sweep.eval_figures("greedy", line) == {"greedy/positions/optimal_move_rate": 0.9,
+                                                       "greedy/positions/num_episodes": 2423,
+                                                       "greedy/minimax/x/win_rate": 0.0}
 
 
 def test_refuses_a_root_that_already_holds_a_seed(tmp_path, capsys):

@@ -86,7 +86,8 @@ def _assert_same(got: dict, want: dict):
 
 def test_init_on_8_devices_is_the_one_device_init_bit_for_bit(eight):
     out, found = eight
-    assert found["init"]["placed"] and found["init"]["device_route_equal"], found["init"]
+    assert found["init"]["placed"] and found["init"]["unsharded_equal"], found["init"]
+    assert found["init"]["typed_key_equal"], found["init"]
     assert found["init"]["sharded_leaves"] >= 20 and found["init"]["expert_spec"] == "P('expert', 'fsdp', None)"
     assert jax.device_count() == 1 and jax.config.jax_threefry_partitionable
     _assert_same(dict(np.load(os.path.join(out, "init_fsdp_ep.npz"))),
@@ -98,7 +99,9 @@ def test_real_shape_init_traces_without_drawing_and_each_device_makes_only_its_s
     assert real["abstract_ok"]
     for program in real["programs"]:  # an expert stack over expert x fsdp, the embedding over fsdp
         assert program["shards"] > 1 and program["output_bytes"] * program["shards"] == program["leaf_bytes"], program
-        assert program["temp_bytes"] < 1024, program  # no full-size (or shard-size) temporary either
+        # Temporaries split like the output: no device computes more than its shard.
+        assert program["temp_bytes"] * program["shards"] <= program["whole_temp_bytes"] + 4096 * program["shards"], program
+        assert program["whole_temp_bytes"] >= program["leaf_bytes"], program  # the bound is not vacuous
 
 
 def test_golden_checkpoint_loads_onto_shards_and_saves_back_from_them(eight):

@@ -25,7 +25,8 @@ Writing one (see `reno_jax.envs.tictactoe.env` and `reno_jax.envs.connect4.env`,
 
 What the training loop, the evaluation and the warm start need beyond the episode itself (how a step's start
 records are drawn, an optional scripted teacher, the evaluation suites) an environment declares in its registry
-entry (`reno_jax.envs.registry.register`), with the `EvalSuite` and `Teacher` types below.
+entry (`reno_jax.envs.registry.register`), with the `EvalSuite` and `Teacher` types below; a board game may also
+declare how the play page draws its board and lets a person play on it (`BoardView`).
 """
 
 from __future__ import annotations
@@ -206,3 +207,124 @@ class EvalSuite:
     def __post_init__(self):
         if int(self.num_episodes) < 1:
             raise ValueError(f"an EvalSuite needs at least one episode, got {self.num_episodes}")
+
+
+# ---------------------------------------------------------------------------------------------- board view
+
+ONGOING = 0  # `BoardView.result`: the game goes on
+DRAW = -1  # `BoardView.result`: nobody won; k >= 1: side k won
+INPUTS = ("cell", "column")
+
+
+@dataclasses.dataclass(frozen=True)
+class BoardView:
+    """How a person plays an environment's board on the play page (`reno_jax.play`), declared by the environment
+    (``registry.register(board_view=lambda config: BoardView(...))``) so that the page itself knows no game.
+
+    A board is a NumPy ``int8 [rows, cols]`` array of cell values (0 empty, k a piece of side k); in the API it is
+    the string of its `chars`, row by row from the top left. An action is an int: the cell ``r * cols + c``
+    (``input="cell"``: the person clicks a cell) or the column ``c`` (``input="column"``: the person drops a piece
+    in a column), 0-based.
+
+    The model is asked through the environment itself: `decision_start` is the start record of a one-decision
+    episode at a board (built with `decision_overrides`), so its prompt, its generated call, the jitted parser and
+    the environment's verdict are those of a rollout. The heat map is the model's distribution over the rows of
+    the environment's `Teacher.calls` at their choice token (``sft.CallTable.choice_offset``); `call_actions`
+    says which action each row is.
+
+    Attributes:
+      rows, cols: the board's geometry.
+      input: ``"cell"`` or ``"column"``.
+      chars: one character per cell value in board strings (e.g. ``".xo"``).
+      symbols: what a cell of each value shows (e.g. ``("", "X", "O")``).
+      colors: a CSS colour per cell value (its symbol's, or the disc's).
+      sides: side k's name is ``sides[k - 1]`` (its pieces have cell value k).
+      to_move: ``board -> side`` to move.
+      legal: ``board -> bool [num_actions]``.
+      apply: ``(board, legal action) -> board`` with the side to move's piece placed (a new array).
+      result: ``board -> int``: `ONGOING`, `DRAW` or the side that won.
+      decision_start: ``board -> start record`` (leading axis 1) of a one-decision episode at an ongoing ``board``,
+        the model playing its side to move.
+      decision_overrides: ``make_env`` overrides of that episode's environment.
+      call_actions: the action of each `Teacher.calls` row; None: row k is action k.
+      check: optional ``board -> None`` raising ValueError (one line) for a position no game reaches.
+      best_actions: optional ``board -> [actions]``: the best ones (starred on the page).
+      trained_side: the side the run's model was trained to play (the page's default for the model); None: all.
+      action_labels: how the page and the log name each action; None: ``str(action + 1)``.
+    """
+
+    rows: int
+    cols: int
+    input: str
+    chars: str
+    symbols: tuple
+    colors: tuple
+    sides: tuple
+    to_move: Callable[[np.ndarray], int]
+    legal: Callable[[np.ndarray], np.ndarray]
+    apply: Callable[[np.ndarray, int], np.ndarray]
+    result: Callable[[np.ndarray], int]
+    decision_start: Callable[[np.ndarray], Any]
+    decision_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    call_actions: tuple | None = None
+    check: Callable[[np.ndarray], None] | None = None
+    best_actions: Callable[[np.ndarray], Any] | None = None
+    trained_side: int | None = None
+    action_labels: tuple | None = None
+
+    def __post_init__(self):
+        if self.input not in INPUTS:
+            raise ValueError(f"BoardView.input must be one of {list(INPUTS)}, got {self.input!r}")
+        if int(self.rows) < 1 or int(self.cols) < 1:
+            raise ValueError(f"BoardView needs rows, cols >= 1, got {self.rows} x {self.cols}")
+        values = len(self.chars)
+        if len(set(self.chars)) != values or len(self.symbols) != values or len(self.colors) != values:
+            raise ValueError("BoardView.chars (distinct), symbols and colors need one entry per cell value")
+        if len(self.sides) != values - 1:
+            raise ValueError(f"BoardView.sides names sides 1..{values - 1} (cell values after empty)")
+        if self.trained_side is not None and not 1 <= int(self.trained_side) <= len(self.sides):
+            raise ValueError(f"BoardView.trained_side must be in 1..{len(self.sides)} or None")
+        if self.action_labels is not None and len(self.action_labels) != self.num_actions:
+            raise ValueError(f"BoardView.action_labels needs {self.num_actions} labels")
+
+    @property
+    def num_actions(self) -> int:
+        return int(self.rows * self.cols if self.input == "cell" else self.cols)
+
+    def label(self, action: int) -> str:
+        return str(self.action_labels[action]) if self.action_labels is not None else str(int(action) + 1)
+
+    def actions_of_rows(self, num_rows: int) -> np.ndarray:
+        """``int32 [num_rows]``: the action of each teacher call row; raises ValueError when they do not fit."""
+        actions = np.arange(num_rows) if self.call_actions is None else np.asarray(self.call_actions)
+        if actions.shape != (num_rows,) or np.any(actions < 0) or np.any(actions >= self.num_actions):
+            raise ValueError(f"BoardView.call_actions must give one action in 0..{self.num_actions - 1} per "
+                             f"teacher call row ({num_rows} rows)")
+        return actions.astype(np.int32)
+
+    def format(self, board) -> str:
+        return "".join(self.chars[int(v)] for v in np.asarray(board).reshape(-1))
+
+    def parse(self, text: str) -> np.ndarray:
+        """``int8 [rows, cols]`` of a board string; raises ValueError (one line) for a malformed or impossible one."""
+        n = self.rows * self.cols
+        if not isinstance(text, str) or len(text) != n:
+            raise ValueError(f"a board is {n} characters of {self.chars!r}, row by row from the top left; "
+                             f"got {text!r}")
+        lowered = text.lower() if self.chars == self.chars.lower() else text  # X and x alike, unless they differ
+        bad = sorted({c for c in lowered if c not in self.chars})
+        if bad:
+            raise ValueError(f"a board is {n} characters of {self.chars!r}; {text!r} has {''.join(bad)!r}")
+        board = np.array([self.chars.index(c) for c in lowered], np.int8).reshape(self.rows, self.cols)
+        if self.check is not None:
+            self.check(board)
+        return board
+
+    def status(self, board) -> str:
+        """``"ongoing"``, ``"draw"`` or ``"<side>_won"`` (the side's name in lower case)."""
+        code = int(self.result(board))
+        if code == ONGOING:
+            return "ongoing"
+        if code == DRAW:
+            return "draw"
+        return f"{self.sides[code - 1].lower()}_won"

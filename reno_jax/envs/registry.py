@@ -9,6 +9,7 @@ an environment (`reno_jax.envs.interface`):
         make_sampler=lambda config: lambda key, num_groups: starts,      # a step's start records (host)
         make_teacher=lambda config, env: interface.Teacher(...),         # optional: the supervised warm start
         eval_suites=lambda config: {"all": interface.EvalSuite(...)},    # optional: evaluation
+        board_view=lambda config: interface.BoardView(...),              # optional: the play page's board
     )
 
 An environment in a package of its own registers itself when its module is imported; a config names that module
@@ -34,6 +35,8 @@ class Entry:
       host function called once per step outside jit; the returned starts are arrays with a leading group axis).
     make_teacher: optional ``(config, env) -> interface.Teacher``: the scripted policy of the warm start.
     eval_suites: optional ``config -> {name: interface.EvalSuite}``: the evaluations the environment offers.
+    board_view: optional ``config -> interface.BoardView``: how the play page draws the board and lets a person
+      play on it; without one the page shows episodes as transcripts.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Entry:
     make_sampler: Callable[[Any], Callable[[Any, int], Any]]
     make_teacher: Callable[[Any, interface.TextEnv], interface.Teacher] | None = None
     eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None
+    board_view: Callable[[Any], interface.BoardView] | None = None
 
 
 _ENTRIES: dict[str, Entry] = {}
@@ -51,15 +55,17 @@ _BUILTIN = {"tictactoe": "reno_jax.envs.tictactoe.registration", "connect4": "re
 def register(name: str, make_env: Callable[..., interface.TextEnv],
              make_sampler: Callable[[Any], Callable[[Any, int], Any]],
              make_teacher: Callable[[Any, interface.TextEnv], interface.Teacher] | None = None, *,
-             eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None) -> Entry:
+             eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None,
+             board_view: Callable[[Any], interface.BoardView] | None = None) -> Entry:
     """Registers (or replaces) an environment under `name`; returns its entry."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"an environment name must be a non-empty string, got {name!r}")
-    for what, fn in (("make_env", make_env), ("make_sampler", make_sampler)):
+    optional = (("board_view", board_view),) if board_view is not None else ()
+    for what, fn in (("make_env", make_env), ("make_sampler", make_sampler), *optional):
         if not callable(fn):
             raise TypeError(f"register({name!r}): {what} must be callable, got {fn!r}")
     entry = Entry(name=name, make_env=make_env, make_sampler=make_sampler, make_teacher=make_teacher,
-                  eval_suites=eval_suites)
+                  eval_suites=eval_suites, board_view=board_view)
     _ENTRIES[name] = entry
     return entry
 

@@ -134,9 +134,14 @@ def check_env(config) -> None:
     environment or a setting its `make_env` / `make_sampler` rejects ends in a `ConfigError` naming the field."""
     try:
         entry = build.env_entry(config)
+    except ValueError as error:
+        message = str(error)
+        raise ConfigError(f"--config.{message}" if message.startswith("env.") else f"--config.env.name: {message}") \
+            from None
+    try:
         entry.make_env(config.env)
         entry.make_sampler(config)
     except (ValueError, KeyError, TypeError) as error:
-        message = str(error).strip("'\"")
+        message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
         raise ConfigError(f"--config.{message}" if message.startswith("env.") else f"--config.env: {message}") \
             from None

@@ -22,14 +22,12 @@ are dropped, so the caller must size the cache for the whole sequence.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from reno_jax.models.config import Ling3Config, ling3_tiny_real, tiny_test_config  # noqa: F401 (re-export)
 from reno_jax.models.kda import kda_attention
@@ -134,177 +132,132 @@ def _unflatten(flat: dict) -> dict:
     return tree
 
 
-# Random init in JAX. Every element's value is a function of (key, leaf path, the element's row-major index in
-# its leaf) only: the leaf's key is threefry2x32 of two words hashed from the path under the run key, the
-# element's bits are threefry2x32(leaf key, index) (exactly `jax.random.bits(leaf_key, shape)` under the
-# partitionable threefry, JAX's default; here whatever that flag says), and an elementwise transform turns bits
-# into the kind's distribution (`_values`, the float steps of `jax.random.uniform` / `normal`). Nothing depends on
-# how a leaf is cut into shards, so a model drawn on 8 devices is bit for bit the one drawn on one, and a leaf's
-# values do not change when other leaves come or go (another layer count, a tied head).
+# Random init with `jax.random`. Leaf i of the path-sorted parameter list (`param_shapes`) draws from
+# `jax.random.fold_in(key, i)` with `jax.random.normal` / `uniform` in float32 (then transformed per kind and cast
+# to the leaf's dtype), so a value depends on the key, the leaf's index and the element's position only. Under JAX's
+# partitionable threefry (`jax_threefry_partitionable`, the default) an element's random bits are a function of
+# the key and the element's row-major index alone: they depend neither on how the leaf is cut into shards (a model
+# drawn onto a mesh, each device computing only its own shard, is bit for bit the one drawn on one device) nor on
+# the shape the leaf is drawn as (a flat draw of more elements, cut to the leaf's and reshaped, gives its values).
 #
-# Two routes run `_values`:
-#   on the devices  one jitted program per (leaf shape, dtype, family, sharding), cached, with `out_shardings` =
-#                   the leaf's sharding: each device computes only its own shard (iota and threefry partition
-#                   without communication); no host ever holds the leaf. The leaf's scalars are broadcast.
-#   on the host     unsharded leaves of small models (at most `HOST_DRAW_MAX` elements): the leaves of a family
-#                   laid end to end, `_CHUNK` elements per call of one fixed-shape program (compiled once per
-#                   process and family), each element carrying its leaf's key and parameters; the host cuts the
-#                   flat values into leaves. XLA:CPU spends ~0.1-0.3 s compiling each per-shape program and a tiny
-#                   model has ~20 leaf shapes, which the test suite, building dozens of tiny models, would pay
-#                   again and again.
-# XLA promises the same float bits only for the same computation: written differently (the families merged into
-# one select, or sqrt(2) as a multiply of its own) the two routes did round a last bit apart on CPU.
-# tests/test_model.py and tests/test_sharded_io.py compare them.
-_NORMAL, _UNIFORM, _CONST = "normal", "uniform", "const"  # transform families
-_PLAIN, _LOG, _INV_SOFTPLUS_EXP = 0, 1, 2  # what the uniform family does to its U(p0, p1) draw
-_CHUNK = 1 << 16  # elements per call of the host route
-HOST_DRAW_MAX = 1 << 22  # models up to this many elements take the host route for their unsharded leaves
+# Two routes run `_draw` (tests/test_model.py and tests/test_sharded_io.py compare them):
+#   per leaf     (`_leaf_program`) a jitted program for one leaf, its output on the leaf's sharding, cached by
+#                (shape, family, dtype, sharding): leaves of one shape share a compile, no program holds more than
+#                one leaf. Sharded models, large unsharded ones, and any model under a trace (`jax.eval_shape`).
+#   whole model  (`_draw_model`) unsharded models with a concrete key, up to `_MODEL_PROGRAM_MAX` padded elements:
+#                the normal leaves, then the uniform ones, `_ROWS` at a time, vmapped over their keys and each drawn
+#                flat at a power-of-two size (`_block_program`); the host cuts the blocks into leaves. XLA:CPU
+#                spends ~0.3 s compiling each random draw: the per-leaf route would compile ~20 for a tiny model
+#                (and the test suite builds dozens), this one three, shared by models of similar sizes.
+# Both pass a leaf's index and distribution parameters as arguments, so they run the same operations on them.
+_MODEL_PROGRAM_MAX = 1 << 22  # padded elements up to which an unsharded model takes the whole-model route
+_ROWS = 32  # leaves per block of the whole-model route
+_NORMAL_KINDS = ("linear", "embed", "router")
+_RANDOM_KINDS = _NORMAL_KINDS + ("conv", "A_log", "dt_bias")
+_PLAIN, _LOG, _INV_SOFTPLUS_EXP = 0, 1, 2  # what a uniform leaf does to its U(p0, p1) draw
 
 
-def _recipe(kind: str, shape, config: Ling3Config) -> tuple[str, int, float, float]:
-    """(family, mode, p0, p1) of an init kind; see `_values`."""
-    if kind in ("linear", "embed", "router"):  # N(0, std) = std * sqrt(2) * erf_inv(U(-1, 1))
-        return _NORMAL, 0, config.initializer_range * math.sqrt(2.0), 0.0
+def _init_args(kind: str, shape, config: Ling3Config) -> tuple[float, float, int]:
+    """(p0, p1, mode) of a leaf: N(0, p0) for the normal kinds; U(p0, p1) for the uniform ones, then `mode`;
+    the constant p0 else."""
+    if kind in _NORMAL_KINDS:  # N(0, initializer_range)
+        return float(config.initializer_range), 0.0, _PLAIN
     if kind == "conv":  # torch's default Conv1d init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = W
         bound = 1.0 / math.sqrt(shape[0])
-        return _UNIFORM, _PLAIN, -bound, bound
-    if kind == "A_log":  # A ~ U(1, 16)
-        return _UNIFORM, _LOG, 1.0, 16.0
-    if kind == "dt_bias":  # inverse softplus of dt ~ logU(1e-3, 1e-1)
-        return _UNIFORM, _INV_SOFTPLUS_EXP, math.log(1e-3), math.log(1e-1)
+        return -bound, bound, _PLAIN
+    if kind == "A_log":  # A = exp(A_log) ~ U(1, 16)
+        return 1.0, 16.0, _LOG
+    if kind == "dt_bias":  # inverse softplus of dt ~ logU(1e-3, 1e-1), dt clamped at 1e-4
+        return math.log(1e-3), math.log(1e-1), _INV_SOFTPLUS_EXP
     if kind in ("ones", "zeros32"):
-        return _CONST, 0, 1.0 if kind == "ones" else 0.0, 0.0
+        return (1.0 if kind == "ones" else 0.0), 0.0, _PLAIN
     raise AssertionError(kind)  # pragma: no cover - internal table
 
 
-def _threefry2x32(k1, k2, x1, x2):
-    """Threefry-2x32 (20 rounds; Salmon et al., SC'11), the hash under `jax.random`'s default key, written with
-    plain uint32 operators so that one code runs on numpy arrays (no compile) and on traced jax values (equal
-    to `jax.extend.random.threefry2x32_p`, which tests/test_model.py checks)."""
-    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
-    ks = (k1, k2, k1 ^ k2 ^ 0x1BD11BDA)
-    x1, x2 = x1 + ks[0], x2 + ks[1]
-    for i in range(5):
-        for r in rotations[i % 2]:
-            x1 = x1 + x2
-            x2 = (x2 << r) | (x2 >> (32 - r))
-            x2 = x2 ^ x1
-        x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + (i + 1)
-    return x1, x2
+def _draw(normal: bool, key, shape, p0, p1, mode) -> jax.Array:
+    """float32 values of a random leaf of `shape` from its key: p0 * N(0, 1) (`normal`), else U(p0, p1), its log
+    (`_LOG`) or softplus^-1(max(exp(.), 1e-4)) (`_INV_SOFTPLUS_EXP`)."""
+    if normal:
+        return p0 * jax.random.normal(key, shape, jnp.float32)
+    u = jax.random.uniform(key, shape, jnp.float32, p0, p1)
+    dt = jnp.maximum(jnp.exp(u), 1e-4)
+    return jnp.where(mode == _LOG, jnp.log(u), jnp.where(mode == _INV_SOFTPLUS_EXP, dt + jnp.log(-jnp.expm1(-dt)), u))
 
 
-def _leaf_keys(key_data, paths) -> np.ndarray | jax.Array:
-    """uint32 [len(paths), 2] threefry keys of leaves: threefry2x32 of two words hashed from each path under the
-    run key (64 bits: no two leaves of a model share a key). numpy for a concrete key (no compile), jax for a
-    traced one (one vectorised hash for all leaves, so tracing a real-size model stays quick)."""
-    words = np.stack([np.frombuffer(hashlib.blake2s("/".join(path).encode(), digest_size=8).digest(), dtype="<u4")
-                      for path in paths]).astype(np.uint32)
-    xp = np if isinstance(key_data, np.ndarray) else jnp
-    key_data = xp.asarray(key_data, np.uint32)
-    # [1]-shaped keys: numpy warns on overflowing uint32 scalars (but not arrays), and the hash wraps by design
-    k1, k2 = _threefry2x32(key_data[0:1], key_data[1:2], xp.asarray(words[:, 0]), xp.asarray(words[:, 1]))
-    return xp.stack([k1, k2], axis=1)
-
-
-def _flat_index(shape) -> jax.Array:
-    """uint32 row-major element index of an array of `shape` (a sum of iotas, so the SPMD partitioner gives
-    each device the indices of its own shard without materialising the others)."""
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for dim in reversed(range(len(shape))):
-        index = index + lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride)
-        stride *= shape[dim]
-    return index
-
-
-def _uniform(bits, lo, hi):
-    """U(lo, hi) float32 from 32 random bits, as `jax.random.uniform` makes it (23 mantissa bits in [1, 2))."""
-    mantissa = lax.shift_right_logical(bits, jnp.uint32(32 - 23)) | jnp.uint32(0x3F800000)
-    u01 = lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0)
-    return lax.max(lo, u01 * (hi - lo) + lo)
-
-
-def _values(k1, k2, index, mode, p0, p1, *, family: str, dtype):
-    """`dtype` values of the elements `index` (uint32, any shape) of leaves keyed (k1, k2) (uint32), drawn by
-    `family` with `mode` (int32) and p0, p1 (float32); every argument broadcasts against `index` (the device route
-    passes one leaf's scalars, the host route an entry per element).
-
-    _NORMAL: p0 * erf_inv(U(-1, 1)) (`jax.random.normal`'s transform, its sqrt(2) folded into p0 on the host:
-    one multiply after erf_inv); _UNIFORM: U(p0, p1), its log (`_LOG`) or softplus^-1(max(exp(.), 1e-4))
-    (`_INV_SOFTPLUS_EXP`).
-    """
-    # bits: threefry2x32 of the 64-bit counter (0, index), the two words xored (= jax.random.bits, partitionable)
-    b1, b2 = _threefry2x32(k1, k2, jnp.zeros_like(index), index)
-    bits = b1 ^ b2
-    if family == _NORMAL:
-        lo = jnp.float32(np.nextafter(np.float32(-1.0), np.float32(0.0)))
-        return (p0 * lax.erf_inv(_uniform(bits, lo, jnp.float32(1.0)))).astype(dtype)
-    u = _uniform(bits, p0, p1)
-    dt = lax.max(jnp.exp(u), jnp.float32(1e-4))
-    out = jnp.where(mode == _LOG, jnp.log(u), u)
-    return jnp.where(mode == _INV_SOFTPLUS_EXP, dt + jnp.log(-jnp.expm1(-dt)), out).astype(dtype)
+def _leaf_key(key_data, impl: str | None, index):
+    """Leaf `index`'s key: `fold_in` of the run key rebuilt from its data (`impl` None: JAX's default)."""
+    return jax.random.fold_in(jax.random.wrap_key_data(key_data, impl=impl), index)
 
 
 @functools.lru_cache(maxsize=None)
-def _leaf_program(shape: tuple[int, ...], dtype, family: str, sharding):
-    """The device route: one leaf of `shape` and `dtype` straight onto `sharding` (None: the default device).
-    Arguments: the leaf's key uint32 [2], mode int32 [], p0 / p1 float32 []."""
+def _leaf_program(shape: tuple[int, ...], normal: bool | None, dtype, sharding, impl: str | None):
+    """The per-leaf route: `draw(key_data, index uint32, p0 float32, p1 float32, mode int32) -> leaf` on `sharding`
+    (None: the default device). `normal` None: the constant p0."""
 
-    def draw(leaf_key, mode, p0, p1):
-        if family == _CONST:
-            return jnp.full(shape, p0, dtype)
-        return _values(leaf_key[0], leaf_key[1], _flat_index(shape), mode, p0, p1, family=family, dtype=dtype)
+    def draw(key_data, index, p0, p1, mode):
+        if normal is None:
+            return jnp.full(shape, p0, jnp.float32).astype(dtype)
+        return _draw(normal, _leaf_key(key_data, impl, index), shape, p0, p1, mode).astype(dtype)
 
     return jax.jit(draw, out_shardings=sharding)
 
 
-_chunk_program = jax.jit(_values, static_argnames=("family", "dtype"))  # the host route: [_CHUNK] per argument
+@functools.lru_cache(maxsize=None)
+def _keys_program(impl: str | None):
+    """The whole-model route's keys: `keys(key_data, indices uint32 [_ROWS]) -> key data [_ROWS, ...]`."""
+    return jax.jit(jax.vmap(lambda key_data, i: jax.random.key_data(_leaf_key(key_data, impl, i)), (None, 0)))
 
 
-def _host_draw(leaves: list) -> list:
-    """The host route: numpy values of `leaves` [(leaf key, shape, dtype, (family, mode, p0, p1))]. The leaves of
-    each (family, dtype) are laid end to end and drawn `_CHUNK` elements per call, each element carrying its
-    leaf's key, mode and parameters and its index in the leaf (the last call's tail is drawn and dropped)."""
-    out = [None] * len(leaves)
-    groups: dict = {}
-    for i, (_, shape, dtype, (family, _, p0, _)) in enumerate(leaves):
-        if family == _CONST:
-            out[i] = np.full(shape, p0, dtype)
-        else:
-            groups.setdefault((family, np.dtype(dtype)), []).append(i)
-    for (family, dtype), members in groups.items():
-        keys = np.stack([leaves[i][0] for i in members]).astype(np.uint32)  # [n, 2]
-        mode = np.asarray([leaves[i][3][1] for i in members], np.int32)
-        p0, p1 = (np.asarray([leaves[i][3][j] for i in members], np.float32) for j in (2, 3))
-        starts = np.cumsum([0] + [math.prod(leaves[i][1]) for i in members])  # leaf j: flat[starts[j]:starts[j+1]]
-        flat = np.empty(int(starts[-1]), dtype)
-        for begin in range(0, len(flat), _CHUNK):
-            pos = begin + np.arange(_CHUNK)
-            owner = np.minimum(np.searchsorted(starts, pos, side="right") - 1, len(members) - 1)
-            index = (pos - starts[owner]).astype(np.uint32)
-            values = _chunk_program(keys[owner, 0], keys[owner, 1], index, mode[owner], p0[owner], p1[owner],
-                                    family=family, dtype=dtype)
-            flat[begin:begin + _CHUNK] = np.asarray(values)[:len(flat) - begin]
-        for j, i in enumerate(members):
-            out[i] = flat[starts[j]:starts[j + 1]].reshape(leaves[i][1])
-    return out
+@functools.lru_cache(maxsize=None)
+def _block_program(normal: bool, size: int, dtypes: tuple, impl: str | None):
+    """The whole-model route's draw: `draw(keys [_ROWS, ...], p0, p1 float32 [_ROWS], mode int32 [_ROWS])
+    -> {dtype name: block [_ROWS, size]}`, row r the first `size` values of the leaf keyed keys[r]."""
+
+    def draw(keys, p0, p1, mode):
+        flat = jax.vmap(lambda k, a, b, m: _draw(normal, jax.random.wrap_key_data(k, impl=impl), (size,), a, b, m))(
+            keys, p0, p1, mode)
+        return {d: flat.astype(d) for d in dtypes}
+
+    return jax.jit(draw)
 
 
-def _threefry_key_data(key):
-    """uint32 [2] data of a threefry key (a typed `jax.random.key` or a raw `jax.random.PRNGKey`)."""
+def _draw_model(specs, key_data: np.ndarray, impl, p0, p1, mode) -> list | None:
+    """The whole-model route: every leaf of `specs` (shape, kind, dtype) as a device array, or None when the model
+    is too large for it. The random leaves are drawn `_ROWS` at a time, normal and uniform ones apart, each block at
+    the power of two at or above its largest leaf's size (so that models of similar sizes share the programs)."""
+    values = [None] * len(specs)
+    blocks = []
+    for normal in (True, False):
+        members = [j for j, (_, kind, _) in enumerate(specs)
+                   if kind in _RANDOM_KINDS and (kind in _NORMAL_KINDS) == normal]
+        for start in range(0, len(members), _ROWS):
+            rows = members[start:start + _ROWS]
+            size = 1 << max(max(math.prod(specs[j][0]) for j in rows) - 1, 0).bit_length()
+            blocks.append((normal, size, rows))
+    if sum(_ROWS * size for _, size, _ in blocks) > _MODEL_PROGRAM_MAX:
+        return None
+    for normal, size, rows in blocks:
+        padded = np.asarray(rows + [rows[0]] * (_ROWS - len(rows)))  # unused rows repeat the first leaf
+        keys = _keys_program(impl)(key_data, padded.astype(np.uint32))
+        dtypes = tuple(sorted({specs[j][2].name for j in rows}))
+        block = jax.device_get(_block_program(normal, size, dtypes, impl)(keys, p0[padded], p1[padded], mode[padded]))
+        for r, j in enumerate(rows):
+            shape, _, dtype = specs[j]
+            values[j] = jnp.asarray(block[dtype.name][r, :math.prod(shape)].reshape(shape))
+    for j, (shape, kind, dtype) in enumerate(specs):
+        if values[j] is None:  # the constant leaves
+            values[j] = jnp.asarray(np.full(shape, p0[j], dtype))
+    return values
+
+
+def _key_data(key) -> tuple[jax.Array, str | None]:
+    """(key data, implementation name or None for the default) of a typed `jax.random.key` or a raw
+    `jax.random.PRNGKey`."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        impl = str(jax.random.key_impl(key))
-        if "threefry2x32" not in impl:
-            raise TypeError(f"init_params needs a threefry2x32 key, got a {impl} key")
-        key = jax.random.key_data(key)
-    if key.shape != (2,) or key.dtype != jnp.uint32:
-        raise TypeError(f"init_params needs one threefry2x32 key (uint32 [2]), got {key.dtype} {key.shape}")
-    return key
-
-
-def _put(x: np.ndarray, sharding) -> jax.Array:
-    """A host array placed on `sharding` (each device, of every process, gets its own slice)."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        if key.shape != ():
+            raise TypeError(f"init_params needs one key, got keys of shape {key.shape}")
+        return jax.random.key_data(key), str(jax.random.key_impl(key))
+    return key, None
 
 
 def _flat_shardings(shardings, paths) -> dict:
@@ -325,47 +278,43 @@ def _flat_shardings(shardings, paths) -> dict:
     return flat
 
 
-def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, shardings=None, *,
-                host_draw_max: int = HOST_DRAW_MAX) -> dict:
+def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, shardings=None) -> dict:
     """Random parameters (HF-style init: N(0, initializer_range) linears and embeddings, unit norms, zero
     expert_bias, A = exp(A_log) ~ U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1), short-conv
-    kernels U(-1/sqrt(W), 1/sqrt(W))), drawn with JAX's threefry; see the comment above `_NORMAL` for what each
-    value depends on (the key, the leaf's path, the element's index: never the mesh).
+    kernels U(-1/sqrt(W), 1/sqrt(W))), drawn with `jax.random`: leaf i of the path-sorted parameter list from
+    `jax.random.fold_in(key, i)`. A value depends on the key, the leaf's index and its position in the leaf only:
+    never on the mesh (see the comment above `_draw`); adding or removing leaves (layers, a tied head) moves the
+    index, and so the values, of the leaves sorted after them.
 
-    key: a threefry key (`jax.random.PRNGKey` / `jax.random.key`). shardings: None (the default device) or a
-    params tree of `jax.sharding.Sharding` (`parallel.Layout.param_shardings`): every leaf is created on its
-    sharding, each device computing only its own shard (a jitted program per leaf shape and sharding), so no
-    device and no host ever holds a whole real-size model. Unsharded leaves of models of at most
-    `host_draw_max` elements are drawn by one fixed-shape program on the default device and cut into leaves on
-    the host, which needs one compile per process instead of one per leaf shape (0: every leaf on its devices;
-    same values either way). Under `jax.jit` / `jax.eval_shape` (a traced key) every leaf takes the device
-    route, so `jax.eval_shape` gives the shapes and dtypes without drawing anything.
+    key: a `jax.random.key` or a raw `jax.random.PRNGKey`. shardings: None (the default device) or a params tree
+    of `jax.sharding.Sharding` (`parallel.Layout.param_shardings`): every leaf is created on its sharding by a
+    jitted program of its own, each device computing only its own shard, so no device and no host ever holds a
+    whole real-size model; the values are those of the one-device init, bit for bit. Under `jax.jit` /
+    `jax.eval_shape` (a traced key) every leaf takes the per-leaf route, so `jax.eval_shape` gives the shapes and
+    dtypes without drawing anything.
     Returns the nested dict described in the module docstring.
     """
     items = sorted(param_shapes(config).items())
-    flat_shardings = {} if shardings is None else _flat_shardings(shardings, [p for p, _ in items])
-    key_data = _threefry_key_data(key)
-    try:
-        concrete = np.asarray(key_data)
+    paths = [path for path, _ in items]
+    specs = [(tuple(shape), kind, _leaf_dtype(kind, dtype)) for _, (shape, kind) in items]
+    p0, p1, mode = (np.asarray(x, t) for x, t in zip(
+        zip(*(_init_args(kind, shape, config) for _, (shape, kind) in items)), (np.float32, np.float32, np.int32)))
+    key_data, impl = _key_data(key)
+    try:  # host data when the key is concrete: a multi-process program takes it as one value for every process
+        key_data = np.asarray(key_data)
     except jax.errors.TracerArrayConversionError:
-        concrete = None
-    small = concrete is not None and sum(math.prod(shape) for _, (shape, _) in items) <= host_draw_max
-    leaves, on_host = {}, []
-    # host data when the key is concrete: a multi-process program takes it as one value for every process
-    keys = _leaf_keys(key_data if concrete is None else concrete, [path for path, _ in items])
-    for (path, (shape, kind)), leaf_key in zip(items, keys):
-        if math.prod(shape) >= 2**32:  # pragma: no cover - far beyond any Ling-3.0 leaf
-            raise ValueError(f"{'/'.join(path)} has {math.prod(shape)} elements; the init counts them in 32 bits")
-        leaf_dtype, sharding = _leaf_dtype(kind, dtype), flat_shardings.get(path)
-        family, mode, p0, p1 = recipe = _recipe(kind, shape, config)
-        if small and (sharding is None or sharding.is_fully_replicated):
-            on_host.append((path, sharding, (leaf_key, shape, leaf_dtype, recipe)))
-        else:
-            program = _leaf_program(tuple(shape), leaf_dtype, family, sharding)
-            leaves[path] = program(leaf_key, np.int32(mode), np.float32(p0), np.float32(p1))
-    for (path, sharding, _), x in zip(on_host, _host_draw([leaf for *_, leaf in on_host])):
-        leaves[path] = jnp.asarray(x) if sharding is None else _put(x, sharding)
-    return _unflatten({path: leaves[path] for path, _ in items})
+        key_data = jnp.asarray(key_data)
+    values = None
+    if shardings is None and isinstance(key_data, np.ndarray):
+        values = _draw_model(specs, key_data, impl, p0, p1, mode)
+    if values is None:
+        flat_shardings = {} if shardings is None else _flat_shardings(shardings, paths)
+        values = []
+        for i, (path, (shape, kind, leaf_dtype)) in enumerate(zip(paths, specs)):
+            normal = None if kind not in _RANDOM_KINDS else kind in _NORMAL_KINDS
+            program = _leaf_program(shape, normal, leaf_dtype, flat_shardings.get(path), impl)
+            values.append(program(key_data, np.uint32(i), p0[i], p1[i], mode[i]))
+    return _unflatten(dict(zip(paths, values)))
 
 
 def count_params(config: Ling3Config) -> dict:

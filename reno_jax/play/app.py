@@ -1,12 +1,19 @@
 """FastAPI app of the play page: the static page and its JSON API over a `service.PlayService`.
 
   GET  /                       the page (static/index.html; its JS and CSS under /static)
-  GET  /api/run                workdir, task, saved checkpoint steps (0 = warm start), training or finished
-  GET  /api/policy?board=x...o....&step=N[&sampled=true&seed=S]
-                               {"probs": [9], "mass", "square", "text", "optimal": [squares], "verdict",
-                                "tool_response", ...}: the policy at the decision token and the model's reply
-  POST /api/play               {"board", "square" (1..9, or null: the model moves first), "step", "sampled"}
-                               -> the board after the person's and the model's moves, the status, the model's turn
+  GET  /api/run                workdir, env, view ("board" or "transcript"), the board's geometry, input kind,
+                               symbols and sides (`board`, null for transcripts), the suites, saved checkpoint
+                               steps (0 = warm start), training or finished
+  GET  /api/policy?board=...&step=N[&sampled=true&seed=S]
+                               board view: {"probs": [num_actions], "mass", "best": [actions], "action", "label",
+                                "text", "verdict", "tool_response", ...}: the policy at the decision token and the
+                                model's reply
+  POST /api/play               board view: {"board", "action" (0-based, or null: the model moves first), "step",
+                               "sampled"} -> the board after the person's and the model's moves, the status, the
+                               model's turn
+  GET  /api/episode?step=N&suite=NAME&episode=K[&sampled=true&seed=S]
+                               any environment: one episode (suite "sampler": the run's training sampler) as chat
+                               messages with each step's reward
   GET  /api/metrics?since=N    metrics.jsonl rows after step N, the numeric keys and the default curves
 
 Every error is JSON `{"error": "..."}` with a 4xx/5xx status; no request can take the server down. The model
@@ -29,8 +36,10 @@ STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 
 
 class PlayRequest(pydantic.BaseModel):
-    board: str = "." * 9
-    square: int | None = None
+    model_config = pydantic.ConfigDict(extra="forbid")  # a misspelt field is an error, not a silent default
+
+    board: str | None = None  # None: the empty board
+    action: int | None = None
     step: int | None = None
     sampled: bool = False
     seed: int = 0
@@ -75,8 +84,13 @@ def create_app(service: service_lib.PlayService) -> fastapi.FastAPI:
 
     @app.post("/api/play")
     def play(request: PlayRequest):
-        return service.play(request.board, request.square, request.step, sampled=request.sampled,
-                            seed=request.seed)
+        board = request.board if request.board is not None else service.empty_board()
+        return service.play(board, request.action, request.step, sampled=request.sampled, seed=request.seed)
+
+    @app.get("/api/episode")
+    def episode(step: int | None = None, suite: str = service_lib.SAMPLER, episode: int = 0, sampled: bool = False,
+                seed: int = 0):
+        return service.episode(step, suite, episode, sampled=sampled, seed=seed)
 
     @app.get("/api/metrics")
     def metrics(since: int = 0):

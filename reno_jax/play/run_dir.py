@@ -1,4 +1,4 @@
-"""A read-only view of a training workdir (see `experiments/train_tictactoe.py` for its layout).
+"""A read-only view of a training workdir (as `reno_jax.loop.train` writes it).
 
 Nothing here writes into the workdir: the run may still be training into it. Checkpoint steps are found by
 listing `checkpoints/` (Orbax writes a step into a temporary directory and renames it to the bare step number
@@ -40,7 +40,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     path = os.path.join(workdir, "config.json")
     if not os.path.isfile(path):
         raise RunDirError(f"--workdir {workdir!r} has no config.json: not a training run "
-                          "(python -m experiments.train_tictactoe --workdir=... writes one)")
+                          "(python -m experiments.train --workdir=... writes one)")
     try:
         with open(path) as f:
             return ml_collections.ConfigDict(json.load(f))

@@ -1,5 +1,9 @@
 """The page's operations on one run, independent of HTTP: every failure is a `PlayError(status, message)`.
 
+The run's environment decides the view: one that declares a board view (`interface.BoardView`, in its registry
+entry) gets the board (a person plays the model, the heat map, the model's turns); any other gets transcripts
+(one episode of its sampler or of an evaluation suite, played by the chosen checkpoint).
+
 Model calls are serialised by one lock (JAX on a CPU gains nothing from concurrent calls, and the restored
 parameters' LRU is shared); a request that cannot get the lock within `lock_timeout` seconds is answered "busy"
 instead of waiting forever. Metrics and run information never take the lock, so curves keep refreshing while
@@ -14,20 +18,18 @@ import os
 import threading
 import time
 
+import jax
 import numpy as np
 
+from reno_jax.loop import build
 from reno_jax.rl import curriculum
-from reno_jax.play import board_text
+from reno_jax.rollout import summary as summary_lib
 from reno_jax.play import policy as policy_lib
 from reno_jax.play import run_dir as run_dir_lib
 
-# Curves the page draws first, per task (those present in metrics.jsonl); every numeric key can be picked.
-DEFAULT_CURVES = {
-    "move": ("rollout/rewards_mean", "rollout/optimal_move_rate", "rollout/tool_call_valid_rate",
-             "rollout/win_taken_rate", "rollout/illegal_rate", "train/entropy"),
-    "game": ("rollout/rewards_mean", "rollout/win_rate", "rollout/draw_rate", "rollout/loss_rate",
-             "rollout/tool_call_valid_rate", "train/entropy"),
-}
+# Curves the page draws first (those present in metrics.jsonl), before the environment's plotted figures.
+LEADING_CURVES = ("rollout/rewards_mean", "rollout/tool_call_valid_rate")
+SAMPLER = "sampler"  # the episode source that is the run's own training sampler
 _LIVE_SECONDS = 300  # metrics.jsonl written this recently and the run not at num_steps: shown as training
 
 
@@ -45,21 +47,62 @@ class PlayService:
     def __init__(self, workdir: str, default_step: int | None = None, cache_size: int = 4,
                  lock_timeout: float = 300.0):
         self.run = run_dir_lib.RunDir(workdir)
-        self._model = None  # the jitted functions, built on the first model call (a run may have no checkpoint yet)
+        config = self.run.config
+        self.entry = build.env_entry(config)
+        self.view = self.entry.board_view(config) if self.entry.board_view is not None else None
+        self.default_curves = LEADING_CURVES + summary_lib.plotted_metrics(build.make_env(config))
+        self._decisions = None  # the jitted functions, built on the first model call (a run may have no checkpoint)
+        self._episodes = None
+        self._suites = None
         self.default_step = default_step
-        self.task = str(self.run.config.env.task)
         self._cache_size = cache_size
         self._params = collections.OrderedDict()  # step -> params, least recently used first
         self._lock = threading.Lock()
         self._lock_timeout = lock_timeout
 
     @property
-    def model(self) -> policy_lib.Policy:
-        if self._model is None:
-            self._model = policy_lib.Policy(self.run.config, self.run.tokenizer, self.run.model_config)
-        return self._model
+    def decisions(self) -> policy_lib.Decisions:
+        if self.view is None:
+            raise PlayError(404, f"environment {self.entry.name!r} declares no board view; its episodes are shown "
+                                 "as transcripts (/api/episode)")
+        if self._decisions is None:
+            self._decisions = policy_lib.Decisions(self.run.config, self.run.tokenizer, self.run.model_config,
+                                                   self.entry, self.view)
+        return self._decisions
+
+    @property
+    def episodes(self) -> policy_lib.Episodes:
+        if self._episodes is None:
+            self._episodes = policy_lib.Episodes(self.run.config, self.run.tokenizer, self.run.model_config)
+        return self._episodes
 
     # -- run information ------------------------------------------------------------------------------------
+    def board_info(self) -> dict | None:
+        """The board view as the page draws it (None: the transcript view)."""
+        v = self.view
+        if v is None:
+            return None
+        empty = np.zeros((v.rows, v.cols), np.int8)
+        first = int(v.to_move(empty))
+        # The model plays the side the run trained it on; a run that trained every side lets the person open.
+        model_side = v.trained_side or next(k for k in range(1, len(v.sides) + 1) if k != first)
+        return {"rows": v.rows, "cols": v.cols, "input": v.input, "chars": v.chars, "symbols": list(v.symbols),
+                "colors": list(v.colors), "sides": list(v.sides), "num_actions": v.num_actions,
+                "labels": [v.label(a) for a in range(v.num_actions)], "empty": v.format(empty), "first_side": first,
+                "trained_side": v.trained_side, "model_side": model_side}
+
+    @property
+    def eval_suites(self) -> dict:
+        """The environment's evaluation suites (built once: some enumerate every position)."""
+        if self._suites is None:
+            entry = self.entry
+            self._suites = dict(entry.eval_suites(self.run.config)) if entry.eval_suites is not None else {}
+        return self._suites
+
+    def suites(self) -> list[dict]:
+        return [{"name": SAMPLER, "num_episodes": None}] + [
+            {"name": name, "num_episodes": int(s.num_episodes)} for name, s in self.eval_suites.items()]
+
     def info(self) -> dict:
         steps = self.run.steps()
         try:
@@ -73,7 +116,11 @@ class PlayService:
         default = self.default_step if self.default_step in steps else (steps[-1] if steps else None)
         return {
             "workdir": self.run.workdir,
-            "task": self.task,
+            "env": self.entry.name,
+            "task": str(self.run.config.env.get("task", "")),
+            "view": "board" if self.view is not None else "transcript",
+            "board": self.board_info(),
+            "suites": self.suites(),
             "num_steps": num_steps,
             "last_metrics_step": last,
             "training": last < num_steps and (recent or not rows),
@@ -93,7 +140,7 @@ class PlayService:
         keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
         new = [{k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in r.items()
                 if isinstance(v, (int, float))} for r in rows if int(r.get("step", 0)) > since]
-        return {"rows": new, "keys": keys, "default_keys": [k for k in DEFAULT_CURVES.get(self.task, ()) if k in keys],
+        return {"rows": new, "keys": keys, "default_keys": [k for k in self.default_curves if k in keys],
                 "last_step": int(rows[-1]["step"]) if rows else 0}
 
     # -- checkpoints ----------------------------------------------------------------------------------------
@@ -130,66 +177,110 @@ class PlayService:
         finally:
             self._lock.release()
 
+    def empty_board(self) -> str:
+        view = self.decisions.view
+        return view.format(np.zeros((view.rows, view.cols), np.int8))
+
+    def _board(self, text: str) -> np.ndarray:
+        view = self.decisions.view
+        try:
+            return view.parse(text)
+        except ValueError as e:
+            raise PlayError(400, str(e)) from None
+
     def policy(self, board: str, step: int | None = None, *, sampled: bool = False, seed: int = 0) -> dict:
-        """Heat map, minimax-optimal squares and the model's reply on `board` (the model plays the side to move)."""
-        cells = _parse(board)
-        if not 0 <= seed < 2**31:
-            raise PlayError(400, f"seed must be in 0..2**31-1, got {seed}")
-        state = board_text.result(cells)
-        if state != "ongoing":
-            raise PlayError(409, f"board {board!r} is finished ({state.replace('_', ' ')}): there is no move to make")
+        """Heat map over the actions, the best actions and the model's reply on `board` (it plays the side to
+        move)."""
+        decisions = self.decisions
+        view = decisions.view
+        cells = self._board(board)
+        _check_seed(seed)
+        status = view.status(cells)
+        if status != "ongoing":
+            raise PlayError(409, f"board {board!r} is finished ({status.replace('_', ' ')}): there is no move to make")
         step = self.resolve_step(step)
 
         def run():
             params = self._params_at(step)
-            return self.model.heat_map(params, cells), self.model.reply(params, cells, greedy=not sampled, seed=seed)
+            return decisions.heat_map(params, cells), decisions.reply(params, cells, greedy=not sampled, seed=seed)
 
         heat, reply = self._model_call(run)
-        side = board_text.side_to_move(cells)
-        return {"board": board_text.format_board(cells), "step": step, "side": "xo"[side - 1], **heat,
-                **policy_lib.minimax_squares(cells), **reply}
+        side = int(view.to_move(cells))
+        best = [int(a) for a in view.best_actions(cells)] if view.best_actions is not None else []
+        return {"board": view.format(cells), "step": step, "side": view.sides[side - 1], "side_index": side,
+                "legal": [bool(x) for x in view.legal(cells)], "best": best, **heat, **reply}
 
     def warm_up(self) -> None:
         """Builds the jitted functions and compiles them on the default checkpoint (if there is one yet), so the
         person's first click does not wait for XLA."""
         try:
-            self.policy(board_text.EMPTY_BOARD)
+            if self.view is not None:
+                self.policy(self.empty_board())
+            else:
+                self.episode()
         except PlayError:  # no checkpoint yet: the first request after one appears compiles instead
             pass
 
-    def play(self, board: str, square: int | None, step: int | None = None, *, sampled: bool = False,
+    def play(self, board: str, action: int | None, step: int | None = None, *, sampled: bool = False,
              seed: int = 0) -> dict:
-        """The person's move `square` (1..9; None: the model moves first on `board`), then the model's reply.
+        """The person's `action` (0-based; None: the model moves first on `board`), then the model's reply.
 
-        Returns the board after both moves, the game's `status` ("ongoing", "x_won", "o_won", "draw", or
+        Returns the board after both moves, the game's `status` ("ongoing", "draw", "<side>_won", or
         "model_illegal" / "model_invalid": the model's call was refused, which loses the game as in training)
         and the model's turn (`model`, the `policy` answer for the position it faced; None if it did not move).
         """
-        cells = _parse(board)
-        state = board_text.result(cells)
-        if state != "ongoing":
-            raise PlayError(409, f"the game is over ({state.replace('_', ' ')}); start a new one")
-        if square is not None:
-            if not 1 <= int(square) <= 9:
-                raise PlayError(400, f"square must be 1..9, got {square}")
-            if cells[square - 1] != 0:
-                raise PlayError(409, f"square {square} is taken; choose an empty square")
-            cells[square - 1] = board_text.side_to_move(cells)
-        after_person = board_text.format_board(cells)
-        status = board_text.result(cells)
+        view = self.decisions.view
+        cells = self._board(board)
+        status = view.status(cells)
+        if status != "ongoing":
+            raise PlayError(409, f"the game is over ({status.replace('_', ' ')}); start a new one")
+        if action is not None:
+            if not 0 <= int(action) < view.num_actions:
+                raise PlayError(400, f"action must be 0..{view.num_actions - 1}, got {action}")
+            if not bool(view.legal(cells)[action]):
+                raise PlayError(409, f"{view.input} {view.label(action)} is not a legal move here; choose another")
+            cells = view.apply(cells, int(action))
+        after_person = view.format(cells)
+        status = view.status(cells)
         model = None
         if status == "ongoing":
             model = self.policy(after_person, step, sampled=sampled, seed=seed)
             if model["verdict"] == "legal":
-                status = board_text.result(board_text.parse_board(model["board_after"]))
+                status = view.status(view.parse(model["board_after"]))
             else:
                 status = f"model_{model['verdict']}"
         return {"board": model["board_after"] if model else after_person, "after_person": after_person,
-                "person_square": square, "status": status, "model": model}
+                "person_action": action, "person_label": None if action is None else view.label(action),
+                "status": status, "model": model}
+
+    def episode(self, step: int | None = None, suite: str = SAMPLER, episode: int = 0, *, sampled: bool = False,
+                seed: int = 0) -> dict:
+        """One episode played by the checkpoint at `step`: the `episode`-th of an evaluation `suite`, or one drawn
+        by the run's training sampler (`suite="sampler"`, `seed` picks it); the conversation's messages."""
+        _check_seed(seed)
+        config = self.run.config
+        if suite == SAMPLER:
+            start, overrides = self.entry.make_sampler(config)(jax.random.PRNGKey(seed), 1), {}
+        else:
+            suites = self.eval_suites
+            if suite not in suites:
+                raise PlayError(404, f"no suite {suite!r}; choose {SAMPLER!r} or one of {sorted(suites)}")
+            chosen = suites[suite]
+            if not 0 <= episode < int(chosen.num_episodes):
+                raise PlayError(400, f"episode must be in 0..{int(chosen.num_episodes) - 1} for suite {suite!r}, "
+                                     f"got {episode}")
+            try:
+                start = chosen.starts(jax.random.PRNGKey(seed), np.array([episode]))
+            except ValueError as e:  # a suite that cannot start a single episode says why
+                raise PlayError(400, f"suite {suite!r}: {e}") from None
+            overrides = dict(chosen.env_overrides)
+        step = self.resolve_step(step)
+        out = self._model_call(lambda: self.episodes.play(self._params_at(step), start, overrides,
+                                                          greedy=not sampled, seed=seed))
+        return {"step": step, "suite": suite, "episode": episode if suite != SAMPLER else None, **out}
 
 
-def _parse(board: str) -> np.ndarray:
-    try:
-        return board_text.parse_board(board)
-    except board_text.BoardError as e:
-        raise PlayError(400, str(e)) from None
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed < 2**31:
+        raise PlayError(400, f"seed must be in 0..2**31-1, got {seed}")
+

@@ -11,6 +11,9 @@ drops the agent's piece and, unless that ends the game, the opponent replies ins
   the board is full after the reply                -> reward  0, done (draw)
   otherwise                                        -> reward  0, the tool response shows the reply and the board
 
+The play page asks for one move at a given position instead: a start record with a ``board``
+(`position_starts`) and ``single_move=True`` (no reply; the episode ends after the agent's move).
+
 The opponent's randomness comes from the start record's key only: ``fold_in(key, 0)`` for the opening when the
 agent is O, ``fold_in(key, k)`` for the reply to the agent's k-th move. So a group of samples sharing a start meets
 the same opponent (the same reply to the same position), and replays are exact.
@@ -50,11 +53,14 @@ class Connect4Start:
       agent_player: ``int32`` 1 (the agent is X and moves first) or 2 (the agent is O; the opponent opens).
       opponent: ``int32`` opponent id (``opponents.RANDOM`` 0, ``GREEDY`` 1, ``NEGAMAX`` 2).
       key: ``uint32 [N, 2]`` raw key data of the opponent's randomness.
+      board: ``int8 [N, 6, 7]`` a position to start from (`position_starts`): the agent is its side to move and the
+        opponent does not open; None (training, the suites): the empty board.
     """
 
     agent_player: jax.Array
     opponent: jax.Array
     key: jax.Array
+    board: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -120,6 +126,18 @@ def sample_starts(
     return Connect4Start(agent_player=side.astype(jnp.int32), opponent=opp, key=_key_data(keys))
 
 
+def position_starts(boards) -> Connect4Start:
+    """``[N]`` start records at ``int [N, 6, 7]`` positions (gravity holds, not finished), the agent playing each
+    one's side to move; the opponent is random and its key zero (it only matters when the game goes on)."""
+    boards = np.asarray(boards, np.int8)
+    if boards.ndim != 3 or boards.shape[1:] != (rules.ROWS, rules.COLS):
+        raise ValueError(f"boards must be [N, {rules.ROWS}, {rules.COLS}], got shape {boards.shape}")
+    n = boards.shape[0]
+    sides = np.array([rules.np_to_move(b) for b in boards], np.int32)
+    return Connect4Start(agent_player=jnp.asarray(sides), opponent=jnp.zeros((n,), jnp.int32),
+                         key=jnp.zeros((n, 2), jnp.uint32), board=jnp.asarray(boards))
+
+
 @flax.struct.dataclass
 class Connect4Env(TextEnv):
     """Connect Four against ``opponent`` (static; a pytree with no leaves).
@@ -132,11 +150,14 @@ class Connect4Env(TextEnv):
       negamax_depth: plies the negamax opponent searches (2..4 are sensible; measured on a shared 2-core CPU with
         XLA's default optimisation, a batch of 64 replies takes ~4 ms at depth 2, ~20-30 ms at 3, ~260 ms at 4).
       max_agent_turns: agent turns per episode (21 = every agent move of a full game).
+      single_move: the episode is the agent's one move: the opponent does not reply and the episode ends after it
+        (reward +1 for a win, 0 for any other legal move): the play page asks the model for a move this way.
     """
 
     opponent: str = flax.struct.field(pytree_node=False, default="random")
     negamax_depth: int = flax.struct.field(pytree_node=False, default=3)
     max_agent_turns: int = flax.struct.field(pytree_node=False, default=21)
+    single_move: bool = flax.struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         if self.opponent not in OPPONENT_SETTINGS:
@@ -152,7 +173,7 @@ class Connect4Env(TextEnv):
         return wording.chat_spec()
 
     def max_turns(self) -> int:
-        return int(self.max_agent_turns)
+        return 1 if self.single_move else int(self.max_agent_turns)
 
     def sample_starts(self, key: jax.Array, num_groups: int, agent_player: Any = "alternate") -> Connect4Start:
         """`sample_starts` with this env's opponent setting."""
@@ -198,12 +219,17 @@ class Connect4Env(TextEnv):
         agent = jnp.asarray(start.agent_player, jnp.int32)
         opponent = jnp.asarray(start.opponent, jnp.int32)
         key = _key_data(start.key)
-        agent_is_o = agent == rules.O
-        empty = rules.reset()
-        first = self._opponent_column(jax.random.fold_in(key, 0), empty, opponent)
-        # A drop into column -1 is a no-op, so the agent-is-X case needs no select over the state.
-        game = rules.drop(empty, jnp.where(agent_is_o, first, -1))
-        opening = jnp.where(agent_is_o, first + 1, 0).astype(jnp.int32)
+        if start.board is not None:  # a given position: the agent is its side to move (static branch)
+            game = rules.state_from_board(start.board)
+            agent_is_o = game.to_move == rules.O
+            opening = jnp.int32(0)
+        else:
+            agent_is_o = agent == rules.O
+            empty = rules.reset()
+            first = self._opponent_column(jax.random.fold_in(key, 0), empty, opponent)
+            # A drop into column -1 is a no-op, so the agent-is-X case needs no select over the state.
+            game = rules.drop(empty, jnp.where(agent_is_o, first, -1))
+            opening = jnp.where(agent_is_o, first + 1, 0).astype(jnp.int32)
         state = Connect4State(
             game=game,
             agent_player=jnp.where(agent_is_o, rules.O, rules.X).astype(jnp.int8),
@@ -229,7 +255,7 @@ class Connect4Env(TextEnv):
         game1 = rules.drop(state.game, jnp.where(played, column - 1, -1))
         won = played & (game1.winner == agent)
         draw1 = played & ~won & game1.done
-        reply = played & ~game1.done
+        reply = played & ~game1.done & (not self.single_move)
 
         reply_key = jax.random.fold_in(state.key, state.agent_moves + 1)
         reply_column = self._opponent_column(reply_key, game1, state.opponent)
@@ -256,7 +282,7 @@ class Connect4Env(TextEnv):
             state=new_state,
             message=Message(template=template.astype(jnp.int32), values=values),
             reward=reward,
-            done=new_state.done,
+            done=new_state.done | (live & self.single_move),
             info=self._info(new_state),
         )
 

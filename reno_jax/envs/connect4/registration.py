@@ -1,5 +1,5 @@
 """Connect Four's registry entry: the env from a config's `env` section, the step's start records, the warm-start
-teacher and the evaluation suites.
+teacher, the evaluation suites and the play page's board (`board_view`).
 
 Teachers (`sft.teacher`): "center_greedy" (default: win, else block, else the most central legal column), or one
 of the opponents' policies ("greedy", "negamax", "random"). Suites: whole games against each opponent ("random",
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.envs import interface, registry
+from reno_jax.envs.connect4 import board_view
 from reno_jax.envs.connect4 import env as c4_env
 from reno_jax.envs.connect4 import opponents, rules
 
@@ -24,7 +25,8 @@ CENTER_ORDER = (3, 2, 4, 1, 5, 0, 6)  # 0-based columns, the centre first
 def make_env(env_config, **overrides) -> c4_env.Connect4Env:
     get = lambda name, default: overrides.get(name, env_config.get(name, default))  # noqa: E731
     return c4_env.Connect4Env(opponent=str(get("opponent", "random")), negamax_depth=int(get("negamax_depth", 3)),
-                              max_agent_turns=int(get("max_agent_turns", 21)))
+                              max_agent_turns=int(get("max_agent_turns", 21)),
+                              single_move=bool(get("single_move", False)))
 
 
 def make_sampler(config):
@@ -81,4 +83,5 @@ def eval_suites(config) -> dict[str, interface.EvalSuite]:
     return {name: _game_suite(name) for name in opponents.KIND_NAMES}
 
 
-ENTRY = registry.register("connect4", make_env, make_sampler, make_teacher, eval_suites=eval_suites)
+ENTRY = registry.register("connect4", make_env, make_sampler, make_teacher, eval_suites=eval_suites,
+                          board_view=board_view.board_view)

@@ -186,7 +186,13 @@ class TicTacToeEnv(interface.TextEnv):
             outcome = jnp.select([info["is_win_taken"], info["is_illegal"], ~info["is_valid_call"]],
                                  [tasks.OUTCOME_WIN, tasks.OUTCOME_ILLEGAL, tasks.OUTCOME_INVALID],
                                  tasks.OUTCOME_ONGOING)
-            message = interface.Message(jnp.int32(tasks.OUTCOME_ONGOING), _values(state.board, 0, 0))
+            # The episode ends here, so no rollout renders this message; it says what the move did (the board
+            # after it and the game's status, as the game task would) for whoever asks the env (the play page).
+            after = jnp.where(info["is_legal"] & (jnp.arange(ttt.NUM_SQUARES) == square - 1),
+                              ttt.to_move_from_counts(state.board), state.board).astype(jnp.int8)
+            status = jnp.where(info["is_legal"] & ~info["is_win_taken"] & ttt.is_full(after), tasks.OUTCOME_DRAW,
+                               outcome)
+            message = interface.Message(status.astype(jnp.int32), _values(after, 0, 0))
             return interface.Step(state=state, message=message, reward=r, done=jnp.bool_(True),
                                   info=self._info(outcome, info["is_optimal"], info["is_seeking"],
                                                   info["is_win_taken"], jnp.int32(0), state.board))

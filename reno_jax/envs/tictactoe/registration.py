@@ -1,5 +1,6 @@
 """Tic-tac-toe's registry entry: the env from a config's `env` section, the step's start records, the warm-start
-teacher (a uniformly random legal square: the call format, no strategy) and the evaluation suites.
+teacher (a uniformly random legal square: the call format, no strategy), the evaluation suites and the play
+page's board (`board_view`).
 
 Suites (greedy, one episode per start; training-only shaping, `suboptimal_penalty` and `win_seeking`, off):
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.envs import interface, registry
+from reno_jax.envs.tictactoe import board_view
 from reno_jax.envs.tictactoe import boards as boards_lib
 from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.envs.tictactoe import minimax, tasks, wording
@@ -175,4 +177,5 @@ def eval_suites(config) -> dict[str, interface.EvalSuite]:
     return suites
 
 
-ENTRY = registry.register("tictactoe", make_env, make_sampler, make_teacher, eval_suites=eval_suites)
+ENTRY = registry.register("tictactoe", make_env, make_sampler, make_teacher, eval_suites=eval_suites,
+                          board_view=board_view.board_view)
