@@ -49,6 +49,7 @@ from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
 from reno_jax.models import layers, ling3  # noqa: E402
 from reno_jax.rl import policy  # noqa: E402
 from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
+from reno_jax.rl.batch import TrainBatch  # noqa: E402
 from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
 
@@ -121,9 +122,9 @@ def make_step(args, config):
     return optimizer, step_fn
 
 
-def train_batch(args, traj, adv, prompt_len: int) -> dict:
-    batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
-             "old_logp": traj.behaviour_logp, "advantages": adv}
+def train_batch(args, traj, adv, prompt_len: int) -> TrainBatch:
+    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
+                       advantages=adv)
     if args.share_prefix:
         batch = shared_prefix.split_shared_prefix(batch, prompt_len)
     return batch
@@ -269,7 +270,7 @@ def main():
         (state, metrics), dt = timed(step_fn, state, batch)
         times.append(dt)
     res["train_step_s"] = float(np.median(times)) if times else None
-    res["train_tokens"] = int(np.asarray(batch["valid"]).sum())
+    res["train_tokens"] = int(np.asarray(batch.valid).sum())
     res["train_loss"] = float(metrics["loss"])
     res["train_grad_norm"] = float(metrics["grad_norm"])
     res["train_skipped_updates"] = int(state.skipped_updates)

@@ -45,6 +45,7 @@ from reno_jax import loop  # noqa: E402
 from reno_jax.loop import build, warmstart  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rl import losses, policy, trainer  # noqa: E402
+from reno_jax.rl.batch import TrainBatch  # noqa: E402
 from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
 
 
@@ -56,7 +57,8 @@ def score(model_config, params, traj, replay: bool) -> dict:
     least one MoE layer (`flipped_*`), and over the other policy tokens (`clean_*`, which still see flips at
     earlier positions through attention).
     """
-    batch = {"tokens": traj.tokens, "valid": traj.valid, "routing": traj.routing}
+    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
+                       advantages=jnp.ones(traj.reward.shape), routing=traj.routing)
     logp, _, stats = _logp_fn(model_config, replay)(params, batch)
     sums = trainer.mismatch_sums(logp, traj.behaviour_logp, traj.loss_mask)
     out = {k: float(v) for k, v in trainer.mismatch_metrics(sums, stats).items()}
@@ -80,8 +82,8 @@ def score_in_train_step(model_config, params, traj, replay: bool) -> dict:
     value_and_grad), whose compiled forward rounds differently from the standalone one in `score`."""
     opt = optax.sgd(0.0)
     step = _train_step(model_config, replay)
-    batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
-             "old_logp": traj.behaviour_logp, "advantages": jnp.ones(traj.reward.shape), "routing": traj.routing}
+    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
+                       advantages=jnp.ones(traj.reward.shape), routing=traj.routing)
     _, m = step(trainer.create_train_state(params, opt, 0), batch)
     out = {k: float(m[k]) for k in ("rollout_logp_abs_diff_mean", "rollout_logp_abs_diff_max", "rollout_k3_kl",
                                     "rollout_ratio_max", "routing_agreement")}

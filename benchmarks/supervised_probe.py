@@ -35,6 +35,7 @@ from reno_jax.envs.tictactoe import minimax, registration, wording  # noqa: E402
 from reno_jax.loop import build  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
 from reno_jax.rl import policy, sft, trainer  # noqa: E402
+from reno_jax.rl.batch import TrainBatch  # noqa: E402
 
 
 def apply_overrides(config, pairs):
@@ -154,15 +155,15 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         idx = rng.choice(len(train_boards), size=args.batch, replace=True)
         # One turn of the move task, written by stepping the environment: the prompt and a correct square's call.
-        batch = sft.env_transcripts(jax.random.fold_in(key_play, step), ttt_env.move_starts(train_boards[idx]), env,
-                                    teacher, calls, max_turns=1, length=length)
+        out = sft.env_transcripts(jax.random.fold_in(key_play, step), ttt_env.move_starts(train_boards[idx]), env,
+                                  teacher, calls, max_turns=1, length=length)
         if step == 1:  # the teacher's choices are the host's correct squares
-            at = np.argmax(np.asarray(batch["loss_mask"]), axis=1) + cut
-            support = np.asarray(batch["support"])[np.arange(len(idx)), at]
+            at = np.argmax(np.asarray(out.loss_mask), axis=1) + cut
+            support = np.asarray(out.support)[np.arange(len(idx)), at]
             assert (support == correct_squares(table, train_boards[idx])).all()
-        feed = {k: batch[k] for k in ("tokens", "valid", "loss_mask")}
-        feed["old_logp"] = jnp.zeros(feed["tokens"].shape, jnp.float32)
-        feed["advantages"] = jnp.zeros((len(idx),), jnp.float32)
+        feed = TrainBatch(tokens=out.tokens, valid=out.valid, loss_mask=out.loss_mask,
+                          old_logp=jnp.zeros(out.tokens.shape, jnp.float32),
+                          advantages=jnp.zeros((len(idx),), jnp.float32))
         state, m = step_fn(state, feed)
         if step % args.eval_every == 0 or step == args.steps:
             rate = evaluate(state.params)

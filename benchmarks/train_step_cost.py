@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import tictactoe_tiny  # noqa: E402
 from reno_jax.loop import build as loop_build  # noqa: E402
 from reno_jax.rl import policy, recipe, shared_prefix, trainer  # noqa: E402
+from reno_jax.rl.batch import TrainBatch  # noqa: E402
 
 COMMON = 38  # leading tokens every move-task prompt shares
 
@@ -102,14 +103,14 @@ def build(name: str, continuation: int):
     tokens = rng.integers(0, model_config.vocab_size, (rows, length)).astype(np.int32)
     tokens[:, :prefix] = np.repeat(tokens[::group, :prefix], group, axis=0)
     tokens[:, :common] = tokens[0, :common]
-    batch = {"tokens": tokens, "valid": np.ones((rows, length), bool),
-             "loss_mask": np.arange(length)[None, :].repeat(rows, 0) >= prefix,
-             "old_logp": np.full((rows, length), -2.0, np.float32),
-             "advantages": rng.normal(size=(rows,)).astype(np.float32),
-             "entropy_scale": np.ones((rows,), np.float32)}
-    batch = shared_prefix.split_shared_prefix({k: jnp.asarray(v) for k, v in batch.items()}, prefix, common)
+    batch = TrainBatch(tokens=tokens, valid=np.ones((rows, length), bool),
+                       loss_mask=np.arange(length)[None, :].repeat(rows, 0) >= prefix,
+                       old_logp=np.full((rows, length), -2.0, np.float32),
+                       advantages=rng.normal(size=(rows,)).astype(np.float32),
+                       entropy_scale=np.ones((rows,), np.float32))
+    batch = shared_prefix.split_shared_prefix(jax.tree.map(jnp.asarray, batch), prefix, common)
     if old == "own":
-        batch["old_logp"] = jax.jit(lambda p, b: logp_fn(p, b)[0])(params, batch)
+        batch = batch.replace(old_logp=jax.jit(lambda p, b: logp_fn(p, b).logp)(params, batch))
     initial = jax.tree.map(jnp.copy, state)
     t0 = time.perf_counter()
     state, metrics = step(state, batch)

@@ -15,6 +15,7 @@ from reno_jax.loop import config as loop_config
 from reno_jax.rl import policy
 from reno_jax.models import layers, ling3
 from reno_jax.rl import losses, trainer
+from reno_jax.rl.batch import TrainBatch
 from reno_jax.sharding.axes import MESH_AXES
 
 MESHES = (  # (mesh sizes, preset): every mesh axis, the expert- and the tensor-parallel preset (fsdp is in both)
@@ -65,10 +66,10 @@ def train_steps(num_steps=3):
     params = ling3.init_params(config, jax.random.PRNGKey(0))
     key = jax.random.PRNGKey(3)
     b, length = 8, 10
-    batch = {"tokens": jax.random.randint(key, (b, length), 0, config.vocab_size),
-             "loss_mask": jnp.arange(length)[None, :].repeat(b, 0) >= 4,
-             "old_logp": jnp.full((b, length), -4.0, jnp.float32),
-             "advantages": jnp.linspace(-1.0, 1.0, b, dtype=jnp.float32)}
+    batch = TrainBatch(tokens=jax.random.randint(key, (b, length), 0, config.vocab_size),
+                       loss_mask=jnp.arange(length)[None, :].repeat(b, 0) >= 4,
+                       old_logp=jnp.full((b, length), -4.0, jnp.float32),
+                       advantages=jnp.linspace(-1.0, 1.0, b, dtype=jnp.float32))
     optimizer = optax.sgd(0.1)
     step = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=False), losses.gspo_loss, optimizer,
                                    num_microbatches=2, donate=False)
@@ -81,7 +82,7 @@ def train_steps(num_steps=3):
     want = jax.device_get(run(trainer.create_train_state(params, optimizer, 0), batch).params)
     mesh = parallel.make_mesh(parallel.MeshConfig(data=2, fsdp=2, expert=2, preset="fsdp_ep"))
     p_shard = parallel.param_shardings(config, mesh, "fsdp_ep")
-    sharded_batch = {k: jax.device_put(v, parallel.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
+    sharded_batch = jax.tree.map(lambda v: jax.device_put(v, parallel.batch_sharding(mesh, v.ndim)), batch)
     step = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=False), losses.gspo_loss, optimizer,
                                    num_microbatches=2, donate=False)  # traced again, with the mesh active
     with jax.set_mesh(mesh):

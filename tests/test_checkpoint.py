@@ -24,6 +24,7 @@ if REPO not in sys.path:  # the subprocess runs this file directly
 from reno_jax.checkpoint import metrics as M  # noqa: E402
 from reno_jax.checkpoint import orbax as ckpt_lib  # noqa: E402
 from reno_jax.rl import losses, trainer  # noqa: E402
+from reno_jax.rl.batch import TrainBatch  # noqa: E402
 
 V, L, B = 64, 6, 8
 CONFIG = {"loss": "gspo", "lr": 3e-2, "vocab": V, "shape": (B, L), "nested": {"group_size": 4}}
@@ -31,13 +32,13 @@ SAVE_EVERY = 3
 
 
 def toy_logp_fn(params, batch):
-    """Bigram softmax policy: (logp [b, L], entropy [b, L]); position 0 has logp 0."""
-    tokens = batch["tokens"]
+    """Bigram softmax policy: logp [b, L] and entropy [b, L]; position 0 has logp 0."""
+    tokens = batch.tokens
     lsm = jax.nn.log_softmax(params["w"][tokens[:, :-1]] + params["b"], axis=-1)
     logp = jnp.take_along_axis(lsm, tokens[:, 1:, None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.exp(lsm) * lsm, axis=-1)
     pad = jnp.zeros((tokens.shape[0], 1))
-    return jnp.concatenate([pad, logp], 1), jnp.concatenate([pad, ent], 1)
+    return trainer.PolicyOutput(jnp.concatenate([pad, logp], 1), jnp.concatenate([pad, ent], 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,18 +60,18 @@ def make_run():
 @jax.jit
 def sample_batch(key):
     """Random tokens (drawn with the state's rng, so a resumed run must restore it exactly); reward = number of
-    generated tokens < 8; old_logp is filled in by the caller from the current policy."""
+    generated tokens < 8; old_logp (zeros here) is filled in by the caller from the current policy. Returns
+    (batch, reward)."""
     tokens = jax.random.randint(key, (B, L), 0, V).astype(jnp.int32)
     mask = jnp.broadcast_to(jnp.arange(L)[None, :] >= 2, (B, L))
     reward = jnp.sum((tokens < 8) & mask, 1).astype(jnp.float32)
-    return {"tokens": tokens, "loss_mask": mask, "advantages": losses.group_advantages(reward, 4),
-            "reward": reward}
+    return TrainBatch(tokens=tokens, loss_mask=mask, old_logp=jnp.zeros((B, L), jnp.float32),
+                      advantages=losses.group_advantages(reward, 4)), reward
 
 
 @jax.jit
 def behaviour_logp(params, batch):
-    logp, _ = toy_logp_fn(params, batch)
-    return jnp.where(batch["loss_mask"], logp, 0.0)
+    return jnp.where(batch.loss_mask, toy_logp_fn(params, batch).logp, 0.0)
 
 
 class SimulatedCrash(Exception):
@@ -88,10 +89,10 @@ def run_training(workdir, total_steps, crash_after=None):
     writer = M.MetricsWriter(workdir, start_step=start)
     for s in range(start, total_steps):
         state, key = trainer.split_rng(state)
-        batch = sample_batch(key)
-        batch["old_logp"] = behaviour_logp(state.params, batch)
+        batch, reward = sample_batch(key)
+        batch = batch.replace(old_logp=behaviour_logp(state.params, batch))
         state, metrics = step_fn(state, batch)
-        writer.write(s + 1, dict(metrics, reward=jnp.mean(batch["reward"])))
+        writer.write(s + 1, dict(metrics, reward=jnp.mean(reward)))
         ckpt.save(state, CONFIG)
         if crash_after is not None and s + 1 == crash_after:
             ckpt.close()  # let the periodic checkpoint land; everything after it is lost

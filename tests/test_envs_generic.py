@@ -26,6 +26,7 @@ from reno_jax.models import ling3
 from reno_jax.protocol import chat
 from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.rl import sft
+from reno_jax.rl.batch import TrainBatch
 from reno_jax.rollout import rollout as R
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -97,10 +98,10 @@ def test_guess_number_transcripts_step_the_environment(tok):
     length = R.conversation_length(env, R.RolloutConfig(max_new_tokens=16, max_turns=5))
     out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(1), starts, env, teacher.policy, table, max_turns=5,
                                              length=length))
-    info = out["info"]
+    info = out.info
     assert info["found"].mean() > 0.5 and not info["invalid"].any()
     for b in range(4):
-        text = _decode(tok, out["tokens"][b][out["valid"][b]])
+        text = _decode(tok, out.tokens[b][out.valid[b]])
         secret = int(starts.secret[b])
         assert text.startswith(chat.chat_text(tok, env.env.chat(), chat.user_messages(env.env.chat(),
                                                                                     (0, [0, 0]))))
@@ -110,7 +111,7 @@ def test_guess_number_transcripts_step_the_environment(tok):
             assert ("is too high" if g > secret else "is too low") in text
         assert (guesses[-1] == secret) == bool(info["found"][b])
         # The loss mask covers exactly the calls (turn end included).
-        assert out["loss_mask"][b].sum() == sum(int(table.length[g - 1]) for g in guesses)
+        assert out.loss_mask[b].sum() == sum(int(table.length[g - 1]) for g in guesses)
 
 
 def test_registry_and_config_validation():
@@ -231,8 +232,10 @@ def test_logp_fn_scores_the_tempered_policy(params):
     logits, _ = ling3.forward(params, MC, tokens)
     want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / 0.7, axis=-1),
                                tokens[:, 1:, None], axis=-1)[..., 0]
-    got, _ = policy.make_logp_fn(MC, temperature=0.7)(params, {"tokens": tokens})
+    batch = TrainBatch(tokens=tokens, loss_mask=jnp.ones(tokens.shape, bool), old_logp=jnp.zeros(tokens.shape),
+                       advantages=jnp.zeros(tokens.shape[:1]))
+    got = policy.make_logp_fn(MC, temperature=0.7)(params, batch).logp
     np.testing.assert_allclose(np.asarray(got[:, 1:]), np.asarray(want), rtol=1e-5, atol=1e-5)
-    plain, _ = policy.make_logp_fn(MC)(params, {"tokens": tokens})
+    plain = policy.make_logp_fn(MC)(params, batch).logp
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(policy.make_logp_fn(MC, temperature=1.0)(
-        params, {"tokens": tokens})[0]))
+        params, batch).logp))

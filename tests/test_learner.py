@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from reno_jax.rl import learner, losses, trainer
+from reno_jax.rl.batch import TrainBatch
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -36,7 +37,7 @@ def _host_top_variance_rows(reward, group_size: int, num_groups: int):
     return rows, jnp.mean(informative)
 
 
-def host_select_groups(batch: dict, reward, group_size: int, num_groups: int):
+def host_select_groups(batch: TrainBatch, reward, group_size: int, num_groups: int):
     n = reward.shape[0] // group_size
     rows, informative = _host_top_variance_rows(reward, group_size, min(num_groups or n, n))
     if num_groups and num_groups < n:
@@ -47,12 +48,12 @@ def host_select_groups(batch: dict, reward, group_size: int, num_groups: int):
 def host_prepare(traj, step, cfg):
     """The old loop's batch assembly: eager advantages, host selection, a host scale broadcast per row."""
     advantages = losses.group_advantages(traj.reward, cfg.group_size, normalize_std=cfg.normalize_adv_std)
-    batch = {"tokens": traj.tokens, "valid": traj.valid, "loss_mask": traj.loss_mask,
-             "old_logp": traj.behaviour_logp, "advantages": advantages}
+    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
+                       advantages=advantages)
     batch, informative = host_select_groups(batch, traj.reward, cfg.group_size, cfg.train_groups)
     if cfg.forking_schedule:
         scale = host_forking_entropy_scale(step, cfg.num_steps, cfg.forking_entropy_hold, cfg.forking_entropy_end)
-        batch["entropy_scale"] = jnp.full(batch["advantages"].shape, scale, jnp.float32)
+        batch = batch.replace(entropy_scale=jnp.full(batch.advantages.shape, scale, jnp.float32))
     return batch, informative
 
 
@@ -109,14 +110,17 @@ def test_select_groups_equals_host_reference(train_groups):
     reward = rng.choice(np.float32([-1.0, 0.0, 0.5, 1.0]), size=n * g).astype(np.float32)
     reward[:g] = 0.5
     reward[2 * g:3 * g] = reward[4 * g:5 * g]
-    batch = {"tokens": jnp.asarray(rng.integers(0, 50, (n * g, 5)), jnp.int32),
-             "advantages": jnp.asarray(rng.normal(size=n * g), jnp.float32)}
+    batch = TrainBatch(tokens=jnp.asarray(rng.integers(0, 50, (n * g, 5)), jnp.int32),
+                       loss_mask=jnp.asarray(rng.uniform(size=(n * g, 5)) < 0.5),
+                       old_logp=jnp.asarray(rng.normal(size=(n * g, 5)), jnp.float32),
+                       advantages=jnp.asarray(rng.normal(size=n * g), jnp.float32))
     want, want_rate = host_select_groups(batch, jnp.asarray(reward), g, train_groups)
     got, rate = jax.jit(lambda b, r: learner.select_groups(b, r, g, train_groups))(batch, jnp.asarray(reward))
     assert isinstance(rate, jax.Array) and rate.dtype == jnp.float32
     assert float(rate) == want_rate
-    for k in batch:
-        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    assert isinstance(got, TrainBatch) and sorted(got.present()) == sorted(batch.present())  # None stays None
+    for k, v in want.present().items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, k)), np.asarray(v))
 
 
 # ---------------------------------------------------------------------------------------------- toy learner
@@ -126,7 +130,7 @@ V, L, G, N = 16, 10, 4, 4  # vocabulary, row length, group size, groups per step
 
 @flax.struct.dataclass
 class ToyTrajectory:
-    """The Trajectory fields the learner reads, and nothing else."""
+    """The Trajectory fields the learner reads; `stats` and `env_info`, which `prepare_batch` drops, stay None."""
     tokens: jax.Array
     valid: jax.Array
     loss_mask: jax.Array
@@ -134,6 +138,8 @@ class ToyTrajectory:
     reward: jax.Array
     prompt_length: jax.Array
     group_id: jax.Array
+    stats: object = None
+    env_info: object = None
     routing: object = None
 
 
@@ -142,19 +148,19 @@ def toy_params(seed=0):
     return {"w": 0.5 * jax.random.normal(k1, (V, V)), "b": 0.1 * jax.random.normal(k2, (V,))}
 
 
-def toy_logp_fn(params, batch):
+def toy_logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput:
     """Bigram policy; a shared-prefix batch is scored on prefix + continuation and cut back to the continuation."""
-    tokens, cut = batch["tokens"], 0
-    if "prefix_tokens" in batch:
-        head = [batch["common_tokens"]] if "common_tokens" in batch else []
-        head.append(batch["prefix_tokens"])
+    tokens, cut = batch.tokens, 0
+    if batch.shared_prefix:
+        head = [batch.common_tokens] if batch.common_tokens is not None else []
+        head.append(batch.prefix_tokens)
         cut = sum(h.shape[1] for h in head)
         tokens = jnp.concatenate(head + [tokens], axis=1)
     lsm = jax.nn.log_softmax(params["w"][tokens[:, :-1]] + params["b"], axis=-1)
     logp = jnp.take_along_axis(lsm, tokens[:, 1:, None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.exp(lsm) * lsm, axis=-1)
     pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
-    return jnp.concatenate([pad, logp], 1)[:, cut:], jnp.concatenate([pad, ent], 1)[:, cut:]
+    return trainer.PolicyOutput(jnp.concatenate([pad, logp], 1)[:, cut:], jnp.concatenate([pad, ent], 1)[:, cut:])
 
 
 def toy_trajectory(params, seed):
@@ -170,7 +176,8 @@ def toy_trajectory(params, seed):
     loss_mask = valid & (pos >= prompt_len[:, None])
     reward = rng.choice(np.float32([-1.0, 0.0, 1.0]), N * G).astype(np.float32)
     reward[G:2 * G] = 1.0
-    logp, _ = toy_logp_fn(params, {"tokens": jnp.asarray(tokens)})
+    logp = toy_logp_fn(params, TrainBatch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(loss_mask),
+                                          old_logp=jnp.zeros((N * G, L)), advantages=jnp.zeros((N * G,)))).logp
     return ToyTrajectory(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(loss_mask),
                          behaviour_logp=jnp.where(jnp.asarray(loss_mask), logp, 0.0), reward=jnp.asarray(reward),
                          prompt_length=jnp.asarray(prompt_len), group_id=jnp.asarray(np.arange(N * G) // G))
@@ -202,16 +209,17 @@ def test_prepare_batch_matches_the_host_loop(train_groups):
         traj = toy_trajectory(params, seed=step)
         want, want_rate = host_prepare(traj, step, cfg)
         got, stats = lrn.prepare_batch(traj, jnp.int32(step))
-        assert sorted(got) == sorted(want)
-        for k in want:
+        assert isinstance(got, TrainBatch) and sorted(got.present()) == sorted(want.present())
+        for k, v in want.present().items():
             if k in ("advantages", "entropy_scale"):
-                np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6, atol=1e-6, err_msg=k)
+                np.testing.assert_allclose(np.asarray(getattr(got, k)), np.asarray(v), rtol=1e-6, atol=1e-6, err_msg=k)
             else:
-                np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
-        assert float(stats["informative_group_rate"]) == want_rate
+                np.testing.assert_array_equal(np.asarray(getattr(got, k)), np.asarray(v), err_msg=k)
+        assert isinstance(stats, learner.BatchStats) and float(stats.informative_group_rate) == want_rate
+        assert stats.shortest_prompt is None and stats.common_prefix is None  # no shared-prefix cut
         for again in (lrn.prepare_batch(traj, jnp.int32(step))[0], jitted(traj, jnp.int32(step))[0]):
-            for k in want:
-                np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(got[k]), err_msg=k)
+            for k in want.present():
+                np.testing.assert_array_equal(np.asarray(getattr(again, k)), np.asarray(getattr(got, k)), err_msg=k)
 
 
 def test_prepare_batch_step_offset_starts_the_schedule_at_the_stage():
@@ -224,7 +232,7 @@ def test_prepare_batch_step_offset_starts_the_schedule_at_the_stage():
         traj = toy_trajectory(params, seed=step)
         want, _ = lrn.prepare_batch(traj, jnp.int32(step))
         got, _ = shifted(traj, jnp.int32(100 + step))
-        np.testing.assert_array_equal(np.asarray(got["entropy_scale"]), np.asarray(want["entropy_scale"]))
+        np.testing.assert_array_equal(np.asarray(got.entropy_scale), np.asarray(want.entropy_scale))
     with pytest.raises(ValueError, match="step_offset"):
         dataclasses.replace(cfg, step_offset=-1)
 

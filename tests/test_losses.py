@@ -662,19 +662,22 @@ def test_correction_metrics_reduce_through_the_train_step():
     """2 minibatches x 2 micro-batches at learning rate 0 (params fixed): the masked count is the batch total,
     fractions stay fractions, and the metric names are what the training loop logs as train/<name>."""
     from reno_jax.rl import trainer
+    from reno_jax.rl.batch import TrainBatch
 
     rows, length = 8, 5
     rng = np.random.default_rng(20)
     table = (-rng.uniform(0.1, 2.0, (rows, length))).astype(np.float32)
     old = (table + rng.normal(0, 0.6, (rows, length))).astype(np.float32)
     mask = rng.uniform(size=(rows, length)) < 0.8
-    logp_fn = lambda params, mb: (params["table"][mb["row"]], None)  # a lookup "policy": one row per sample
+    # A lookup "policy": one table row per sample, its index in the sample's tokens.
+    logp_fn = lambda params, mb: trainer.PolicyOutput(params["table"][mb.tokens[:, 0]])
     loss_fn = L.with_tis(L.with_icepop(L.dapo_loss, 0.7, 1.5), 1.2)
     step = trainer.make_train_step(logp_fn, loss_fn, trainer.make_optimizer(0.0), num_minibatches=2,
                                    num_microbatches=2, donate=False)
     state = trainer.create_train_state({"table": jnp.asarray(table)}, trainer.make_optimizer(0.0), 0)
-    batch = {"tokens": jnp.zeros((rows, length), jnp.int32), "row": jnp.arange(rows), "loss_mask": mask,
-             "old_logp": old, "advantages": jnp.asarray(rng.normal(size=rows), jnp.float32)}
+    batch = TrainBatch(tokens=jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, length)),
+                       loss_mask=jnp.asarray(mask), old_logp=jnp.asarray(old),
+                       advantages=jnp.asarray(rng.normal(size=rows), jnp.float32))
     _, metrics = step(state, batch)
     k = np.exp(table.astype(np.float64) - old)
     dropped = mask & ((k < 0.7) | (k > 1.5))
@@ -687,4 +690,4 @@ def test_correction_metrics_reduce_through_the_train_step():
     want = np.mean([np.dot(kept_n[j:j + 2], frac[j:j + 2]) / sum(kept_n[j:j + 2]) for j in (0, 2)])
     np.testing.assert_allclose(float(metrics["icepop_masked_frac"]), want, rtol=1e-5)
     assert 0.0 <= float(metrics["tis_clipped_frac"]) <= 1.0 and "tis_weight_mean" in metrics
-    assert trainer._reduce_kind("icepop_masked_count") == "count"
+    assert L.METRIC_REDUCTIONS["icepop_masked_count"] == "count"  # summed, not averaged, over micro-batches

@@ -17,6 +17,7 @@ from reno_jax.models import ling3
 from reno_jax.models.layers import moe, moe_dense_reference, moe_experts_blocked, route, swiglu_mlp
 from reno_jax.envs.tictactoe import env as E
 from reno_jax.rl import losses, shared_prefix, trainer
+from reno_jax.rl.batch import TrainBatch
 
 FAST = {"xla_backend_optimization_level": 0}
 # 3 layers [KDA + dense MLP, MLA + MoE, MLA + MoE]: every layer kind and two MoE layers (n_moe = 2), 8 experts
@@ -221,27 +222,30 @@ def group_batch():
     routing[:, :S0] = routing[0, :S0]
     routing[~np.asarray(valid)] = -1
     routing[0, S + 1] = -1  # one unrecorded position: normal routing there
-    return {"tokens": tokens, "valid": valid, "loss_mask": valid & (jnp.arange(S + C)[None] >= S),
-            "old_logp": jnp.full((N * G, S + C), -4.0),
-            "advantages": jax.random.normal(jax.random.PRNGKey(3), (N * G,)), "routing": jnp.asarray(routing)}
+    return TrainBatch(tokens=tokens, valid=valid, loss_mask=valid & (jnp.arange(S + C)[None] >= S),
+                      old_logp=jnp.full((N * G, S + C), -4.0),
+                      advantages=jax.random.normal(jax.random.PRNGKey(3), (N * G,)), routing=jnp.asarray(routing))
 
 
 @pytest.mark.parametrize("common", [0, S0])
 def test_shared_prefix_with_replay_equals_rowwise_with_replay(common):
     p, batch = params(), group_batch()
     sb = shared_prefix.split_shared_prefix(batch, S, common)
-    assert sb["prefix_routing"].shape == (N * G, S - common, N_MOE, K)
-    assert sb["routing"].shape == (N * G, C, N_MOE, K)
+    assert sb.prefix_routing.shape == (N * G, S - common, N_MOE, K)
+    assert sb.routing.shape == (N * G, C, N_MOE, K)
+    assert (sb.common_routing is None) == (common == 0)
+    if common:
+        assert sb.common_routing.shape == (N * G, common, N_MOE, K)
     replay_fn = jax.jit(policy.make_logp_fn(CFG, group_size=G, routing_replay=True))
     plain_fn = jax.jit(policy.make_logp_fn(CFG, group_size=G))
     lp_row, _, st_row = replay_fn(p, batch)
     lp_sh, _, st_sh = replay_fn(p, sb)
     lp_plain, _, st_plain = plain_fn(p, batch)
-    m = np.asarray(batch["valid"][:, S:])
+    m = np.asarray(batch.valid[:, S:])
     np.testing.assert_allclose(np.asarray(lp_sh)[m], np.asarray(lp_row[:, S:])[m], atol=2e-5)
-    assert np.abs(np.asarray(lp_row - lp_plain)[np.asarray(batch["valid"])]).max() > 1e-3  # replay is used
+    assert np.abs(np.asarray(lp_row - lp_plain)[np.asarray(batch.valid)]).max() > 1e-3  # replay is used
     # Same agreement counts both ways; foreign ids agree with the model's own top-k only by chance.
-    assert float(st_row.total) == float(st_sh.total) == float(np.asarray(batch["valid"]).sum() * N_MOE - N_MOE)
+    assert float(st_row.total) == float(st_sh.total) == float(np.asarray(batch.valid).sum() * N_MOE - N_MOE)
     assert float(st_row.agree) == float(st_sh.agree) < 0.5 * float(st_row.total)
     assert float(st_plain.total) == float(st_row.total)
 
@@ -284,15 +288,24 @@ def test_routing_stats_compare_sets():
 
 def test_mismatch_metrics_first_minibatch_only():
     """Toy policy whose logp is old_logp + delta[row]: the metrics are the token-level figures of minibatch 0
-    (rows 0-3, two micro-batches) and ignore minibatch 1; identical log-probs give 0 / 0 / ratio 1."""
+    (rows 0-3, two micro-batches) and ignore minibatch 1; identical log-probs give 0 / 0 / ratio 1.
+
+    The toy's per-row inputs ride in TrainBatch fields it is free to read: delta in `advantages` (the toy loss
+    ignores them), each row's routing agreement (0 or 1 of 1) in `tokens[:, 0]`."""
     L = 3
 
     def logp_fn(params, batch):
-        logp = batch["old_logp"] + batch["delta"][:, None] + 0.0 * params["w"]
-        return logp, None, trainer.RoutingStats(agree=jnp.sum(batch["agree"]), total=jnp.float32(batch["agree"].size))
+        logp = batch.old_logp + batch.advantages[:, None] + 0.0 * params["w"]
+        agree = batch.tokens[:, 0].astype(jnp.float32)
+        return trainer.PolicyOutput(logp, None, trainer.RoutingStats(agree=jnp.sum(agree),
+                                                                     total=jnp.float32(agree.size)))
 
     def loss_fn(logp, old_logp, adv, mask):
         return jnp.mean(logp * mask), {}
+
+    def make(delta, agree):
+        return TrainBatch(tokens=jnp.zeros((8, L), jnp.int32).at[:, 0].set(jnp.asarray(agree, jnp.int32)),
+                          loss_mask=mask, old_logp=jnp.full((8, L), -1.0), advantages=delta)
 
     opt = optax.sgd(0.1)
     step = trainer.make_train_step(logp_fn, loss_fn, opt, num_minibatches=2, num_microbatches=2, donate=False,
@@ -300,9 +313,7 @@ def test_mismatch_metrics_first_minibatch_only():
     state = trainer.create_train_state({"w": jnp.zeros(())}, opt, 0)
     delta = jnp.array([0.1, -0.3, 0.2, 0.0, 5.0, 5.0, 5.0, 5.0])
     mask = jnp.ones((8, L), bool).at[3, 1:].set(False)
-    batch = {"tokens": jnp.zeros((8, L), jnp.int32), "loss_mask": mask, "old_logp": jnp.full((8, L), -1.0),
-             "advantages": jnp.zeros((8,)), "delta": delta,
-             "agree": jnp.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])}
+    batch = make(delta, [1, 1, 0, 1, 0, 0, 0, 0])
     _, m = jax.jit(step)(state, batch)
     d = np.repeat(np.asarray(delta[:4], np.float64), L)[np.asarray(mask[:4]).ravel()]
     np.testing.assert_allclose(float(m["rollout_logp_abs_diff_mean"]), np.abs(d).mean(), rtol=1e-5)
@@ -310,7 +321,7 @@ def test_mismatch_metrics_first_minibatch_only():
     np.testing.assert_allclose(float(m["rollout_k3_kl"]), np.mean(np.expm1(d) - d), rtol=1e-4)
     np.testing.assert_allclose(float(m["rollout_ratio_max"]), np.exp(0.2), rtol=1e-5)
     np.testing.assert_allclose(float(m["routing_agreement"]), 0.75, rtol=1e-6)
-    _, m0 = jax.jit(step)(state, dict(batch, delta=jnp.zeros((8,)), agree=jnp.ones((8,))))
+    _, m0 = jax.jit(step)(state, make(jnp.zeros((8,)), [1] * 8))
     assert float(m0["rollout_logp_abs_diff_mean"]) == 0.0 and float(m0["rollout_logp_abs_diff_max"]) == 0.0
     assert float(m0["rollout_k3_kl"]) == 0.0 and float(m0["rollout_ratio_max"]) == 1.0
     assert float(m0["routing_agreement"]) == 1.0

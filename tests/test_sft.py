@@ -16,6 +16,7 @@ from reno_jax.envs.tictactoe import wording as text
 from reno_jax.models import ling3
 from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.rl import policy, sft
+from reno_jax.rl.batch import TrainBatch
 from reno_jax.rollout import rollout as R
 
 TURNS = 5
@@ -98,17 +99,17 @@ def test_move_transcript_is_one_legal_call_after_the_prompt():
     out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(0), E.move_starts(boards), env, teacher.policy,
                                              calls, max_turns=1, length=length))
     for b, board in enumerate(boards):
-        mask = out["loss_mask"][b]
+        mask = out.loss_mask[b]
         s, e = int(np.argmax(mask)), int(mask.sum()) + int(np.argmax(mask))
-        assert mask[s:e].all() and e == int(out["valid"][b].sum())
-        prompt = tok.decode(out["tokens"][b, :s].tolist(), skip_special_tokens=False,
+        assert mask[s:e].all() and e == int(out.valid[b].sum())
+        prompt = tok.decode(out.tokens[b, :s].tolist(), skip_special_tokens=False,
                             clean_up_tokenization_spaces=False)
         assert prompt == text.chat_text(tok, text.move_task_messages(board), add_generation_prompt=True)
-        kind, square = tool_parser.parse_tool_call_text(tok.decode(out["tokens"][b, s:e - 1].tolist(),
+        kind, square = tool_parser.parse_tool_call_text(tok.decode(out.tokens[b, s:e - 1].tolist(),
                                                                     skip_special_tokens=False))
         assert kind == tool_parser.KIND_OK and board[square - 1] == 0
-        np.testing.assert_array_equal(out["support"][b, s + calls.choice_offset], board == 0)
-        assert int(out["info"]["outcome"][b]) != tasks.OUTCOME_ILLEGAL
+        np.testing.assert_array_equal(out.support[b, s + calls.choice_offset], board == 0)
+        assert int(out.info["outcome"][b]) != tasks.OUTCOME_ILLEGAL
 
 
 def test_game_transcripts_are_random_legal_games_as_the_rollout_renders_them(game_world):
@@ -117,17 +118,17 @@ def test_game_transcripts_are_random_legal_games_as_the_rollout_renders_them(gam
     square_tokens = w["ids"][:, offset]
     outcomes = set()
     for b in range(len(w["agent"])):
-        valid = out["valid"][b]
+        valid = out.valid[b]
         n = int(valid.sum())
         assert valid[:n].all() and not valid[n:].any()
-        mask = out["loss_mask"][b]
+        mask = out.loss_mask[b]
         assert not (mask & ~valid).any()
         runs = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
         spans = list(zip(runs[::2], runs[1::2]))
         assert 1 <= len(spans) <= TURNS
         # Rebuild the conversation on the host and compare with the chat template's text.
         board = np.zeros(9, np.int8)
-        prompt_text = tok.decode(out["tokens"][b, :spans[0][0]].tolist(), skip_special_tokens=False)
+        prompt_text = tok.decode(out.tokens[b, :spans[0][0]].tolist(), skip_special_tokens=False)
         agent = int(w["agent"][b])
         if agent == 2:  # the opponent (X) opened: find its square from the prompt's board
             opened = [k for k in range(9) if text.render_board(np.eye(9, dtype=np.int8)[k]) in prompt_text]
@@ -135,28 +136,28 @@ def test_game_transcripts_are_random_legal_games_as_the_rollout_renders_them(gam
             board[opened[0]] = 1
         msgs = text.game_task_messages(board, agent)
         for t, (s, e) in enumerate(spans):
-            call = tok.decode(out["tokens"][b, s:e - 1].tolist(), skip_special_tokens=False)
+            call = tok.decode(out.tokens[b, s:e - 1].tolist(), skip_special_tokens=False)
             kind, square = tool_parser.parse_tool_call_text(call)
             assert kind == tool_parser.KIND_OK
             assert board[square - 1] == 0, "the random policy only plays legal squares"
-            legal = out["support"][b, s + offset]
+            legal = out.support[b, s + offset]
             np.testing.assert_array_equal(legal, board == 0)
-            assert out["tokens"][b, s + offset] == square_tokens[square - 1]
-            assert not out["support"][b, s + offset + 1:e].any()
+            assert out.tokens[b, s + offset] == square_tokens[square - 1]
+            assert not out.support[b, s + offset + 1:e].any()
             board[square - 1] = agent
             if t + 1 < len(spans):  # the opponent replied: read its square from the next board in the text
-                nxt = out["tokens"][b, e:spans[t + 1][0]].tolist()
+                nxt = out.tokens[b, e:spans[t + 1][0]].tolist()
                 resp = tok.decode(nxt, skip_special_tokens=False)
                 opp = [k for k in range(9) if f"Opponent played {k + 1}." in resp]
                 assert len(opp) == 1 and board[opp[0]] == 0
                 board[opp[0]] = 3 - agent
                 msgs += [{"role": "assistant", "content": call_text(square)}, text.tool_message(board, opp[0] + 1, 0)]
         want = text.chat_text(tok, msgs, add_generation_prompt=True)
-        got = tok.decode(out["tokens"][b, :spans[-1][0]].tolist(), skip_special_tokens=False,
+        got = tok.decode(out.tokens[b, :spans[-1][0]].tolist(), skip_special_tokens=False,
                          clean_up_tokenization_spaces=False)
         assert got == want
-        outcomes.add(int(out["info"]["outcome"][b]))
-        assert int(out["info"]["outcome"][b]) in (tasks.OUTCOME_ONGOING, tasks.OUTCOME_WIN, tasks.OUTCOME_DRAW,
+        outcomes.add(int(out.info["outcome"][b]))
+        assert int(out.info["outcome"][b]) in (tasks.OUTCOME_ONGOING, tasks.OUTCOME_WIN, tasks.OUTCOME_DRAW,
                                           tasks.OUTCOME_LOSS)
     assert outcomes & {tasks.OUTCOME_WIN, tasks.OUTCOME_LOSS}, "24 random games should include decided ones"
 
@@ -166,16 +167,20 @@ def test_soft_targets_are_the_expected_log_likelihood(game_world):
     cfg = ling3.tiny_test_config(vocab_size=len(w["tok"]), num_hidden_layers=2)
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     rows = slice(0, 2)
-    batch = {k: jnp.asarray(w["out"][k][rows]) for k in ("tokens", "valid")}
-    legal = jnp.asarray(w["out"]["support"][rows])
+    out = w["out"]
+    assert isinstance(out, sft.Transcripts)
+    tokens = jnp.asarray(out.tokens[rows])
+    batch = TrainBatch(tokens=tokens, valid=jnp.asarray(out.valid[rows]), loss_mask=jnp.asarray(out.loss_mask[rows]),
+                       old_logp=jnp.zeros(tokens.shape, jnp.float32), advantages=jnp.zeros(tokens.shape[:1]))
+    legal = jnp.asarray(out.support[rows])
     square_ids = w["ids"][:, w["offset"]]
     soft = sft.uniform_soft_targets(legal, square_ids)
     np.testing.assert_allclose(np.asarray(soft["soft_target_weights"].sum(-1)),
                                np.asarray(legal.any(-1), np.float32), rtol=1e-6)
     logp_fn = jax.jit(policy.make_logp_fn(cfg, with_entropy=False))
-    hard, _ = logp_fn(params, batch)
-    got, _ = logp_fn(params, {**batch, **soft})
-    logits, _ = jax.jit(lambda p, t, v: ling3.forward(p, cfg, t, valid=v))(params, batch["tokens"], batch["valid"])
+    hard = logp_fn(params, batch).logp
+    got = logp_fn(params, batch.replace(**soft)).logp
+    logits, _ = jax.jit(lambda p, t, v: ling3.forward(p, cfg, t, valid=v))(params, batch.tokens, batch.valid)
     logprobs = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     where = np.argwhere(np.asarray(legal.any(-1)))
     assert len(where) >= 2

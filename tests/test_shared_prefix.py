@@ -11,6 +11,7 @@ import pytest
 from reno_jax.rl import policy
 from reno_jax.models import ling3
 from reno_jax.rl import losses, shared_prefix, trainer
+from reno_jax.rl.batch import TrainBatch
 
 N, G, S, C = 3, 4, 10, 7
 S0 = 4  # leading tokens every row shares (a system prompt), for the batch-wide level
@@ -27,33 +28,40 @@ def setup():
     lengths = jnp.array([C, C - 2, 3, 1] * N)  # ragged continuations (left-aligned valid tokens)
     valid = jnp.arange(S + C)[None] < (S + lengths)[:, None]
     loss_mask = valid & (jnp.arange(S + C)[None] >= S)
-    batch = {"tokens": tokens, "valid": valid, "loss_mask": loss_mask,
-             "old_logp": jnp.full((N * G, S + C), -4.0), "advantages": jax.random.normal(jax.random.PRNGKey(3), (N * G,))}
+    batch = TrainBatch(tokens=tokens, valid=valid, loss_mask=loss_mask, old_logp=jnp.full((N * G, S + C), -4.0),
+                       advantages=jax.random.normal(jax.random.PRNGKey(3), (N * G,)))
     return cfg, params, batch
 
 
 def test_split_layout(setup):
     _, _, batch = setup
     sb = shared_prefix.split_shared_prefix(batch, S)
-    assert sb["prefix_tokens"].shape == (N * G, S)
+    assert isinstance(sb, TrainBatch) and sb.shared_prefix and not batch.shared_prefix
+    assert sb.prefix_tokens.shape == (N * G, S)
     for k in ("tokens", "valid", "loss_mask", "old_logp"):
-        assert sb[k].shape == (N * G, C)
-    assert sb["advantages"].shape == (N * G,)
+        assert getattr(sb, k).shape == (N * G, C)
+    assert sb.advantages.shape == (N * G,)
+    # No common part, no routing: those fields stay None (unset fields are not invented by the cut).
+    assert sb.common_tokens is None and sb.prefix_routing is None and sb.routing is None and sb.ref_logp is None
     with pytest.raises(ValueError, match="prefix_len"):
         shared_prefix.split_shared_prefix(batch, S + C)
     sb = shared_prefix.split_shared_prefix(batch, S, S0)
-    assert sb["common_tokens"].shape == (N * G, S0) and sb["prefix_tokens"].shape == (N * G, S - S0)
-    np.testing.assert_array_equal(np.concatenate([sb["common_tokens"], sb["prefix_tokens"], sb["tokens"]], 1),
-                                  batch["tokens"])
+    assert sb.common_tokens.shape == (N * G, S0) and sb.prefix_tokens.shape == (N * G, S - S0)
+    np.testing.assert_array_equal(np.concatenate([sb.common_tokens, sb.prefix_tokens, sb.tokens], 1),
+                                  batch.tokens)
     with pytest.raises(ValueError, match="common_len must be in 0..prefix_len - 1 = 9, got 10"):
         shared_prefix.split_shared_prefix(batch, S, S)
+    soft = batch.replace(soft_target_ids=jnp.zeros((N * G, 2), jnp.int32),
+                         soft_target_weights=jnp.zeros((N * G, S + C, 2)))
+    with pytest.raises(ValueError, match="soft targets"):
+        shared_prefix.split_shared_prefix(soft, S)
 
 
 def test_common_prefix_length_counts_leading_columns_shared_by_every_row(setup):
     from reno_jax.rl import learner
     _, _, batch = setup
-    assert int(learner.common_prefix_length(batch["tokens"])) == S0
-    assert int(learner.common_prefix_length(batch["tokens"][:G])) == S  # one group: its whole prompt
+    assert int(learner.common_prefix_length(batch.tokens)) == S0
+    assert int(learner.common_prefix_length(batch.tokens[:G])) == S  # one group: its whole prompt
     assert int(learner.common_prefix_length(jnp.zeros((3, 5), jnp.int32))) == 5
 
 
@@ -63,15 +71,16 @@ def test_logp_entropy_and_grads_match_rowwise(setup, common):
     fn = policy.make_logp_fn(cfg, group_size=G)
     sb = shared_prefix.split_shared_prefix(batch, S, common)
     w = jax.random.normal(jax.random.PRNGKey(4), (N * G, C))
-    mask = batch["valid"][:, S:]
+    mask = batch.valid[:, S:]
 
     def weighted(p, b, start):  # (sum of w * logp over the continuation, (logp, entropy)): one program per path
-        lp, ent = fn(p, b)
+        lp, ent, routing = fn(p, b)
+        assert routing is None  # no recorded routing in the batch
         return jnp.sum(jnp.where(mask, lp[:, start:] * w, 0.0)), (lp, ent)
 
     g_full, (lp_full, ent_full) = jax.jit(jax.grad(lambda p: weighted(p, batch, S), has_aux=True))(params)
     g_sh, (lp_sh, ent_sh) = jax.jit(jax.grad(lambda p: weighted(p, sb, 0), has_aux=True))(params)
-    m = np.asarray(batch["valid"][:, S:])
+    m = np.asarray(batch.valid[:, S:])
     np.testing.assert_allclose(np.asarray(lp_sh)[m], np.asarray(lp_full[:, S:])[m], atol=2e-5)
     np.testing.assert_allclose(np.asarray(ent_sh)[m], np.asarray(ent_full[:, S:])[m], atol=2e-5)
     for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_sh)):

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from reno_jax.rl import losses, trainer
+from reno_jax.rl.batch import TrainBatch
 
 V, L, B = 64, 6, 8  # V*V = 4096 elements: large enough to be 8-bit quantised by default
 
@@ -19,16 +20,15 @@ def toy_params(seed=0):
     return {"w": 0.3 * jax.random.normal(k1, (V, V)), "b": 0.1 * jax.random.normal(k2, (V,))}
 
 
-def toy_logp_fn(params, batch):
-    """Bigram policy: p(tok_t | tok_{t-1}) = softmax(w[tok_{t-1}] + b). Returns (logp [b, L], entropy [b, L])."""
-    tokens = batch["tokens"]
+def toy_logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput:
+    """Bigram policy: p(tok_t | tok_{t-1}) = softmax(w[tok_{t-1}] + b). Returns logp [b, L] and entropy [b, L]."""
+    tokens = batch.tokens
     logits = params["w"][tokens[:, :-1]] + params["b"]  # [b, L-1, V]
-    logits = logits + batch.get("poison", jnp.zeros(tokens.shape[:1]))[:, None, None]
     lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logp = jnp.take_along_axis(lsm, tokens[:, 1:, None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.exp(lsm) * lsm, axis=-1)
     pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
-    return jnp.concatenate([pad, logp], 1), jnp.concatenate([pad, ent], 1)
+    return trainer.PolicyOutput(jnp.concatenate([pad, logp], 1), jnp.concatenate([pad, ent], 1))
 
 
 def make_batch(params, seed=0, ragged=True):
@@ -44,18 +44,18 @@ def make_batch(params, seed=0, ragged=True):
         mask[B - 1] = False  # an all-prompt row
     reward = ((tokens < 8) & mask).sum(1).astype(np.float32)
     adv = losses.group_advantages(reward, 4)
-    batch = {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(mask), "advantages": adv}
-    logp, _ = toy_logp_fn(params, batch)
-    batch["old_logp"] = jnp.where(batch["loss_mask"], logp, 0.0)
-    return batch
+    batch = TrainBatch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask), old_logp=jnp.zeros((B, L)),
+                       advantages=adv)
+    logp = toy_logp_fn(params, batch).logp
+    return batch.replace(old_logp=jnp.where(batch.loss_mask, logp, 0.0))
 
 
 def weighted_logp(params, batch):
     """Sum_i A_i * mean_{t in mask_i} logp_{i,t}: what policy-gradient steps should increase."""
-    logp, _ = toy_logp_fn(params, batch)
-    m = batch["loss_mask"]
+    logp = toy_logp_fn(params, batch).logp
+    m = batch.loss_mask
     per_seq = jnp.sum(jnp.where(m, logp, 0), 1) / jnp.maximum(m.sum(1), 1)
-    return float(jnp.sum(batch["advantages"] * per_seq))
+    return float(jnp.sum(batch.advantages * per_seq))
 
 
 def fresh_state(opt, seed=0):
@@ -186,8 +186,8 @@ def test_compressed_adam_tracks_fp32():
         if opt_name == "adamw_bf16":
             assert state.opt_state[1].mu["w"].dtype == jnp.bfloat16
         for _ in range(6):  # 12 updates: on-policy GSPO iterations
-            logp, _ = toy_logp_fn(state.params, batch)
-            batch = dict(batch, old_logp=jnp.where(batch["loss_mask"], logp, 0.0))
+            logp = toy_logp_fn(state.params, batch).logp
+            batch = batch.replace(old_logp=jnp.where(batch.loss_mask, logp, 0.0))
             state, m = step(state, batch)
             assert float(m["skipped"]) == 0
         finals[opt_name] = jax.device_get(state.params)
@@ -205,8 +205,8 @@ def test_policy_improves_gspo_on_policy():
     batch = make_batch(state.params, seed=1)
     values = [weighted_logp(state.params, batch)]
     for _ in range(5):
-        logp, _ = toy_logp_fn(state.params, batch)
-        batch = dict(batch, old_logp=jnp.where(batch["loss_mask"], logp, 0.0))
+        logp = toy_logp_fn(state.params, batch).logp
+        batch = batch.replace(old_logp=jnp.where(batch.loss_mask, logp, 0.0))
         state, m = step(state, batch)
         values.append(weighted_logp(state.params, batch))
     assert all(b > a for a, b in zip(values, values[1:])), values
@@ -231,8 +231,7 @@ def _offpolicy_batch(seed):
     batch = make_batch(toy_params(), seed=seed)
     # Off-policy old_logp so clipping and ratios are exercised.
     noise = jnp.asarray(np.random.default_rng(seed).normal(size=(B, L)), jnp.float32)
-    batch["old_logp"] = batch["old_logp"] + 0.3 * noise * batch["loss_mask"]
-    return batch
+    return batch.replace(old_logp=batch.old_logp + 0.3 * noise * batch.loss_mask)
 
 
 def _assert_same_update(a, b):
@@ -277,8 +276,8 @@ def test_full_batch_gradient_matches_direct_grad():
     state, m = step(fresh_state(opt), batch)
 
     def direct(p):
-        logp, ent = toy_logp_fn(p, batch)
-        return losses.dapo_loss(logp, batch["old_logp"], batch["advantages"], batch["loss_mask"], entropy=ent)[0]
+        logp, ent, _ = toy_logp_fn(p, batch)
+        return losses.dapo_loss(logp, batch.old_logp, batch.advantages, batch.loss_mask, entropy=ent)[0]
 
     p0 = toy_params()
     g = jax.jit(jax.grad(direct))(p0)
@@ -292,10 +291,9 @@ def test_nan_skips_update_and_counts(loss_name, num_minibatches):
     opt, step = get_step(loss_name, "adamw", num_minibatches)
     state = fresh_state(opt)
     batch = make_batch(state.params, seed=6)
-    batch["poison"] = jnp.zeros((B,))
     state, _ = step(state, batch)  # one clean step so the optimizer state is non-trivial
     before = jax.device_get((state.params, state.opt_state))
-    poisoned = dict(batch, poison=batch["poison"].at[B - 2].set(jnp.nan))  # a row of the last minibatch
+    poisoned = batch.replace(old_logp=batch.old_logp.at[B - 2].set(jnp.nan))  # a row of the last minibatch
     state, m = step(state, poisoned)
     after = jax.device_get((state.params, state.opt_state))
     assert int(state.step) == 2 and int(state.skipped_updates) == 1
@@ -308,7 +306,7 @@ def test_nan_skips_update_and_counts(loss_name, num_minibatches):
         assert not np.array_equal(before[0]["w"], after[0]["w"])
         assert np.all(np.isfinite(after[0]["w"]))
     # Infinite gradients are caught too, and a clean step afterwards updates again.
-    inf_batch = dict(batch, advantages=batch["advantages"].at[0].set(jnp.inf))
+    inf_batch = batch.replace(advantages=batch.advantages.at[0].set(jnp.inf))
     state, m = step(state, inf_batch)
     assert int(state.skipped_updates) == 2
     state, m = step(state, batch)
@@ -351,10 +349,49 @@ def test_bad_batches_raise():
     with pytest.raises(ValueError, match="divisible"):
         step(fresh_state(opt), batch)  # raised while tracing: nothing is compiled
     opt, step = get_step("gspo", "sgd")
-    with pytest.raises(ValueError, match="missing"):
-        step(fresh_state(opt), {k: v for k, v in batch.items() if k != "old_logp"})
+    with pytest.raises(TypeError, match="TrainBatch"):  # the old dict of arrays
+        step(fresh_state(opt), {f: getattr(batch, f) for f in ("tokens", "loss_mask", "old_logp", "advantages")})
     with pytest.raises(ValueError, match="leading dimension"):
-        step(fresh_state(opt), dict(batch, advantages=batch["advantages"][:4]))
+        step(fresh_state(opt), batch.replace(advantages=batch.advantages[:4]))
+    with pytest.raises(ValueError, match="leading dimension"):  # an optional field is checked once set
+        step(fresh_state(opt), batch.replace(valid=jnp.ones((4, L), bool)))
+    # A loss input the batch does not set.
+    keyed = trainer.make_train_step(toy_logp_fn, losses.with_forking_entropy_bonus(losses.gspo_loss, 0.1), opt,
+                                    loss_batch_keys=("entropy_scale",))
+    with pytest.raises(ValueError, match="entropy_scale"):
+        keyed(fresh_state(opt), batch)
+    _, m = keyed(fresh_state(opt), batch.replace(entropy_scale=jnp.full((B,), 0.5)))  # set: reaches the loss
+    np.testing.assert_allclose(float(m["forking_entropy_coef"]), 0.05, rtol=1e-6)
+    # A logp_fn of the old signature (a tuple).
+    tupled = trainer.make_train_step(lambda p, b: tuple(toy_logp_fn(p, b)[:2]), losses.gspo_loss, opt)
+    with pytest.raises(TypeError, match="PolicyOutput"):
+        tupled(fresh_state(opt), batch)
+
+
+def test_typed_batch_through_jit_and_minibatch_split():
+    """A TrainBatch with its optional fields None is a pytree of its four set arrays: it crosses `jax.jit` and the
+    trainer's minibatch / micro-batch split as itself, the None fields staying None; an optional field, once set,
+    is split with the rest (the toy policy ignores `valid`, so an all-True one changes nothing)."""
+    batch = make_batch(toy_params(), seed=10)
+    assert sorted(batch.present()) == ["advantages", "loss_mask", "old_logp", "tokens"]
+    assert len(jax.tree.leaves(batch)) == 4 and not batch.shared_prefix and batch.num_rows == B
+
+    @jax.jit
+    def split(b):  # as `make_train_step` splits: [M, K, B / (M K), ...]
+        return jax.tree.map(lambda x: x.reshape((2, 2, B // 4) + x.shape[1:]), b)
+
+    mbs = split(batch)
+    assert isinstance(mbs, TrainBatch) and sorted(mbs.present()) == sorted(batch.present())
+    assert mbs.tokens.shape == (2, 2, B // 4, L) and mbs.advantages.shape == (2, 2, B // 4)
+    assert mbs.valid is None and mbs.routing is None and mbs.prefix_tokens is None and mbs.soft_target_ids is None
+    np.testing.assert_array_equal(np.asarray(mbs.old_logp[1, 0]), np.asarray(batch.old_logp[4:6]))
+    out = jax.jit(toy_logp_fn)(toy_params(), jax.tree.map(lambda x: x[0, 1], mbs))
+    assert isinstance(out, trainer.PolicyOutput) and out.routing is None and out.logp.shape == (B // 4, L)
+    opt, step = get_step("gspo", "sgd", 2, 2, shuffle=True)
+    s_none, m_none = step(fresh_state(opt), batch)
+    s_valid, m_valid = step(fresh_state(opt), batch.replace(valid=jnp.ones((B, L), bool)))
+    chex.assert_trees_all_close(jax.device_get(s_none.params), jax.device_get(s_valid.params), rtol=1e-6, atol=1e-7)
+    assert float(m_none["skipped"]) == 0 and float(m_none["loss"]) == pytest.approx(float(m_valid["loss"]), rel=1e-6)
 
 
 def test_compressed_adam_init_is_quantized_zeros():
@@ -378,10 +415,10 @@ def test_compressed_adam_init_is_quantized_zeros():
 # ---------------------------------------------------------------------------------------------- update guard
 
 def _probe_shift(params, batch, rows):
-    probe = {k: v[:rows] for k, v in batch.items()}
-    logp, _ = toy_logp_fn(params, probe)
-    m = probe["loss_mask"]
-    return float(jnp.sum(jnp.where(m, jnp.abs(logp - probe["old_logp"]), 0.0)) / max(int(m.sum()), 1))
+    probe = jax.tree.map(lambda v: v[:rows], batch)
+    logp = toy_logp_fn(params, probe).logp
+    m = probe.loss_mask
+    return float(jnp.sum(jnp.where(m, jnp.abs(logp - probe.old_logp), 0.0)) / max(int(m.sum()), 1))
 
 
 @pytest.mark.parametrize("lr", [1e-4, 1e-2, 3.0])

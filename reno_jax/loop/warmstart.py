@@ -25,6 +25,7 @@ from reno_jax.envs import interface
 from reno_jax.errors import ConfigError
 from reno_jax.loop import build, hosts
 from reno_jax.rl import policy, sft, trainer
+from reno_jax.rl.batch import TrainBatch
 from reno_jax.rollout import rollout as rollout_lib
 
 CACHE_SUBDIR = "warmstart"
@@ -98,14 +99,15 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
         key, k_starts, k_play = jax.random.split(key, 3)
         out = sft.env_transcripts(k_play, sampler(k_starts, int(s.batch_size)), env, teacher.policy, calls,
                                   max_turns=turns, length=length)
-        batch = {k: out[k] for k in ("tokens", "valid", "loss_mask")}
+        tokens = out.tokens
+        batch = TrainBatch(tokens=tokens, valid=out.valid, loss_mask=out.loss_mask,
+                           old_logp=jnp.zeros(tokens.shape, jnp.float32),
+                           advantages=jnp.zeros(tokens.shape[:1], jnp.float32))
         if soft:
-            batch.update(sft.uniform_soft_targets(out["support"], choice_ids))
-        batch["old_logp"] = jnp.zeros(batch["tokens"].shape, jnp.float32)
-        batch["advantages"] = jnp.zeros(batch["tokens"].shape[:1], jnp.float32)
+            batch = batch.replace(**sft.uniform_soft_targets(out.support, choice_ids))
         state, metrics = step_fn(state, place(batch))
         nll = float(metrics["nll"])
-        infos.append(jax.device_get(out["info"]))
+        infos.append(jax.device_get(out.info))
         bar.set_postfix(nll=f"{nll:.3f}")
     teacher_figures = {}
     if infos:

@@ -7,7 +7,7 @@ One step of agentic RL post-training is
 * ``prepare_batch(traj, step) -> (batch, stats)``: group-relative advantages (``losses.group_advantages``),
   DAPO-style dynamic sampling (``select_groups``: train on the groups whose rewards vary most) and the
   forking-regulariser coefficient of this step (``forking_entropy_schedule`` evaluated on the device step
-  counter), compiled as one program. ``stats`` holds device scalars:
+  counter), compiled as one program. ``stats`` (`BatchStats`) holds device scalars:
   ``informative_group_rate`` and, for shared-prefix training, ``shortest_prompt``.
 * ``Learner.learner_step(state, traj) -> (state, metrics)``: the composition, with ``metrics`` device arrays
   named like the experiments log them (``train/<loss metric>``, ``rollout/informative_group_rate``).
@@ -45,11 +45,11 @@ import jax.numpy as jnp
 import optax
 
 from reno_jax.rl import losses, shared_prefix, trainer
+from reno_jax.rl.batch import TrainBatch
 
 Array = jax.Array
 
 SHORTEST_PROMPT_SYNC = "shortest_prompt"
-COMMON_PREFIX = "common_prefix"  # read in the same sync as the shortest prompt
 ROLLOUT_WAIT = "rollout_wait"
 
 
@@ -157,7 +157,7 @@ def forking_entropy_schedule(num_steps: int, hold: float, end: float) -> optax.S
 # ---------------------------------------------------------------------------------------------- group selection
 
 @functools.partial(jax.jit, static_argnames=("group_size", "train_groups"))
-def select_groups(batch: dict, reward: Array, group_size: int, train_groups: int) -> tuple[dict, Array]:
+def select_groups(batch: TrainBatch, reward: Array, group_size: int, train_groups: int) -> tuple[TrainBatch, Array]:
     """Keeps the `train_groups` groups whose rewards vary most (every group when 0 or >= the number of groups).
 
     A group whose G rewards are all equal has zero advantage everywhere and contributes nothing to the policy
@@ -180,13 +180,12 @@ def select_groups(batch: dict, reward: Array, group_size: int, train_groups: int
 
 # ---------------------------------------------------------------------------------------------- batch
 
-def trajectory_fields(traj) -> dict:
-    """The fields of a `Trajectory` the learner reads (the jitted programs see only these, not `info`)."""
-    fields = {k: getattr(traj, k) for k in ("tokens", "valid", "loss_mask", "behaviour_logp", "reward",
-                                            "prompt_length")}
-    if getattr(traj, "routing", None) is not None:
-        fields["routing"] = traj.routing
-    return fields
+class BatchStats(NamedTuple):
+    """What `prepare_batch` reports beside the batch (device scalars): the share of groups whose rewards differ,
+    and for the shared-prefix cut the shortest prompt and the length every row shares (None unless needed)."""
+    informative_group_rate: Array
+    shortest_prompt: Array | None = None
+    common_prefix: Array | None = None
 
 
 def common_prefix_length(tokens: Array) -> Array:
@@ -195,37 +194,34 @@ def common_prefix_length(tokens: Array) -> Array:
     return jnp.sum(jnp.cumprod(same))
 
 
-def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[dict, dict]]:
+def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[TrainBatch, BatchStats]]:
     """`prepare_batch(traj, step) -> (batch, stats)`: one compiled program, no host sync.
 
-    `batch` is the row-wise train batch of `trainer.make_train_step` (`tokens`, `valid`, `loss_mask`, `old_logp`,
-    `advantages`, with `routing` when the rollout recorded it and `entropy_scale [B]` with `forking_schedule`);
+    `batch` is the row-wise `TrainBatch` of `trainer.make_train_step` (with `routing` when the rollout recorded it
+    and `entropy_scale [B]` with `forking_schedule`);
     `step` is the train step counter (`TrainState.step`, int32 on the device) the schedule is evaluated at.
     """
     schedule = (forking_entropy_schedule(config.num_steps, config.forking_entropy_hold, config.forking_entropy_end)
                 if config.forking_schedule else None)
 
     @jax.jit
-    def assemble(fields, step):
-        advantages = losses.group_advantages(fields["reward"], config.group_size,
-                                             normalize_std=config.normalize_adv_std)
-        batch = {"tokens": fields["tokens"], "valid": fields["valid"], "loss_mask": fields["loss_mask"],
-                 "old_logp": fields["behaviour_logp"], "advantages": advantages}
-        if "routing" in fields:  # rollout routing [B, L, n_moe, K]: replayed and/or compared in the train step
-            batch["routing"] = fields["routing"]
-        batch, informative = select_groups(batch, fields["reward"], config.group_size, config.train_groups)
+    def assemble(traj, step):
+        advantages = losses.group_advantages(traj.reward, config.group_size, normalize_std=config.normalize_adv_std)
+        # routing: the rollout's [B, L, n_moe, K] experts (None unless recorded), replayed and/or compared
+        batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask,
+                           old_logp=traj.behaviour_logp, advantages=advantages, routing=traj.routing)
+        batch, informative = select_groups(batch, traj.reward, config.group_size, config.train_groups)
         if schedule is not None:  # per row because the trainer splits loss inputs like the batch
             scale = schedule(step - config.step_offset)
-            batch["entropy_scale"] = jnp.full(batch["advantages"].shape, scale, jnp.float32)
-        stats = {"informative_group_rate": informative}
-        if config.share_prompt_prefix:  # over every rolled-out row, selected or not, as the cut always was
-            stats[SHORTEST_PROMPT_SYNC] = jnp.min(fields["prompt_length"])
-        if config.share_common_prefix:
-            stats[COMMON_PREFIX] = common_prefix_length(fields["tokens"])
-        return batch, stats
+            batch = batch.replace(entropy_scale=jnp.full(batch.advantages.shape, scale, jnp.float32))
+        # over every rolled-out row, selected or not, as the cut always was
+        shortest = jnp.min(traj.prompt_length) if config.share_prompt_prefix else None
+        common = common_prefix_length(traj.tokens) if config.share_common_prefix else None
+        return batch, BatchStats(informative, shortest, common)
 
     def prepare_batch(traj, step):
-        return assemble(trajectory_fields(traj), step)
+        # The figures of the trajectory stay out of the program: it reads the token fields and rewards only.
+        return assemble(traj.replace(stats=None, env_info=None), step)
 
     return prepare_batch
 
@@ -255,7 +251,7 @@ class Learner:
       config: `LearnerConfig`.
       logp_fn, loss_fn, optimizer: as in `trainer.make_train_step` (e.g. `policy.make_logp_fn(model_config,
         group_size=G)` and `recipe.make_loss_fn(config)`).
-      ref_logp_fn, ref_params: a reference policy (`ref_logp_fn(params, batch)[0]` = logp [B, L]) scored on every
+      ref_logp_fn, ref_params: a reference policy (`ref_logp_fn(params, batch).logp` [B, L]) scored on every
         train batch as `ref_logp`, for losses anchored to it (forking KL); both or neither.
       rollout_fn: `rollout_fn(params, key, starts) -> Trajectory`, for `run_step`.
       num_groups: groups rolled out per step, if known: the split into minibatches is checked up front.
@@ -284,20 +280,20 @@ class Learner:
             loss_batch_keys=("entropy_scale",) if config.forking_schedule else (), rollout_metrics=rollout_metrics,
             donate=donate, max_logp_shift=config.max_logp_shift,
             shift_probe_rows=probe_groups * config.group_size)
-        self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b)[0])
+        self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b).logp)
         self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=(1, 2))
         self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far
         self.common_len: int | None = None  # batch-wide common part: the shortest seen so far
 
-    def shared_prefix_len(self, stats: dict) -> tuple[int, int]:
+    def shared_prefix_len(self, stats: BatchStats) -> tuple[int, int]:
         """SHORTEST_PROMPT_SYNC: reads this batch's shortest prompt (and, with ``share_common_prefix``, the length
         of the prefix every row shares) to the host; returns the running minima `(prefix_len, common_len)`,
         `common_len < prefix_len` (0 without ``share_common_prefix``)."""
         if self.config.share_common_prefix:
             shortest, common = (int(x) for x in host_sync(
-                SHORTEST_PROMPT_SYNC, (stats[SHORTEST_PROMPT_SYNC], stats[COMMON_PREFIX])))
+                SHORTEST_PROMPT_SYNC, (stats.shortest_prompt, stats.common_prefix)))
         else:
-            shortest, common = int(host_sync(SHORTEST_PROMPT_SYNC, stats[SHORTEST_PROMPT_SYNC])), 0
+            shortest, common = int(host_sync(SHORTEST_PROMPT_SYNC, stats.shortest_prompt)), 0
         self.prefix_len = shortest if self.prefix_len is None else min(self.prefix_len, shortest)
         common = min(common, self.prefix_len - 1)
         self.common_len = common if self.common_len is None else min(self.common_len, common)
@@ -313,10 +309,10 @@ class Learner:
         if self.config.share_prompt_prefix:
             batch = self._split(batch, *self.shared_prefix_len(stats))
         if self._ref_logp is not None:
-            batch["ref_logp"] = self._ref_logp(self.ref_params, batch)
+            batch = batch.replace(ref_logp=self._ref_logp(self.ref_params, batch))
         state, train_metrics = self.train_step(state, batch)
         metrics = {f"train/{k}": v for k, v in train_metrics.items()}
-        metrics["rollout/informative_group_rate"] = stats["informative_group_rate"]
+        metrics["rollout/informative_group_rate"] = stats.informative_group_rate
         return state, metrics
 
     def run_step(self, state: trainer.TrainState, starts_fn: Callable[[Array], Any], *,

@@ -1,4 +1,4 @@
-"""The policy as the trainer sees it: `logp_fn(params, batch) -> (logp, entropy[, routing stats])`."""
+"""The policy as the trainer sees it: `logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from reno_jax.models import ling3
 from reno_jax.models.config import Ling3Config
 from reno_jax.rl import shared_prefix, trainer
+from reno_jax.rl.batch import TrainBatch
 
 
 def routing_stats(own: jax.Array, recorded: jax.Array) -> trainer.RoutingStats:
@@ -27,7 +28,7 @@ def routing_stats(own: jax.Array, recorded: jax.Array) -> trainer.RoutingStats:
 def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None,
                  remat: bool = False, entropy_top_k: int = 0, routing_replay: bool = False,
                  temperature: float = 1.0):
-    """`logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)` for `trainer.make_train_step`.
+    """`logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput` for `trainer.make_train_step`.
 
     `temperature`: score the tempered policy `softmax(logits / temperature)`, the distribution a rollout with that
     temperature samples from (so the policy-gradient ratio compares like with like); 1 leaves the logits untouched.
@@ -40,58 +41,57 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
     `entropy_top_k` > 0: the entropy is that of the distribution renormalised over the k most likely tokens
     (an entropy bonus then evens out the plausible choices without pushing mass onto the vocabulary's tail).
 
-    Soft targets (supervised warm start): a batch may carry ``soft_target_ids int32 [B, K]`` and
+    Soft targets (supervised warm start): a batch may set ``soft_target_ids int32 [B, K]`` and
     ``soft_target_weights float32 [B, L, K]``; where a position's weights sum to more than 0, ``logp[:, t]`` is
     ``sum_k w[t, k] * log p(ids[k] | tokens[:t])`` (the expected log-likelihood under that target) instead of the
     log-prob of ``tokens[t]``.
 
-    Routing replay: a batch carrying the rollout's ``routing int [B, L, n_moe, K]`` (``Trajectory.routing``; with a
-    shared prefix also ``prefix_routing``) makes ``logp_fn`` return a third element, ``trainer.RoutingStats`` (how
-    many (token, MoE layer) pairs the train forward's own top-k agrees with the rollout on); with
+    Routing replay: a batch setting the rollout's ``routing int [B, L, n_moe, K]`` (``Trajectory.routing``; with a
+    shared prefix also ``prefix_routing``) makes ``logp_fn`` fill ``PolicyOutput.routing``, a ``trainer.RoutingStats``
+    (how many (token, MoE layer) pairs the train forward's own top-k agrees with the rollout on); with
     ``routing_replay=True`` the forward also uses those ids instead of its own top-k (``ling3.forward``'s
     ``replay_experts``; -1 entries route normally).
     """
 
-    def logp_fn(params, batch):
-        tokens = batch["tokens"]
-        valid = batch.get("valid")
-        recorded = "routing" in batch
+    def logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput:
+        tokens, valid = batch.tokens, batch.valid
+        recorded = batch.routing is not None
+        replay = recorded and routing_replay
         routing = None
-        if "prefix_tokens" in batch:
-            if "soft_target_weights" in batch:
+        if batch.shared_prefix:
+            if batch.soft_target_weights is not None:
                 raise ValueError("soft targets are not supported with a shared-prefix batch")
             if group_size is None:
                 raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
-            parts = dict(prefix_replay=batch["prefix_routing"], replay=batch["routing"]) if (
-                recorded and routing_replay) else {}
-            if "common_tokens" in batch:
-                parts["common_tokens"] = batch["common_tokens"]
-                if recorded and routing_replay:
-                    parts["common_replay"] = batch["common_routing"]
-            out = shared_prefix.shared_prefix_logits(params, model_config, batch["prefix_tokens"], tokens,
+            parts = dict(prefix_replay=batch.prefix_routing, replay=batch.routing) if replay else {}
+            if batch.common_tokens is not None:
+                parts["common_tokens"] = batch.common_tokens
+                if replay:
+                    parts["common_replay"] = batch.common_routing
+            out = shared_prefix.shared_prefix_logits(params, model_config, batch.prefix_tokens, tokens,
                                                      valid, group_size, remat=remat, return_routing=recorded,
                                                      **parts)
             logits, routing = out if recorded else (out, None)
             if recorded:
                 full_recorded = jnp.concatenate(
-                    ([batch["common_routing"]] if "common_tokens" in batch else [])
-                    + [batch["prefix_routing"], batch["routing"]], axis=1)
+                    ([batch.common_routing] if batch.common_tokens is not None else [])
+                    + [batch.prefix_routing, batch.routing], axis=1)
             targets, pad = tokens, 0
         else:
             out = ling3.forward(params, model_config, tokens, valid=valid, remat=remat, return_routing=recorded,
-                                replay_experts=batch["routing"] if recorded and routing_replay else None)
+                                replay_experts=batch.routing if replay else None)
             logits = out[0][:, :-1].astype(jnp.float32)
             if recorded:
-                routing, full_recorded = out[-1], batch["routing"]
+                routing, full_recorded = out[-1], batch.routing
             targets, pad = tokens[:, 1:], 1
         if temperature != 1.0:
             logits = logits / jnp.float32(temperature)
         logz = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         logp = picked - logz
-        if "soft_target_weights" in batch:
-            weights = batch["soft_target_weights"][:, pad:].astype(jnp.float32)  # [B, T, K], aligned with logits
-            ids = batch["soft_target_ids"]  # [B, K]
+        if batch.soft_target_weights is not None:
+            weights = batch.soft_target_weights[:, pad:].astype(jnp.float32)  # [B, T, K], aligned with logits
+            ids = batch.soft_target_ids  # [B, K]
             soft_logits = jnp.take_along_axis(logits, jnp.broadcast_to(ids[:, None, :], weights.shape), axis=-1)
             total = jnp.sum(weights, axis=-1)
             soft = jnp.sum(weights * soft_logits, axis=-1) - total * logz
@@ -104,8 +104,7 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
             probs = jax.nn.softmax(ent_logits, axis=-1)
             ent = ent_logz - jnp.sum(probs * ent_logits, axis=-1)
             entropy = jnp.pad(ent, ((0, 0), (pad, 0)))
-        if recorded:
-            return logp, entropy, routing_stats(jax.lax.stop_gradient(routing.own), full_recorded)
-        return logp, entropy
+        stats = routing_stats(jax.lax.stop_gradient(routing.own), full_recorded) if recorded else None
+        return trainer.PolicyOutput(logp, entropy, stats)
 
     return logp_fn

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import flax.struct
 import jax
@@ -63,8 +64,28 @@ def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names
                      tool=jnp.asarray(tools, jnp.int32), args=jnp.asarray(arg_arr), choice_offset=offset)
 
 
+@flax.struct.dataclass
+class Transcripts:
+    """A batch of teacher conversations (`env_transcripts`).
+
+    Attributes:
+      tokens: ``int32 [B, L]`` (pad after the end); valid: ``bool [B, L]`` real tokens; loss_mask: ``bool [B, L]``
+        the calls, turn ends included.
+      support: ``bool [B, L, R]`` the call rows the teacher could have chosen, at each call's choice token (all
+        False unless the call table has a `choice_offset`).
+      info: the environment's final info (after `env.finish`; truncated when out of turns or length).
+    """
+
+    tokens: jax.Array
+    valid: jax.Array
+    loss_mask: jax.Array
+    support: jax.Array
+    info: Any
+
+
 @functools.partial(jax.jit, static_argnames=("teacher", "max_turns", "length"))
-def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, max_turns: int, length: int) -> dict:
+def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, max_turns: int,
+                    length: int) -> Transcripts:
     """Whole conversations of a scripted teacher playing an environment, by stepping the environment itself.
 
     The prompt, every tool response and assistant header are rendered by the same compiled tables the rollout
@@ -80,9 +101,7 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
       max_turns: agent turns at most; length: L, the padded length.
 
     Returns:
-      dict of `[B, L]` arrays `tokens` int32, `valid` bool, `loss_mask` bool (the calls, turn end included),
-      `support bool [B, L, R]` (at each call's choice token when `calls.choice_offset >= 0`, else all False), and
-      the environment's final `info` (after `env.finish`, truncated when out of turns or length).
+      `Transcripts`.
     """
     
     tenv = env.env
@@ -129,8 +148,8 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
     truncated = truncated | ~done
     info = jax.vmap(tenv.finish)(state, info, truncated)
     valid = jnp.arange(length)[None, :] < pos[:, None]
-    return {"tokens": jnp.where(valid, tokens, env.pad_id), "valid": valid, "loss_mask": loss_mask,
-            "support": support, "info": info}
+    return Transcripts(tokens=jnp.where(valid, tokens, env.pad_id), valid=valid, loss_mask=loss_mask,
+                       support=support, info=info)
 
 
 def uniform_soft_targets(support: jax.Array, choice_ids) -> dict:

@@ -28,34 +28,31 @@ import jax
 import jax.numpy as jnp
 
 from reno_jax.models import ling3
+from reno_jax.rl.batch import TOKEN_FIELDS, TrainBatch
 
-ROW_KEYS = ("tokens", "valid", "loss_mask", "old_logp", "ref_logp", "routing")
-
-
-def split_shared_prefix(batch: dict, prefix_len: int, common_len: int = 0) -> dict:
+def split_shared_prefix(batch: TrainBatch, prefix_len: int, common_len: int = 0) -> TrainBatch:
     """Row-wise batch -> shared-prefix batch (see module docstring); `prefix_len` and `common_len` are static.
 
     `common_len` > 0 (it must be < `prefix_len`): the first `common_len` tokens, the same in every row, go to
     `common_tokens` and the group part `prefix_tokens` starts after them.
     """
     s, c0 = int(prefix_len), int(common_len)
-    length = batch["tokens"].shape[1]
+    length = batch.tokens.shape[1]
     if not 0 < s < length:
         raise ValueError(f"prefix_len must be in 1..{length - 1}, got {s}")
     if not 0 <= c0 < s:
         raise ValueError(f"common_len must be in 0..prefix_len - 1 = {s - 1}, got {c0}")
-    out = dict(batch)
-    out["prefix_tokens"] = batch["tokens"][:, c0:s]
-    if c0:
-        out["common_tokens"] = batch["tokens"][:, :c0]
-    if "routing" in batch:
-        out["prefix_routing"] = batch["routing"][:, c0:s]
-        if c0:
-            out["common_routing"] = batch["routing"][:, :c0]
-    for k in ROW_KEYS:
-        if k in batch:
-            out[k] = batch[k][:, s:]
-    return out
+    if batch.soft_target_weights is not None:
+        raise ValueError("soft targets are not supported with a shared-prefix batch")
+    cut = {"prefix_tokens": batch.tokens[:, c0:s], "common_tokens": batch.tokens[:, :c0] if c0 else None}
+    if batch.routing is not None:
+        cut["prefix_routing"] = batch.routing[:, c0:s]
+        cut["common_routing"] = batch.routing[:, :c0] if c0 else None
+    for name in TOKEN_FIELDS:
+        value = getattr(batch, name)
+        if value is not None:
+            cut[name] = value[:, s:]
+    return batch.replace(**cut)
 
 
 def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.Array, tokens: jax.Array,

@@ -23,6 +23,7 @@ import optax
 
 from reno_jax.sharding import hints
 from reno_jax.rl import losses
+from reno_jax.rl.batch import TrainBatch
 
 Array = jax.Array
 PyTree = Any
@@ -311,7 +312,6 @@ def split_rng(state: TrainState) -> tuple[TrainState, Array]:
     return state.replace(rng=new), key
 
 
-REQUIRED_BATCH_KEYS = ("tokens", "loss_mask", "old_logp", "advantages")
 METRIC_REDUCTION_KINDS = ("mean", "min", "max", "sum", "count")
 MISMATCH_MAXIMA = ("abs_max", "ratio_max")  # `mismatch_sums` entries that combine by max (the others are sums)
 
@@ -321,6 +321,18 @@ class RoutingStats(NamedTuple):
     recorded rollout routing: ``agree`` those whose train-forward top-k set equals the rollout's, ``total`` all."""
     agree: Array
     total: Array
+
+
+class PolicyOutput(NamedTuple):
+    """What a policy's ``logp_fn(params, batch: TrainBatch)`` returns (`rl.policy.make_logp_fn`).
+
+    logp: ``float32 [B, L]``, ``logp[:, t] = log p(tokens[t] | tokens[:t])`` (0 at t = 0 and off the tokens the
+      loss reads); entropy: ``float32 [B, L]`` of the next-token distribution at the same positions, or None;
+      routing: the train forward's agreement with the rollout's recorded experts, or None.
+    """
+    logp: Array
+    entropy: Array | None = None
+    routing: RoutingStats | None = None
 
 
 def mismatch_sums(logp: Array, behaviour_logp: Array, mask: Array) -> dict:
@@ -352,16 +364,15 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
                     num_minibatches: int = 1, num_microbatches: int = 1, *, shuffle: bool = False,
                     donate: bool = True, loss_batch_keys: Sequence[str] = (), rollout_metrics: bool = False,
                     max_logp_shift: float = 0.0, shift_probe_rows: int = 0, shift_backtracks: int = 4,
-                    metric_reductions: Mapping[str, str] | None = None) -> Callable[[TrainState, Mapping[str, Array]], tuple[TrainState, dict]]:
+                    metric_reductions: Mapping[str, str] | None = None) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
     """Builds ``train_step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
 
     Args:
-      logp_fn: ``logp_fn(params, batch) -> (logp [b, L] float32, entropy [b, L] or None)`` on a (micro-)batch
-        dict; it receives every key of ``batch``.
+      logp_fn: ``logp_fn(params, batch: TrainBatch) -> PolicyOutput`` on a (micro-)batch.
       loss_fn: ``loss_fn(logp, old_logp, advantages, mask, **kw) -> (loss, metrics)`` with hparams bound (e.g.
         ``functools.partial(losses.gspo_loss, eps_high=4e-4)``). Called with ``entropy=`` when ``logp_fn``
-        returns one and ``ref_logp=`` when the batch has ``"ref_logp"``; ``logp_fn`` may return a third
-        element, a ``RoutingStats`` (see ``rollout_metrics``). If its metrics contain
+        returns one and ``ref_logp=`` when the batch has ``ref_logp``; ``PolicyOutput.routing``, when set,
+        reaches the ``rollout_metrics``. If its metrics contain
         ``"normalizer"`` (all losses of ``reno_jax.rl.losses`` do), micro-batch gradients are combined with
         those weights, which reproduces the full-minibatch gradient exactly for every aggregation (sequence
         mean, token mean, constant); otherwise micro-batches are weighted equally.
@@ -373,8 +384,8 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         (``lax.scan``) before the update: peak activation memory of a K-times-smaller batch.
       shuffle: permute the batch rows before splitting, with a key split from ``state.rng`` (which advances).
       donate: donate ``state`` to the jitted function (its buffers are reused; do not touch the old state).
-      loss_batch_keys: batch entries passed on to ``loss_fn`` as keyword arguments of the same name (per-row
-        arrays, split like the rest of the batch), e.g. a scheduled coefficient broadcast to ``[B]``.
+      loss_batch_keys: `TrainBatch` fields passed on to ``loss_fn`` as keyword arguments of the same name (per-row
+        arrays, split like the rest of the batch), e.g. ``entropy_scale``.
       rollout_metrics: also report how far the train forward is from the rollout that sampled the batch, with
         ``old_logp`` taken as the behaviour log-probs: ``rollout_logp_abs_diff_mean`` / ``_max`` (|logp -
         old_logp| over policy tokens), ``rollout_k3_kl`` (k3 estimate of KL(behaviour || train)),
@@ -395,9 +406,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         ("mean", "min", "max", "sum", "count"; see ``losses.METRIC_REDUCTIONS``, the default, which declares the
         metrics of ``reno_jax.rl.losses``); a metric not listed is a (normalizer-weighted) mean.
 
-    ``batch``: dict of arrays with leading dimension B (divisible by M*K), at least ``tokens [B, L]``,
-    ``loss_mask [B, L]``, ``old_logp [B, L]``, ``advantages [B]`` (optional ``ref_logp [B, L]`` and anything
-    ``logp_fn`` needs).
+    ``batch``: a `TrainBatch` (every field with leading dimension B, divisible by M*K).
 
     A minibatch whose loss or gradient (global norm) is not finite leaves params and optimizer state untouched
     and increments ``state.skipped_updates``. ``state.step`` increments by one per call.
@@ -423,16 +432,16 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
 
     def logp_shift(params, probe):
         """Mean |logp - old_logp| over the probe's policy tokens (float32 [])."""
-        logp = jax.lax.stop_gradient(logp_fn(params, probe)[0])
-        mask = probe["loss_mask"].astype(jnp.float32)
-        return jnp.sum(jnp.abs(logp - probe["old_logp"]) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        logp = jax.lax.stop_gradient(logp_fn(params, probe).logp)
+        mask = probe.loss_mask.astype(jnp.float32)
+        return jnp.sum(jnp.abs(logp - probe.old_logp) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
     def guarded_params(params, updates, micro):
         """(new params, applied scale, shift of the whole update): the update halved until the probe's shift is
         within bounds."""
         rows = int(shift_probe_rows)
-        if rows > micro["tokens"].shape[1]:
-            raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro['tokens'].shape[1]} rows)")
+        if rows > micro.tokens.shape[1]:
+            raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro.tokens.shape[1]} rows)")
         probe = jax.tree.map(lambda x: x[0, :rows] if jnp.ndim(x) > 1 else x, micro)
         probe = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, probe)
         apply = lambda scale: optax.apply_updates(params, jax.tree.map(lambda u: (u * scale).astype(u.dtype),
@@ -454,21 +463,21 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
 
     def loss_and_metrics(params, mb):
         out = logp_fn(params, mb)
-        logp, entropy = out[0], out[1]
-        routing = out[2] if len(out) > 2 else None
+        if not isinstance(out, PolicyOutput):
+            raise TypeError(f"logp_fn must return a trainer.PolicyOutput, got {type(out).__name__}")
         kw = {}
-        if entropy is not None:
-            kw["entropy"] = entropy
-        if "ref_logp" in mb:
-            kw["ref_logp"] = mb["ref_logp"]
+        if out.entropy is not None:
+            kw["entropy"] = out.entropy
+        if mb.ref_logp is not None:
+            kw["ref_logp"] = mb.ref_logp
         for k in loss_batch_keys:
-            kw[k] = mb[k]
-        loss, metrics = loss_fn(logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], **kw)
+            kw[k] = getattr(mb, k)
+        loss, metrics = loss_fn(out.logp, mb.old_logp, mb.advantages, mb.loss_mask, **kw)
         extra = {}
         if rollout_metrics:
-            extra = dict(mismatch_sums(jax.lax.stop_gradient(logp), mb["old_logp"], mb["loss_mask"]))
-            if routing is not None:
-                extra["routing"] = routing
+            extra = dict(mismatch_sums(jax.lax.stop_gradient(out.logp), mb.old_logp, mb.loss_mask))
+            if out.routing is not None:
+                extra["routing"] = out.routing
         return loss, (dict(metrics), extra)
 
     grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
@@ -506,16 +515,17 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
                 out[k] = jnp.where(w_sum > 0, jnp.sum(v * ws) / denom, jnp.mean(v))
         return l_sum / denom, grads, out, extra
 
-    def train_step(state: TrainState, batch: Mapping[str, Array]):
-        missing = [k for k in REQUIRED_BATCH_KEYS if k not in batch]
+    def train_step(state: TrainState, batch: TrainBatch):
+        if not isinstance(batch, TrainBatch):
+            raise TypeError(f"train_step takes a rl.batch.TrainBatch, got {type(batch).__name__}")
+        missing = [k for k in loss_batch_keys if getattr(batch, k) is None]
         if missing:
-            raise ValueError(f"train_step: batch is missing keys {missing}; has {sorted(batch)}")
-        batch = dict(batch)
-        sizes = {k: jnp.shape(v)[0] if jnp.ndim(v) else None for k, v in batch.items()}
+            raise ValueError(f"train_step: the loss reads {missing}, which the batch does not set")
+        sizes = {k: jnp.shape(v)[0] if jnp.ndim(v) else None for k, v in batch.present().items()}
         B = sizes["tokens"]
         bad = {k: s for k, s in sizes.items() if s != B}
         if bad:
-            raise ValueError(f"train_step: every batch entry needs leading dimension B={B}; got {bad}")
+            raise ValueError(f"train_step: every batch field needs leading dimension B={B}; got {bad}")
         if B % (num_minibatches * num_microbatches):
             raise ValueError(f"train_step: batch size {B} is not divisible by num_minibatches*num_microbatches = "
                              f"{num_minibatches}*{num_microbatches}")

@@ -1,0 +1,68 @@
+"""The typed data between the rollout and the train step: `TrainBatch`, what `trainer.make_train_step` trains on.
+
+B rows (one per episode kept for training), L tokens per row. Every field has the leading dimension B, so
+minibatches, micro-batches, shuffles and group selection slice every field alike; optional fields are None when a
+run does not use them (a None field is an empty pytree node: jit, `jax.tree.map` and donation skip it).
+
+Shared-prefix batches (`rl.shared_prefix.split_shared_prefix`) cut every per-token field at column S: the
+`prefix_*` fields hold columns ``[C, S)`` (each group's prompt, the same in the group's rows), the `common_*` fields
+columns ``[0, C)`` (the part every row shares), and the per-token fields the continuation ``[S, L)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """Attributes:
+      tokens: ``int32 [B, L]`` the conversations (prompt, policy turns, tool responses; pad after the end).
+      loss_mask: ``bool [B, L]`` the policy-generated tokens, the ones the loss is over.
+      old_logp: ``float32 [B, L]`` the log-probs the importance ratios are taken against (the rollout's
+        behaviour log-probs; zeros for supervised batches).
+      advantages: ``float32 [B]`` one per row (sequence-level; zeros for supervised batches).
+      valid: ``bool [B, L]`` real tokens (None: every token is real).
+      routing: ``int16 [B, L, n_moe, K]`` the rollout's MoE experts per token (routing replay / agreement).
+      entropy_scale: ``float32 [B]`` the forking regulariser's scheduled scale, a loss input.
+      ref_logp: ``float32 [B, L]`` a reference policy's log-probs (the forking KL's anchor), a loss input.
+      soft_target_ids: ``int32 [B, K]`` and soft_target_weights: ``float32 [B, L, K]``: supervised soft targets
+        (`rl.sft.uniform_soft_targets`): where a position's weights sum to > 0 its log-prob is the expected
+        log-likelihood of those K tokens.
+      prefix_tokens: ``int32 [B, S - C]``, prefix_routing, common_tokens: ``int32 [B, C]``, common_routing: the
+        shared-prefix cut (module docstring).
+    """
+
+    tokens: jax.Array
+    loss_mask: jax.Array
+    old_logp: jax.Array
+    advantages: jax.Array
+    valid: jax.Array | None = None
+    routing: jax.Array | None = None
+    entropy_scale: jax.Array | None = None
+    ref_logp: jax.Array | None = None
+    soft_target_ids: jax.Array | None = None
+    soft_target_weights: jax.Array | None = None
+    prefix_tokens: jax.Array | None = None
+    prefix_routing: jax.Array | None = None
+    common_tokens: jax.Array | None = None
+    common_routing: jax.Array | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def shared_prefix(self) -> bool:
+        return self.prefix_tokens is not None
+
+    def present(self) -> dict:
+        """The fields that are set, by name (for checks and messages)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+# Per-token fields: the shared-prefix cut splits these along L.
+TOKEN_FIELDS = ("tokens", "valid", "loss_mask", "old_logp", "ref_logp", "routing", "soft_target_weights")
