@@ -45,8 +45,8 @@ the base enters only as a constant (gradients are taken over the adapter tree al
 ever differentiated). With `forward(remat=True)` each layer's dequantized / cast base weights are recomputed in the
 backward pass rather than saved (tests/test_lora.py checks the saved residuals).
 
-`merge` is for export and for rollouts (a merged bf16 copy decodes at the base model's speed); it works on a
-quantized base too (`quant.QArray`: dequantized first, so the result is a float model).
+`merge` is for export and for rollouts (a merged bf16 copy decodes at the base model's speed); on a quantized
+base the adapted weights come out dequantized and merged (float), the rest stays int8.
 """
 
 from __future__ import annotations
@@ -283,7 +283,8 @@ def apply(params: dict, adapters: dict, config: LoraConfig) -> dict:
 
 def merge(params: dict, adapters: dict, config: LoraConfig, dtype=None) -> dict:
     """Plain params with W <- W + (alpha / r) A @ B (summed in float32, cast to `dtype`, default the base's
-    dtype; a quantized base is dequantized first). Untouched leaves are shared with `params`."""
+    dtype). An adapted `quant.QArray` weight is dequantized and merged into a float one; weights without an
+    adapter (quantized or not) are shared with `params` as they are."""
     if config.rank == 0:
         return params
     applied = apply(params, adapters, config)
