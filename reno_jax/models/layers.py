@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from reno_jax.models.config import Ling3Config
+from reno_jax.models.lora import LoraKernel
 from reno_jax.sharding import hints
 
 # On CPU, models with at most this many routed experts run every expert on every token (see module docstring).
@@ -99,8 +100,19 @@ def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [..., in] @ kernel [in, out] in x's dtype."""
+    """x [..., in] @ kernel [in, out] in x's dtype. kernel may also be a `lora.LoraKernel` (x @ W + the low-rank
+    term, never the merged weight) or a `quant.QArray` (dequantized here, by its `astype`)."""
+    if isinstance(kernel, LoraKernel):
+        return kernel.matmul(x)
     return jnp.matmul(x, kernel.astype(x.dtype))
+
+
+def embed(table, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of the embedding table [V, D] (`jnp.take`; a `quant.QArray` table gathers its int8 rows and
+    scales and dequantizes only those)."""
+    if hasattr(table, "take_rows"):
+        return table.take_rows(ids)
+    return jnp.take(table, ids, axis=0)
 
 
 def swiglu_mlp(p: dict, x: jax.Array) -> jax.Array:
@@ -159,8 +171,18 @@ def route(p_gate: dict, x: jax.Array, config: Ling3Config, replay: jax.Array | N
 
 
 def _expert_weights(p_experts: dict, dtype):
-    return (p_experts["gate_proj"].astype(dtype), p_experts["up_proj"].astype(dtype),
-            p_experts["down_proj"].astype(dtype))
+    """The three expert stacks cast to `dtype` (a `quant.QArray` is dequantized here, one layer at a time); a
+    `lora.LoraKernel` stays one, its base applied by `_proj` (the merged stack is never formed)."""
+    return tuple(w if isinstance(w, LoraKernel) else w.astype(dtype)
+                 for w in (p_experts["gate_proj"], p_experts["up_proj"], p_experts["down_proj"]))
+
+
+def _proj(x: jax.Array, w, first, then=None) -> jax.Array:
+    """`first(x, w)`: x times an expert stack in a dispatch's layout; for a `LoraKernel` w, that of its base plus
+    the low-rank term through the same dispatch (`LoraKernel.grouped`)."""
+    if isinstance(w, LoraKernel):
+        return w.grouped(x, first, then)
+    return first(x, w)
 
 
 def moe_experts(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
@@ -178,8 +200,11 @@ def moe_experts(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.
     token = order // k
     xs = jnp.take(x, token, axis=0)  # [N*K, D]
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, group_sizes)) * jax.lax.ragged_dot(xs, wu, group_sizes)
-    ys = jax.lax.ragged_dot(h, wd, group_sizes)  # [N*K, D], sorted order
+    def rd(v, w):
+        return jax.lax.ragged_dot(v, w, group_sizes)
+
+    h = jax.nn.silu(_proj(xs, wg, rd)) * _proj(xs, wu, rd)
+    ys = _proj(h, wd, rd)  # [N*K, D], sorted order
     inverse = jnp.argsort(order)  # position of each (token, slot) in sorted order
     y = jnp.take(ys, inverse, axis=0).reshape(n, k, d).astype(jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype)
@@ -225,13 +250,16 @@ def moe_experts_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, exper
     # Weights per block as a one-hot matmul rather than a gather: the gradient is then a matmul too, where the
     # gather's would be a scatter-add, which XLA:GPU compiles into a huge kernel (a 64 MB PTX module per
     # projection, tens of minutes in ptxas, for the real model). Both are bound by writing the [nb, ...] copy.
-    onehot = jax.nn.one_hot(block_expert, num_experts, dtype=wg.dtype)  # [nb, E]
+    onehot = jax.nn.one_hot(block_expert, num_experts, dtype=x.dtype)  # [nb, E]
 
     def per_block(w):  # [E, A, B] -> [nb, A, B], exact (one non-zero term per output)
         return jnp.einsum("ne,eab->nab", onehot, w, precision=jax.lax.Precision.HIGHEST)
 
-    h = jax.nn.silu(jnp.einsum("nbd,ndi->nbi", xs, per_block(wg))) * jnp.einsum("nbd,ndi->nbi", xs, per_block(wu))
-    ys = jnp.einsum("nbi,nid->nbd", h, per_block(wd)).reshape(num_blocks * b, d)  # padded sorted order
+    def mm(v, w):  # [nb, b, A] x the blocks' experts' [A, B] -> [nb, b, B]
+        return jnp.einsum("nba,nac->nbc", v, per_block(w))
+
+    h = jax.nn.silu(_proj(xs, wg, mm)) * _proj(xs, wu, mm)
+    ys = _proj(h, wd, mm).reshape(num_blocks * b, d)  # padded sorted order
     row_of = jnp.zeros((a,), jnp.int32).at[order].set(dest, unique_indices=True)  # padded row of each (token, slot)
     y = jnp.take(ys, row_of, axis=0).reshape(n, k, d).astype(jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, weights).astype(x.dtype)
@@ -240,8 +268,14 @@ def moe_experts_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, exper
 def moe_dense_reference(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """Same result as `moe_experts`, running every expert on every token (tests only)."""
     wg, wu, wd = _expert_weights(p_experts, x.dtype)
-    h = jax.nn.silu(jnp.einsum("nd,edi->eni", x, wg)) * jnp.einsum("nd,edi->eni", x, wu)
-    y = jnp.einsum("eni,eid->end", h, wd).astype(jnp.float32)  # [E, N, D]
+    def first(v, w):  # [N, D] x [E, D, I] -> [E, N, I]
+        return jnp.einsum("nd,edi->eni", v, w)
+
+    def then(v, w):  # [E, N, A] x [E, A, B] -> [E, N, B]
+        return jnp.einsum("ena,eab->enb", v, w)
+
+    h = jax.nn.silu(_proj(x, wg, first, then)) * _proj(x, wu, first, then)
+    y = _proj(h, wd, then).astype(jnp.float32)  # [E, N, D]
     combine = jnp.zeros((x.shape[0], wg.shape[0]), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
     return jnp.einsum("end,ne->nd", y, combine).astype(x.dtype)
@@ -293,7 +327,7 @@ def _grouped_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, experts:
     per use; their gradient is reduce-scattered back to the parameter's split)."""
     n, d = x.shape
     k = experts.shape[1]
-    whole = {name: hints.constrain(w, PartitionSpec()) for name, w in p_experts.items()}
+    whole = {name: jax.tree.map(lambda v: hints.constrain(v, PartitionSpec()), w) for name, w in p_experts.items()}
     xg = hints.constrain_rows(x.reshape(groups, n // groups, d))
     wg = hints.constrain_rows(weights.reshape(groups, n // groups, k))
     eg = hints.constrain_rows(experts.reshape(groups, n // groups, k))

@@ -31,7 +31,7 @@ import numpy as np
 
 from reno_jax.models.config import Ling3Config, ling3_tiny_real, tiny_test_config  # noqa: F401 (re-export)
 from reno_jax.models.kda import kda_attention
-from reno_jax.models.layers import einsum_f32, moe, rms_norm, swiglu_mlp
+from reno_jax.models.layers import einsum_f32, embed, moe, rms_norm, swiglu_mlp
 from reno_jax.models.mla import mla_attention
 from reno_jax.sharding import hints
 
@@ -448,7 +448,7 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     # Without a mesh: the identity.
     rows = hints.constrain_rows if t > 1 else (lambda v: v)
     m = params["model"]
-    x = jnp.take(m["word_embeddings"]["embedding"], input_ids, axis=0)
+    x = embed(m["word_embeddings"]["embedding"], input_ids)
     x = rows(hints.after_lookup(x, ("model", "word_embeddings", "embedding")))
     eps = config.rms_norm_eps
     hidden = [x]
