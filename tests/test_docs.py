@@ -149,6 +149,7 @@ SELF_TESTS = {
     "self:unknown absl flag": ("bash", "python -m experiments.evaluate --workdir=w --no_such_flag=1"),
     "self:unknown script argument": ("bash", "python benchmarks/real_shape_step.py --no-such-argument"),
     "self:no such extra": ("bash", 'pip install -e ".[no_such_extra]"'),
+    "self:no such marker": ("bash", 'python -m pytest -q -m "not no_such_marker" tests'),
     "self:no such module": ("bash", "python -m experiments.no_such_module --workdir=w"),
     "self:no such name": ("python", "from reno_jax.rl import losses\nlosses.no_such_loss(1)"),
 }
@@ -245,14 +246,19 @@ def _strip_launchers(words: list[str]) -> tuple[list[str], dict]:
     return words, env
 
 
-def _setup_extras() -> set:
+def _setup_kwargs() -> dict:
+    """The keyword arguments setup.py passes to `setuptools.setup`."""
     captured = {}
     import setuptools
     from unittest import mock
     with mock.patch.object(setuptools, "setup", lambda **kwargs: captured.update(kwargs)), \
             contextlib.chdir(ROOT):
         runpy.run_path(os.path.join(ROOT, "setup.py"))
-    return set(captured["extras_require"])
+    return captured
+
+
+def _setup_extras() -> set:
+    return set(_setup_kwargs()["extras_require"])
 
 
 def _check_pip(args: list[str]) -> None:
@@ -357,10 +363,22 @@ def _check_python_command(args: list[str], env: dict) -> str:
     if args[:1] == ["-m"]:
         module, rest = args[1], args[2:]
         if module == "pytest":
-            for arg in rest:
-                if not arg.startswith("-") and not re.fullmatch(r"not \w+|\w+", arg):
-                    assert os.path.exists(arg.split("::")[0]), f"pytest path {arg} does not exist"
-            return "paths exist"
+            i = 0
+            while i < len(rest):
+                if rest[i] in ("-m", "-n", "-k", "-p", "--durations"):  # an option and its value
+                    if rest[i] == "-m":
+                        with open(os.path.join(ROOT, "pytest.ini")) as f:
+                            markers = set(re.findall(r"^\s+(\w+):", f.read(), re.M))
+                        words = set(re.findall(r"\w+", rest[i + 1])) - {"not", "and", "or"}
+                        assert words <= markers, f"pytest -m {rest[i + 1]!r}: pytest.ini declares {sorted(markers)}"
+                    if rest[i] == "-n":  # pytest-xdist must come with the test extra
+                        assert any(r.startswith("pytest-xdist") for r in _setup_kwargs()["extras_require"]["test"])
+                    i += 2
+                    continue
+                if not rest[i].startswith("-"):
+                    assert os.path.exists(rest[i].split("::")[0]), f"pytest path {rest[i]} does not exist"
+                i += 1
+            return "markers, plugins and paths exist"
         import importlib.util
         assert importlib.util.find_spec(module) is not None, f"python -m {module}: no such module"
         # A run that needs what this machine lacks (a checkpoint, several devices or processes) is only parsed.
