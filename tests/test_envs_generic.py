@@ -147,6 +147,15 @@ def _guess_config(tmp_steps=1):
     return c
 
 
+def test_warm_start_names_a_turn_too_short_for_the_teachers_calls(tmp_path):
+    from reno_jax import loop
+    c = _guess_config()
+    c.rollout.max_new_tokens = 6  # a guess call is 14-15 tokens: the teacher's calls would never fit a turn
+    with pytest.raises(errors.ConfigError, match=r"--config\.rollout\.max_new_tokens=6 is shorter than .*"
+                       r"longest teacher call \(1\d tokens with the turn end\); set it to >= 1\d"):
+        loop.train(c, str(tmp_path))
+
+
 def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     from reno_jax import loop
     c = _guess_config(2)
