@@ -32,6 +32,10 @@ from reno_jax.rl import policy
 ADAPTER_KEY_TAG = 0x4C6F5241
 
 
+# One program for the whole tree (op by op, each weight shape would compile its own handful of small programs).
+_quantize = jax.jit(quant.quantize)
+
+
 def trains_adapters(config) -> bool:
     return build.lora_config(config).rank > 0
 
@@ -53,7 +57,7 @@ def frozen_base(config, params):
         return params
     already = any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
         params, is_leaf=lambda x: isinstance(x, quant.QArray)))
-    return params if already else quant.quantize(params)
+    return params if already else _quantize(params)
 
 
 def init_trained(config, params) -> Any:

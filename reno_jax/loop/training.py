@@ -111,7 +111,7 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
     try:
         state = ckpt.restore(abstract)
         if warm and (state is None or anchored or lora_run) and os.path.isdir(warm_cache):  # to be restored
-            ckpt_lib.check_item(warm_cache, {"params": abstract.params})
+            ckpt_lib.check_item(warm_cache, {"params": abstract_params})
     except ckpt_lib.RestoreError:
         ckpt.close()
         raise
