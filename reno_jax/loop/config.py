@@ -64,8 +64,8 @@ _CHECKS = (
     ("model.quantize", lambda v: v in QUANTIZE, f"one of {list(QUANTIZE)} ('': a float base)"),
     ("lora.rank", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: full fine-tuning)"),
     ("lora.alpha", lambda v: v > 0, "a number > 0"),
-    ("lora.targets", lambda v: len(v) >= 1 and all(t in lora.TARGETS for t in v),
-     f"a non-empty tuple of {list(lora.TARGETS)}"),
+    ("lora.targets", lambda v: len(v) >= 1 and all(t in lora.ALL_TARGETS for t in v),
+     f"a non-empty tuple of {list(lora.ALL_TARGETS)}"),
     ("lora.expert_adapters", lambda v: v in lora.EXPERT_ADAPTERS, f"one of {list(lora.EXPERT_ADAPTERS)}"),
 )
 
