@@ -19,6 +19,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.path = ""  # empty: build the embedded tiny model below; else a local HF directory.
   c.model.dtype = "float32"
   c.model.tokenizer_path = ""  # empty: the tokenizer shipped in reno_jax/assets (or model.path's).
+  # "int8": the frozen base of a LoRA run (lora.rank > 0) in int8 weight-only (per-channel scales, dequantized inside
+  # the matmuls; reno_jax/models/quant.py); read straight into int8 from model.path, else quantized after the warm start.
+  c.model.quantize = ""
   # Embedded tiny Ling-3.0 (bailing_hybrid) architecture: every layer kind is present
   # (KDA, gated MLA, dense SwiGLU MLP, MoE with shared expert).
   c.model.tiny = ml_collections.ConfigDict(dict(
@@ -142,6 +145,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
   c.rl.routing_replay = False    # R3: the train forward replays the rollout's MoE expert choices (arXiv:2510.11370)
   c.rl.routing_metrics = False   # record the rollout's routing for train/routing_agreement even without replay
+
+  # --- LoRA (reno_jax/models/lora.py) -----------------------------------------------------------
+  # rank 0: full fine-tuning. rank > 0: RL trains low-rank adapters only, over a frozen base (the warm start, or
+  # model.path); checkpoints hold the adapters and their optimizer state, the export is the merged model.
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0
+  c.lora.alpha = 32.0            # the adapted weight is W + (alpha / rank) A @ B
+  c.lora.targets = ("kda", "mla", "mlp", "experts", "shared_experts")  # projection kinds adapted
+  c.lora.expert_adapters = "per_expert"  # routed experts: "per_expert" (own A, B each) or "shared" (one per layer)
 
   # --- device mesh (reno_jax.parallel; all 1: one device) -----------------------------------------
   c.mesh = ml_collections.ConfigDict()

@@ -12,7 +12,10 @@ orbax_to_hf also reads a training run's checkpoints (reno_jax.checkpoint.orbax: 
 with a `state` item, the TrainState whose `params` are exported, and a `config` item, the run configuration):
 --orbax_dir is then a step directory, or the run's workdir (or its checkpoints/ folder) for the newest step.
 The model config comes from the run configuration: the HF directory of `model.path`, or the embedded
-`model.tiny` architecture with the vocabulary size of the trained embedding.
+`model.tiny` architecture with the vocabulary size of the trained embedding. A LoRA run's checkpoint (run config
+`lora.rank > 0`) holds adapters only: the run's frozen base is rebuilt (`reno_jax.loop.adapters`: `model.path`, or
+the workdir's cached warm start) and the export is the merged model, W + (alpha / r) A @ B (an int8 base
+dequantized), which loads in transformers' native class like any other export.
 
   python -m experiments.convert_checkpoint --direction=orbax_to_hf --orbax_dir=workdir/tiny --hf_dir=/tmp/tiny_hf
 """
@@ -25,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import ml_collections
 import orbax.checkpoint as ocp
 from absl import flags, logging
 
 from experiments import cli
 from reno_jax.checkpoint.orbax import CHECKPOINT_SUBDIR
+from reno_jax.loop import build, runs
 from reno_jax.models import conversion
 from reno_jax.models.config import Ling3Config
 
@@ -127,13 +132,20 @@ def orbax_to_hf(
                 f"{str(orbax_dir)!r} holds neither hf_to_orbax's layout ({ORBAX_ITEM}/ + {conversion.CONFIG_NAME}) "
                 f"nor a training checkpoint (<workdir>/{CHECKPOINT_SUBDIR}/<step>/{{{ORBAX_ITEM},{RUN_CONFIG_ITEM}}})")
         item = step_dir / ORBAX_ITEM
-        params = _restore_params(item)
         if not (step_dir / RUN_CONFIG_ITEM).is_dir():
             raise conversion.CheckpointError(f"training checkpoint {str(step_dir)!r} has no {RUN_CONFIG_ITEM} item")
         reader = ocp.Checkpointer(ocp.JsonCheckpointHandler())
         run_config = reader.restore(step_dir / RUN_CONFIG_ITEM, args=ocp.args.JsonRestore())
         reader.close()
-        config = run_model_config(run_config, params)
+        if build.lora_config(ml_collections.ConfigDict(run_config)).rank:
+            if step_dir.parent.name != CHECKPOINT_SUBDIR:
+                raise conversion.CheckpointError(f"{str(step_dir)!r} is a LoRA run's checkpoint (adapters only) "
+                                                 f"outside a workdir's {CHECKPOINT_SUBDIR}/: its base cannot be rebuilt")
+            run = runs.load_checkpoint(str(step_dir.parent.parent), int(step_dir.name))
+            params, config = run.merged_params(), run.model_config
+        else:
+            params = _restore_params(item)
+            config = run_model_config(run_config, params)
     conversion.save_pretrained(params, config, hf_dir, shard_size_bytes=shard_size_bytes, dtype=dtype)
     return item
 

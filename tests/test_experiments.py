@@ -1,6 +1,7 @@
 """End to end: a shortened default run (warm start + GSPO) as a library call (`reno_jax.loop.train`) and through
 the CLIs, resume, determinism, evaluation suites, and config errors that name the flag."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -280,6 +281,9 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
     ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
     ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
     ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
+    ("model.quantize", "int8", "--config.model.quantize=int8 needs --config.lora.rank > 0"),
+    ("model.quantize", "int4", "--config.model.quantize must be one of ['', 'int8']"),
+    ("lora.targets", ("kda", "router"), "--config.lora.targets must be a non-empty tuple of ['kda', 'mla'"),
 ])
 def test_config_errors_name_the_flag(field, value, needle, tmp_path):
     from reno_jax import errors
@@ -369,3 +373,63 @@ def test_short_run_with_routing_replay(tmp_path):
     assert row["train/routing_agreement"] > 0.99
     assert 0.0 <= row["train/rollout_logp_abs_diff_mean"] <= row["train/rollout_logp_abs_diff_max"] < 1e-3
     assert 0.0 <= row["train/rollout_k3_kl"] < 1e-6 and abs(row["train/rollout_ratio_max"] - 1.0) < 1e-3
+
+
+def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_path):
+    """`lora.rank > 0` over an int8 base through `loop.train`: the rollout and the train step run the same adapted
+    int8 weights; checkpoints hold the adapters and their optimizer state only, and a run resumed from one continues
+    bit for bit (its base rebuilt from the config and the cached warm start); the play page and evaluation read it;
+    the export is the merged float model, with the adapted model's logits."""
+    import shutil
+    from experiments import convert_checkpoint as cc
+    from reno_jax.checkpoint import orbax as ckpt_lib
+    from reno_jax.models import conversion, ling3, quant
+    from reno_jax.play import run_dir
+
+    def config():
+        c = short_config(3)
+        c.lora.rank, c.model.quantize, c.keep_checkpoints = 4, "int8", 3
+        c.rl.max_logp_shift = 0.0  # the guard over a frozen tree: tests/test_trainer.py (a smaller program here)
+        return c
+
+    workdir = str(tmp_path / "lora")
+    rows = loop.train(config(), workdir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert max(r["train/rollout_logp_abs_diff_max"] for r in rows) <= 1e-4  # B != 0 from step 2 on
+    run = loop.load_checkpoint(workdir)
+    assert run.step == 3 and any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
+        run.base, is_leaf=lambda x: isinstance(x, quant.QArray)))
+    trained = {"/".join(map(str, k)): v for k, v in jax.tree_util.tree_flatten_with_path(run.trained)[0]}
+    assert trained and all(k.endswith(("['a']", "['b']")) for k in trained)
+    assert any(np.abs(np.asarray(v)).max() > 0 for k, v in trained.items() if k.endswith("['b']"))
+    with ckpt_lib.Checkpointer(workdir, async_save=False) as ckpt:
+        saved = ckpt._manager.item_metadata(3)["state"].tree
+    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))  # noqa: E731
+    assert size(saved["params"]) == size(run.trained) < size(run.base) / 2
+    assert size(saved["opt_state"]) <= 2 * size(run.trained) + 8  # Adam's moments of the adapters, counters
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(workdir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "3")
+    again = loop.train(config(), str(resumed))
+    assert [strip_perf(r) for r in again] == [strip_perf(rows[-1])]
+    for a, b in zip(jax.tree.leaves(loop.load_checkpoint(str(resumed)).trained), jax.tree.leaves(run.trained)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+    played = run_dir.RunDir(workdir).restore_params(3)
+    ids = jax.random.randint(jax.random.key(0), (2, 16), 0, run.model_config.vocab_size)
+    forward = jax.jit(lambda p: ling3.forward(p, run.model_config, ids)[0])
+    adapted = np.asarray(forward(run.params))
+    np.testing.assert_array_equal(np.asarray(forward(played)), adapted)
+
+    cc.orbax_to_hf(workdir, tmp_path / "hf")
+    hf_config, exported = conversion.from_pretrained(tmp_path / "hf")
+    assert hf_config == run.model_config
+    assert not any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
+        exported, is_leaf=lambda x: isinstance(x, quant.QArray)))
+    np.testing.assert_allclose(np.asarray(forward(exported)), adapted, atol=1e-4, rtol=0)
+    transformers = pytest.importorskip("transformers")
+    if importlib.util.find_spec("torch") and hasattr(transformers, "BailingHybridForCausalLM"):
+        from reno_jax.models import hf_native
+        figures = hf_native.compare_logits(tmp_path / "hf", np.asarray(ids))  # transformers' own class
+        assert figures["schedule_matches"] and figures["max_abs_logit_diff"] <= 1e-4, figures

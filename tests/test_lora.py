@@ -176,3 +176,33 @@ def test_int8_base_backward_keeps_no_dequantized_weight_with_remat(model):
     exp = lora._get(merged, ("model", "layers_1", "mlp", "experts", "up_proj"))
     assert exp.dtype == jnp.float32 and not isinstance(exp, quant.QArray)
     assert isinstance(merged["lm_head"]["kernel"], quant.QArray)
+
+
+def test_token_table_adapters(model):
+    """Opt-in adapters on the embedding (rows gathered with the tokens) and lm_head (a low-rank term on the
+    logits): B = 0 is the base bit for bit, the adapted model equals the merged one, on a float and an int8 base,
+    and the gradient reaches them."""
+    params, ids = model
+    config = lora.LoraConfig(rank=R, targets=lora.TABLE_TARGETS)
+    adapters = lora.init_adapters(params, config, jax.random.key(3))
+    assert sorted(p for p, _ in lora._pairs(params, adapters)) == [("lm_head", "kernel"),
+                                                                   ("model", "word_embeddings", "embedding")]
+    forward = _forward(config, ids)
+    base = jax.jit(lambda p: ling3.forward(p, CONFIG, ids)[0])
+    np.testing.assert_array_equal(forward(params, adapters), base(params))
+    moved = _perturb(adapters, eps=0.3)
+    for p in (params, jax.jit(quant.quantize)(params)):
+        want = base(jax.jit(lambda p, ad: quant.dequantize(lora.merge(p, ad, config)))(p, moved))
+        got = forward(p, moved)
+        assert np.abs(want - forward(p, adapters)).max() > 1e-2
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-6)  # logits up to ~40
+    grads = jax.jit(jax.grad(lambda ad: ling3.token_logprobs(lora.apply(params, ad, config), CONFIG,
+                                                             ids).mean()))(adapters)
+    assert all(np.abs(g["b"]).max() > 0 for g in (grads["lm_head"]["kernel"],
+                                                   grads["model"]["word_embeddings"]["embedding"]))
+    # a tied head reads the adapted table transposed
+    table = lora.apply(params, adapters, config)["model"]["word_embeddings"]["embedding"]
+    table = lora.LoraKernel(table.base, moved["model"]["word_embeddings"]["embedding"]["a"],
+                            moved["model"]["word_embeddings"]["embedding"]["b"], table.scale)
+    x = jax.random.normal(jax.random.key(5), (3, CONFIG.hidden_size))
+    np.testing.assert_allclose(table.T.matmul(x), x @ table.astype(jnp.float32).T, atol=1e-5, rtol=0)

@@ -134,3 +134,19 @@ def test_int8_golden_logits_within_tolerance(golden):
 
     mx, mean, top1 = _stats(fwd(quant.quantize(params, block=16), None)[0], ref)
     assert mx <= 0.5 and mean <= 0.045 and top1 >= 0.875, (mx, mean, top1)
+
+
+def test_hf_checkpoint_read_straight_into_int8():
+    """`from_pretrained(quantize="int8")` quantizes each leaf as it is read: the same tree, bit for bit, as
+    quantizing the float model afterwards (which the streaming read never builds)."""
+    config, params = conv.from_pretrained(GOLDEN)
+    _, streamed = conv.from_pretrained(GOLDEN, quantize="int8")
+    want = quant.quantize(params)
+    is_q = lambda x: isinstance(x, quant.QArray)  # noqa: E731
+    assert jax.tree.structure(streamed, is_leaf=is_q) == jax.tree.structure(want, is_leaf=is_q)
+    kinds = lora.projections(params)
+    assert all(isinstance(lora._get(streamed, p), quant.QArray) for p in kinds)
+    for a, b in zip(jax.tree.leaves(streamed), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    with pytest.raises(conv.CheckpointError, match="unknown quantization"):
+        conv.from_pretrained(GOLDEN, quantize="int4")

@@ -466,3 +466,40 @@ def test_update_guard_flags():
     state = trainer.create_train_state(toy_params(), opt, 0)
     with pytest.raises(ValueError, match="exceeds the micro-batch"):
         step(state, make_batch(state.params))
+
+
+def _low_rank_combine(trained, frozen):
+    """A toy adapter: the bigram table plus a rank-2 update, the bias frozen as it is."""
+    return {"w": frozen["w"] + trained["a"] @ trained["b"], "b": frozen["b"]}
+
+
+def test_frozen_tree_is_read_not_trained():
+    """`combine`: the state trains a small tree over a frozen one. The gradient, the optimizer state and the update
+    guard cover the trained tree alone; the frozen tree is an argument (not donated, unchanged); one SGD step is
+    the gradient of the loss with respect to the trained tree."""
+    base = toy_params()
+    trained = {"a": 0.1 * jax.random.normal(jax.random.PRNGKey(4), (V, 2)), "b": jnp.zeros((2, V))}
+    batch = make_batch(base, seed=9, ragged=False)
+    opt, lr = optax.sgd(0.5), 0.5
+    step = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, combine=_low_rank_combine,
+                                   max_logp_shift=10.0, shift_probe_rows=4)
+    state = trainer.create_train_state(trained, trainer.make_optimizer(1e-2), 0)
+    chex.assert_trees_all_equal_structs(state.opt_state[1].mu, trained)  # Adam's moments: the trained tree only
+    state = trainer.create_train_state(jax.tree.map(jnp.copy, trained), opt, 0)  # donated
+    new, m = step(state, batch, base)
+    assert not base["w"].is_deleted()
+    chex.assert_trees_all_equal(base, toy_params())
+
+    def direct(t):
+        logp, ent, _ = toy_logp_fn(_low_rank_combine(t, base), batch)
+        return losses.gspo_loss(logp, batch.old_logp, batch.advantages, batch.loss_mask, entropy=ent)[0]
+
+    g = jax.grad(direct)(trained)
+    assert float(jnp.abs(g["b"]).max()) > 0
+    assert float(m["update_scale"]) == 1.0
+    chex.assert_trees_all_close(new.params, jax.tree.map(lambda p, gg: p - lr * gg, trained, g), rtol=1e-5,
+                                atol=1e-7)
+    with pytest.raises(ValueError, match="frozen tree exactly when"):
+        step(new, batch)
+    with pytest.raises(ValueError, match="frozen tree exactly when"):
+        get_step("gspo", "sgd")[1](fresh_state(get_step("gspo", "sgd")[0]), batch, base)

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 from reno_jax import parallel
 from reno_jax.envs import registry
 from reno_jax.errors import ConfigError
-from reno_jax.models import conversion, ling3
+from reno_jax.models import conversion, ling3, lora
 from reno_jax.models.config import Ling3Config
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.rollout import rollout as rollout_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+QUANTIZE = ("", "int8")  # `model.quantize`: the frozen base of a LoRA run in float, or int8 weight-only
 
 
 def dtype_of(name: str):
@@ -27,6 +28,28 @@ def dtype_of(name: str):
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def run_keys(config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(key_model, key_sft, key_rl) of `config.seed`: the model's draw, the warm start's, the RL loop's."""
+    key_model, key_sft, key_rl = jax.random.split(jax.random.PRNGKey(config.seed), 3)
+    return key_model, key_sft, key_rl
+
+
+def lora_config(config) -> lora.LoraConfig:
+    """The run's `lora.LoraConfig` from `config.lora` (rank 0, full fine-tuning, for a config without one)."""
+    section = config.get("lora", None)
+    if not section or not int(section.get("rank", 0)):
+        return lora.LoraConfig()
+    default = lora.LoraConfig()
+    return lora.LoraConfig(rank=int(section.rank), alpha=float(section.get("alpha", default.alpha)),
+                           targets=tuple(section.get("targets", default.targets)),
+                           expert_adapters=str(section.get("expert_adapters", default.expert_adapters)))
+
+
+def quantization(config) -> str:
+    """`model.quantize` ('' for a config without it)."""
+    return str(config.model.get("quantize", "") or "")
 
 
 def build_tokenizer(config):
@@ -65,11 +88,14 @@ def build_model(config, key: jax.Array, tokenizer, layout: parallel.Layout | Non
 
     `layout`: the parameters are read or drawn straight onto its mesh, each device making only its own shards
     (`from_pretrained(shardings=)`, `init_params(shardings=)`); default, or a one-device layout: one device.
+    With `model.quantize`, an HF checkpoint is read straight into int8, leaf by leaf (`from_pretrained(quantize=)`);
+    a drawn tiny model stays float (it is warm-started before it is quantized).
     """
     dtype = dtype_of(config.model.dtype)
     shardings = None if layout is None or layout.single_device else layout.param_shardings
     if config.model.get("path", ""):
-        return conversion.from_pretrained(config.model.path, dtype=dtype, shardings=shardings)
+        return conversion.from_pretrained(config.model.path, dtype=dtype, shardings=shardings,
+                                          quantize=quantization(config) or None)
     model_config = tiny_model_config(config, len(tokenizer))
     return model_config, ling3.init_params(model_config, key, dtype, shardings)
 

@@ -8,6 +8,8 @@ import os
 from reno_jax import parallel
 from reno_jax.errors import ConfigError
 from reno_jax.loop import build
+from reno_jax.loop.build import QUANTIZE
+from reno_jax.models import lora
 from reno_jax.rl import curriculum, losses, recipe
 
 
@@ -59,6 +61,12 @@ _CHECKS = (
      "one of ['float32', 'bfloat16', 'int8']"),
     ("rl.forking_top_k", lambda v: v >= 1, "an integer >= 1"),
     ("rl.entropy_top_k", lambda v: v >= 0, "an integer >= 0 (0: the full vocabulary)"),
+    ("model.quantize", lambda v: v in QUANTIZE, f"one of {list(QUANTIZE)} ('': a float base)"),
+    ("lora.rank", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: full fine-tuning)"),
+    ("lora.alpha", lambda v: v > 0, "a number > 0"),
+    ("lora.targets", lambda v: len(v) >= 1 and all(t in lora.ALL_TARGETS for t in v),
+     f"a non-empty tuple of {list(lora.ALL_TARGETS)}"),
+    ("lora.expert_adapters", lambda v: v in lora.EXPERT_ADAPTERS, f"one of {list(lora.EXPERT_ADAPTERS)}"),
 )
 
 
@@ -92,6 +100,10 @@ def validate_config(config) -> None:
         value = _field(config, name)
         if value is not _MISSING and value and not os.path.exists(value):
             raise ConfigError(f"--config.{name}={value} does not exist")
+    quantize = _field(config, "model.quantize")
+    if quantize not in (_MISSING, "") and not build.lora_config(config).rank:
+        raise ConfigError(f"--config.model.quantize={quantize} needs --config.lora.rank > 0: an int8 base is "
+                          "frozen, so only LoRA adapters can be trained over it")
     groups = int(config.rollout.boards_per_step)
     trained = int(config.rl.get("train_groups", 0)) or groups
     if trained > groups:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from typing import Any
 
 import jax
 import ml_collections
@@ -11,17 +13,47 @@ import ml_collections
 from reno_jax import parallel
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.errors import RunError
-from reno_jax.loop import build
+from reno_jax.loop import adapters, build
 from reno_jax.rl import recipe, trainer
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+    """One checkpoint of a training run: `trained` is what the run trains (`TrainState.params`: the model's
+    params, or a LoRA run's adapters) and `base` a LoRA run's frozen base (None otherwise)."""
+    config: ml_collections.ConfigDict
+    tokenizer: Any
+    model_config: Any
+    trained: Any
+    base: Any
+    step: int
+
+    @property
+    def params(self):
+        """The params the model runs (a LoRA run's adapters applied in the layers, as in training)."""
+        return adapters.model_params(self.config, self.trained, self.base)
+
+    def merged_params(self):
+        """Plain float params (a LoRA run's adapters merged into its base, int8 dequantized): an export's."""
+        return adapters.merged_params(self.config, self.trained, self.base)
+
+
 def load_run(workdir: str, step: int | None = None, mesh_config: parallel.MeshConfig | None = None):
-    """(config, tokenizer, model_config, params, step) of a checkpoint of the training run in `workdir`.
+    """(config, tokenizer, model_config, params, step) of a checkpoint of the training run in `workdir`
+    (`load_checkpoint`'s, with the params the model runs)."""
+    run = load_checkpoint(workdir, step, mesh_config)
+    return run.config, run.tokenizer, run.model_config, run.params, run.step
+
+
+def load_checkpoint(workdir: str, step: int | None = None, mesh_config: parallel.MeshConfig | None = None
+                    ) -> SavedRun:
+    """A checkpoint of the training run in `workdir` (default: the newest).
 
     The restore target is built from shapes alone (`abstract_model`): no weights are drawn or read before the
     checkpoint's. The params land on `mesh_config`'s mesh (default: one device), whatever mesh or number of
-    processes wrote the checkpoint. Raises `RunError` for a workdir without a run, a run without a checkpoint yet, or a `step`
-    that has none (the message lists the saved steps).
+    processes wrote the checkpoint. A LoRA run's checkpoint holds its adapters; its base is rebuilt
+    (`adapters.restore_base`). Raises `RunError` for a workdir without a run, a run without a checkpoint yet, or a
+    `step` that has none (the message lists the saved steps).
     """
     if not os.path.isdir(workdir):
         raise RunError(f"--workdir={workdir} does not exist; expected the workdir of a training run")
@@ -35,8 +67,8 @@ def load_run(workdir: str, step: int | None = None, mesh_config: parallel.MeshCo
     model_config, abstract_params = build.abstract_model(config, tokenizer)
     optimizer = recipe.make_optimizer(config)
     layout = parallel.Layout.create(model_config, mesh_config)
-    abstract = layout.abstract_state(
-        jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, 0), abstract_params))
+    abstract = layout.abstract_state(jax.eval_shape(
+        lambda p: trainer.create_train_state(adapters.init_trained(config, p), optimizer, 0), abstract_params))
     with ckpt_lib.Checkpointer(workdir, async_save=False) as ckpt:
         steps = ckpt.all_steps()
         if not steps:
@@ -46,4 +78,5 @@ def load_run(workdir: str, step: int | None = None, mesh_config: parallel.MeshCo
             raise RunError(f"--step={step} has no checkpoint in {workdir}; saved steps: {steps}")
         step = steps[-1] if step is None else step
         state = ckpt.restore(abstract, step=step)
-    return config, tokenizer, model_config, state.params, step
+    base = adapters.restore_base(config, workdir, tokenizer, layout) if adapters.trains_adapters(config) else None
+    return SavedRun(config, tokenizer, model_config, state.params, base, step)

@@ -10,7 +10,8 @@ curves, and every `eval_every` steps the environment's default evaluation suites
 Writes into `workdir`: `config.json`, `metrics.jsonl` (one JSON object per step, kept exact across restarts),
 TensorBoard event files, `learning_curves.png` (refreshed during the run), Orbax checkpoints under
 `checkpoints/`, and the cached warm start under `warmstart/`. Calling it again with the same workdir resumes from
-the latest checkpoint.
+the latest checkpoint. With `lora.rank > 0` the state, and so each checkpoint, holds LoRA adapters and their
+optimizer state only, over a frozen base rebuilt from the config and the warm start (`reno_jax.loop.adapters`).
 
 Several processes (`jax.distributed` initialised by the caller): the workdir must be one directory every process
 sees. Process 0 writes the files above and shows the progress bars; every process takes part in the Orbax saves
@@ -36,7 +37,7 @@ from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import registry
 from reno_jax.errors import ConfigError
-from reno_jax.loop import build, evaluation, hosts, warmstart
+from reno_jax.loop import adapters, build, evaluation, hosts, warmstart
 from reno_jax.loop.config import validate_config
 from reno_jax.rl import curriculum, learner as learner_lib, policy, recipe, trainer
 from reno_jax.rollout import rollout as rollout_lib
@@ -80,7 +81,7 @@ def train(config, workdir: str, *, env: registry.Entry | None = None) -> list[di
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
     os.makedirs(workdir, exist_ok=True)
-    key_model, key_sft, key_rl = jax.random.split(jax.random.PRNGKey(config.seed), 3)
+    key_model, key_sft, key_rl = build.run_keys(config)
     tokenizer = build.build_tokenizer(config)
     model_config, abstract_params = build.abstract_model(config, tokenizer)
     layout = build.make_layout(config, model_config)
@@ -99,36 +100,49 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
     # another model raises RestoreError naming the leaf and both shapes, and the run's files stay as they were.
     ckpt = ckpt_lib.Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
                                  max_to_keep=config.keep_checkpoints or None)
-    abstract = layout.abstract_state(jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, key_rl),
-                                                    abstract_params))
+    # A LoRA run's state holds the adapters and their optimizer state; the frozen base is rebuilt below.
+    abstract = layout.abstract_state(jax.eval_shape(
+        lambda p: trainer.create_train_state(adapters.init_trained(config, p), optimizer, key_rl), abstract_params))
     anchored = any(bool(stage.config.rl.get("forking_kl_coef", 0.0)) for stage in stages)
+    lora_run = adapters.trains_adapters(config)
     first = stages[0].config  # the warm start runs once, with the first stage's settings
-    warm = not config.model.get("path", "") and first.sft.num_steps > 0
+    warm = warmstart.runs_warm_start(config)
     warm_cache = os.path.join(os.path.abspath(workdir), warmstart.CACHE_SUBDIR)
     try:
         state = ckpt.restore(abstract)
-        if warm and (state is None or anchored) and os.path.isdir(warm_cache):  # the cache will be restored
-            ckpt_lib.check_item(warm_cache, {"params": abstract.params})
+        if warm and (state is None or anchored or lora_run) and os.path.isdir(warm_cache):  # to be restored
+            ckpt_lib.check_item(warm_cache, {"params": abstract_params})
     except ckpt_lib.RestoreError:
         ckpt.close()
         raise
     if main_process:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
-    params = None
-    if state is None or anchored:  # the forking KL's anchor is the warm start (or the initial model)
+    params = base = None
+    # The forking KL's anchor is the warm start (or the initial model); a LoRA run's base is too, on resume as well.
+    if state is None or anchored or lora_run:
         # Drawn (or read) straight onto the mesh: each device makes only its own shards.
         _, params = build.build_model(config, key_model, tokenizer, layout)
         if warm:
             params = warmstart.cached_warm_start(workdir, first, model_config, params, tokenizer, key_sft,
                                                       layout=layout).params
-    ref_params = jax.tree.map(jnp.copy, params) if anchored else None
+    if lora_run:  # never donated (it is no part of the state), so it is also the anchor as it is
+        base = params = adapters.frozen_base(config, params)
+        ref_params = base if anchored else None
+    else:
+        ref_params = jax.tree.map(jnp.copy, params) if anchored else None
     if state is None:
-        state = layout.place_state(trainer.create_train_state(params, optimizer, key_rl))
+        trained = adapters.init_trained(config, params)
+        state = layout.place_state(trainer.create_train_state(trained, optimizer, key_rl))
         start = 0
     else:
         start = int(state.step)
         hosts.say(f"Resumed from step {start} onto {layout.mesh.size} device(s) (checkpoint in {ckpt.directory})")
+    if lora_run and main_process:
+        counts = adapters.count_trained(config, abstract_params)
+        size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
+        hosts.say(f"LoRA rank {build.lora_config(config).rank}: {counts['total']:,} adapter parameters trained over a "
+                  f"frozen {build.quantization(config) or 'float'} base of {size:,}")
     del abstract, params
 
     writer = metrics_lib.MetricsWriter(workdir, start_step=start) if main_process else None
@@ -141,7 +155,7 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
     for index, stage in enumerate(stages):
         if stage.last_step <= start:
             continue
-        runner = stage_runner(stage, model_config, tokenizer, optimizer, layout, ref_params)
+        runner = stage_runner(stage, model_config, tokenizer, optimizer, layout, ref_params, base)
         panels = tuple(dict.fromkeys(panels + curve_keys(runner.env.env)))  # every stage's panels, in order
         desc = "GSPO" if len(stages) == 1 else f"GSPO {index + 1}/{len(stages)} {stage.name}"
         first_step = max(start, stage.first_step)
@@ -163,8 +177,8 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
                 row["stage"] = index
             if eval_every and (step % eval_every == 0 or step == total):
                 t_eval = time.time()
-                results = evaluation.evaluate(state.params, model_config, tokenizer, stage.config, key=eval_key,
-                                                show_progress=False)
+                results = evaluation.evaluate(runner.learner.policy_params(state.params), model_config, tokenizer,
+                                              stage.config, key=eval_key, show_progress=False)
                 row.update(evaluation.flat_figures(results, prefix="eval/"))
                 row["perf/eval_seconds"] = time.time() - t_eval
             rows.append(writer.write(step, row) if writer is not None else {"step": step, **row})
@@ -184,8 +198,9 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
 
 
 def stage_runner(stage: curriculum.Stage, model_config, tokenizer, optimizer, layout: parallel.Layout,
-                 ref_params=None) -> StageRunner:
-    """One stage's environment, rollout, loss and schedules, and the sampler of its episode starts."""
+                 ref_params=None, base=None) -> StageRunner:
+    """One stage's environment, rollout, loss and schedules, and the sampler of its episode starts. `base`: the
+    frozen base of a LoRA run (the state then trains its adapters)."""
     config = stage.config
     r = config.rl
     env = build.make_compiled_env(config, tokenizer, model_config)
@@ -204,7 +219,8 @@ def stage_runner(stage: curriculum.Stage, model_config, tokenizer, optimizer, la
                             routing_replay=bool(r.get("routing_replay", False)), temperature=rc.temperature),
         recipe.make_loss_fn(config), optimizer, ref_logp_fn=ref_logp_fn,
         ref_params=ref_params if ref_logp_fn is not None else None,
-        rollout_fn=functools.partial(rollout_fn, env=env), num_groups=num_groups, rollout_metrics=True)
+        rollout_fn=functools.partial(rollout_fn, env=env), num_groups=num_groups, rollout_metrics=True,
+        combine=adapters.combine(config), frozen=base)
     sampler = build.env_entry(config).make_sampler(config)
     return StageRunner(stage=stage, env=env, learner=learner,
                        starts_fn=lambda k: layout.place_batch(sampler(k, num_groups)))

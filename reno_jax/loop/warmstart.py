@@ -24,7 +24,7 @@ from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError
 from reno_jax.loop import build, hosts
-from reno_jax.rl import policy, sft, trainer
+from reno_jax.rl import curriculum, policy, sft, trainer
 from reno_jax.rl.batch import TrainBatch
 from reno_jax.rollout import rollout as rollout_lib
 
@@ -43,6 +43,13 @@ class WarmStartResult:
     def summary(self) -> dict:
         return {"cached": self.cached, "final_nll": self.final_nll, "seconds": self.seconds,
                 **{f"teacher/{k}": v for k, v in self.teacher.items()}}
+
+
+def runs_warm_start(config) -> bool:
+    """Whether a run of `config` starts with the supervised warm start: a drawn model (no `model.path`) and
+    `sft.num_steps > 0` in its first curriculum stage (the warm start runs once, with that stage's settings)."""
+    first = curriculum.curriculum_stages(config)[0].config
+    return not config.model.get("path", "") and int(first.sft.num_steps) > 0
 
 
 def transcript_length(env: rollout_lib.CompiledEnv, calls: sft.CallTable, turns: int, rollout_length: int) -> int:

@@ -50,6 +50,7 @@ import numpy as np
 import safetensors
 from absl import logging
 
+from reno_jax.models import lora, quant
 from reno_jax.models.config import Ling3Config
 
 MODEL_TYPE = "bailing_hybrid"
@@ -488,7 +489,20 @@ def _shardings_for(shardings: Any, config: Any) -> Any:
                     f"got {type(shardings).__name__}")
 
 
-def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None) -> tuple[Any, dict]:
+def _quantized_kind(config: Any, flax_path: tuple[str, ...]) -> str | None:
+    """The `quant.QUANT_TARGETS` kind of a leaf (None: a leaf kept in float)."""
+    is_kda = None
+    if len(flax_path) > 3 and flax_path[2] == "attention":
+        is_kda = config.layer_kinds[int(flax_path[1].split("_")[1])] == "kda"
+    kind = lora.weight_kind(flax_path, is_kda)
+    return kind if kind in quant.QUANT_TARGETS else None
+
+
+_quantize_leaf = jax.jit(quant.quantize_array, static_argnames=("axis", "block"))
+
+
+def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None,
+                    quantize: str | None = None, quant_block: int | None = None) -> tuple[Any, dict]:
     """Loads a Ling-3.0 HF checkpoint directory into (Ling3Config, Flax params).
 
     Reads `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards. Tensors are read one
@@ -503,6 +517,11 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
     stored tensor (and of only the experts it holds), so no host and no device ever holds more than its shards
     plus one block; a block that several devices hold (replication) is read once. Several processes: each reads
     the blocks of its own devices.
+
+    quantize: "int8": the weights `quant.quantize` would quantize (projections, experts, embedding, lm_head) come
+    out as `quant.QArray`s (per-channel scales, or per `quant_block` rows), each quantized on the device right after
+    it is read, from `dtype`, so the float model never exists whole anywhere: at most one float leaf besides the
+    int8 ones read so far. The result equals `quant.quantize(from_pretrained(path, dtype), block=quant_block)`.
     Raises CheckpointError naming the problem on any bad input.
     """
     path = Path(path)
@@ -513,6 +532,8 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
     if target is not None and target not in _NP_TO_ST:
         raise CheckpointError(f"unsupported target dtype {target}: use float32, bfloat16, float16 or float64")
     shardings = _shardings_for(shardings, config)
+    if quantize not in (None, "", "int8"):
+        raise CheckpointError(f"unknown quantization {quantize!r}: use 'int8' (or None)")
 
     index = _weight_files(path)
     with ExitStack() as stack:
@@ -601,6 +622,9 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
 
                 leaf = jax.make_array_from_callback(shape, sharding, shard)
                 blocks.clear()  # the host copies: the devices hold their shards now
+            kind = _quantized_kind(config, first.flax_path) if quantize else None
+            if kind is not None:
+                leaf = _quantize_leaf(leaf, axis=-1 if kind == "embedding" else -2, block=quant_block)
             _set_leaf(params, first.flax_path, leaf)
     return config, params
 

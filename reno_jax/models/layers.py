@@ -107,9 +107,18 @@ def linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jnp.matmul(x, kernel.astype(x.dtype))
 
 
+def head_logits(x: jax.Array, head) -> jax.Array:
+    """float32 logits x [B, T, D] @ head [D, V]; an adapted head (`LoraKernel`) adds its low-rank term instead of
+    forming the adapted [D, V] matrix."""
+    if isinstance(head, LoraKernel):
+        low = einsum_f32("btr,rv->btv", jnp.matmul(x, head.a.astype(x.dtype)), head.b.astype(x.dtype))
+        return einsum_f32("btd,dv->btv", x, head.base.astype(x.dtype)) + low * jnp.float32(head.scale)
+    return einsum_f32("btd,dv->btv", x, head.astype(x.dtype))
+
+
 def embed(table, ids: jax.Array) -> jax.Array:
     """Rows `ids` of the embedding table [V, D] (`jnp.take`; a `quant.QArray` table gathers its int8 rows and
-    scales and dequantizes only those)."""
+    scales and dequantizes only those; an adapted `LoraKernel` table adds the rows' low-rank term)."""
     if hasattr(table, "take_rows"):
         return table.take_rows(ids)
     return jnp.take(table, ids, axis=0)

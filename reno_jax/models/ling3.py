@@ -31,7 +31,7 @@ import numpy as np
 
 from reno_jax.models.config import Ling3Config, ling3_tiny_real, tiny_test_config  # noqa: F401 (re-export)
 from reno_jax.models.kda import kda_attention
-from reno_jax.models.layers import einsum_f32, embed, moe, rms_norm, swiglu_mlp
+from reno_jax.models.layers import embed, head_logits, moe, rms_norm, swiglu_mlp
 from reno_jax.models.mla import mla_attention
 from reno_jax.sharding import hints
 
@@ -475,7 +475,7 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
         head = m["word_embeddings"]["embedding"].T
     else:
         head = params["lm_head"]["kernel"]
-    logits = rows(einsum_f32("btd,dv->btv", xn, head.astype(xn.dtype)))
+    logits = rows(head_logits(xn, head))
 
     new_cache = None
     if cache is not None:

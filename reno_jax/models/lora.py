@@ -14,8 +14,9 @@ so a fresh adapter changes nothing); the adapted weight is W + (alpha / r) A @ B
 (`LoraConfig.dtype`), whatever the base's dtype; they are cast to the activations' dtype where they are used.
 `targets` names projection kinds (`weight_kind`): 'kda' (q/k/v/b/f/g/o projections of the KDA layers, not the
 short convolutions), 'mla' (q_a/q_b or q, kv_a_proj_with_mqa, kv_b, g, dense of the MLA layers), 'mlp' (the dense
-layers' gate/up/down), 'experts' (the routed experts' gate/up/down stacks), 'shared_experts'. The router, the
-embeddings, lm_head, norms and the KDA gate parameters are never adapted.
+layers' gate/up/down), 'experts' (the routed experts' gate/up/down stacks), 'shared_experts' (the default: all
+five); opt-in 'embedding' (A [V, r], its rows gathered with the tokens) and 'lm_head'. The router, norms and the
+KDA gate parameters are never adapted.
 
 MoE experts (`expert_adapters`): the routed experts are stacks W [E, in, out].
   'per_expert' (default): A [E, in, r], B [E, r, out], one independent adapter per expert. That is what "LoRA on
@@ -59,10 +60,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LoraConfig", "LoraKernel", "TARGETS", "weight_kind", "projections", "init_adapters", "apply", "merge",
+__all__ = ["LoraConfig", "LoraKernel", "TARGETS", "TABLE_TARGETS", "ALL_TARGETS", "weight_kind", "projections", "init_adapters", "apply", "merge",
            "adapter_shapes", "count_adapter_params"]
 
 TARGETS = ("kda", "mla", "mlp", "experts", "shared_experts")
+# Opt-in: the token tables. A pretrained model's embeddings rarely need adapting, but a small model trained from
+# little data keeps much of what it learns there (docs/design.md, "LoRA and an int8 base").
+TABLE_TARGETS = ("embedding", "lm_head")
+ALL_TARGETS = TARGETS + TABLE_TARGETS
 EXPERT_ADAPTERS = ("per_expert", "shared")
 
 
@@ -82,9 +87,9 @@ class LoraConfig:
         if not isinstance(self.rank, (int, np.integer)) or self.rank < 0:
             raise ValueError(f"LoraConfig.rank must be an int >= 0, got {self.rank!r}")
         object.__setattr__(self, "targets", tuple(self.targets))
-        unknown = [t for t in self.targets if t not in TARGETS]
+        unknown = [t for t in self.targets if t not in ALL_TARGETS]
         if unknown:
-            raise ValueError(f"unknown LoRA targets {unknown}; known: {TARGETS}")
+            raise ValueError(f"unknown LoRA targets {unknown}; known: {ALL_TARGETS}")
         if self.expert_adapters not in EXPERT_ADAPTERS:
             raise ValueError(f"expert_adapters must be one of {EXPERT_ADAPTERS}, got {self.expert_adapters!r}")
 
@@ -138,6 +143,22 @@ class LoraKernel:
         base = jnp.matmul(x, self.base.astype(x.dtype))
         low = jnp.matmul(jnp.matmul(x, self.a.astype(x.dtype)), self.b.astype(x.dtype))
         return base + low * jnp.asarray(self.scale, x.dtype)
+
+    def take_rows(self, ids, dtype=None):
+        """Rows `ids` of an adapted [V, D] table (the embedding lookup): W[ids] + scale * A[ids] @ B, in `dtype`
+        (default the base's), without forming the adapted table."""
+        dtype = self.base.dtype if dtype is None else dtype
+        if hasattr(self.base, "take_rows"):
+            rows = self.base.take_rows(ids, dtype)
+        else:
+            rows = jnp.take(self.base, ids, axis=0).astype(dtype)
+        low = jnp.matmul(jnp.take(self.a, ids, axis=0).astype(dtype), self.b.astype(dtype))
+        return rows + low * jnp.asarray(self.scale, dtype)
+
+    @property
+    def T(self):  # noqa: N802 - mirrors ndarray.T (a tied lm_head reads the embedding transposed)
+        """The transposed adapted weight (W + s A B)^T = W^T + s B^T A^T, still low rank."""
+        return LoraKernel(self.base.T, self.b.T, self.a.T, self.scale)
 
     def grouped(self, x, first, then=None):
         """An expert projection: `first(x, stack)` multiplies x by an expert stack [E, in, out] in the dispatch's

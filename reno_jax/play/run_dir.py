@@ -15,7 +15,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from reno_jax.loop import build
+from reno_jax.loop import adapters, build
 from reno_jax.rl import recipe
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
@@ -57,9 +57,12 @@ class RunDir:
         self.tokenizer = build.build_tokenizer(self.config)
         self.model_config, self._abstract_params = build.abstract_model(self.config, self.tokenizer)
         optimizer = recipe.make_optimizer(self.config)
-        # The restore target of a checkpoint's TrainState, from shapes only (nothing is initialised).
+        # The restore target of a checkpoint's TrainState, from shapes only (nothing is initialised); a LoRA run's
+        # holds its adapters, whose frozen base is rebuilt once, when a checkpoint is first read.
         self._abstract_state = jax.eval_shape(
-            lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(0)), self._abstract_params)
+            lambda p: trainer.create_train_state(adapters.init_trained(self.config, p), optimizer,
+                                                 jax.random.PRNGKey(0)), self._abstract_params)
+        self._base = None
 
     # -- steps ----------------------------------------------------------------------------------------------
     def _step_dir(self, step: int) -> str:
@@ -92,7 +95,7 @@ class RunDir:
         try:
             if step == WARM_START_STEP:
                 return checkpointer.restore(directory, {"params": self._abstract_params})["params"]
-            return checkpointer.restore(os.path.join(directory, "state"), self._abstract_state).params
+            trained = checkpointer.restore(os.path.join(directory, "state"), self._abstract_state).params
         except Exception:
             if os.path.isdir(directory):
                 raise
@@ -101,6 +104,9 @@ class RunDir:
             raise CheckpointMissing(f"checkpoint {step} was removed by the run while it was being read") from None
         finally:
             checkpointer.close()
+        if adapters.trains_adapters(self.config) and self._base is None:
+            self._base = adapters.restore_base(self.config, self.workdir, self.tokenizer)
+        return adapters.model_params(self.config, trained, self._base)
 
     # -- metrics --------------------------------------------------------------------------------------------
     def metrics(self) -> list[dict]:

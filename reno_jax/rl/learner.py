@@ -256,19 +256,27 @@ class Learner:
       rollout_fn: `rollout_fn(params, key, starts) -> Trajectory`, for `run_step`.
       num_groups: groups rolled out per step, if known: the split into minibatches is checked up front.
       rollout_metrics, donate: `trainer.make_train_step`'s.
+      combine, frozen: a run that trains part of the model (LoRA adapters, `policy.Adapted`) over a frozen tree
+        (the base): `trainer.make_train_step(combine=)`'s, and the frozen tree every train step and rollout reads;
+        the rollout runs `combine(state.params, frozen)`, the weights the train step scores. Both or neither.
     """
 
     def __init__(self, config: LearnerConfig, logp_fn: Callable, loss_fn: Callable,
                  optimizer: optax.GradientTransformation, *, ref_logp_fn: Callable | None = None,
                  ref_params: Any = None, rollout_fn: Callable | None = None, num_groups: int | None = None,
-                 rollout_metrics: bool = True, donate: bool = True):
+                 rollout_metrics: bool = True, donate: bool = True, combine: Callable | None = None,
+                 frozen: Any = None):
         if (ref_logp_fn is None) != (ref_params is None):
             raise ValueError("ref_logp_fn and ref_params go together")
+        if (combine is None) != (frozen is None):
+            raise ValueError("combine and frozen go together")
         if num_groups is not None:
             config.check_num_groups(num_groups)
         self.config = config
         self.rollout_fn = rollout_fn
         self.ref_params = ref_params
+        self.combine = combine
+        self.frozen = frozen
         self.prepare_batch = make_prepare_batch(config)
         probe_groups = config.shift_probe_groups
         if num_groups is not None:  # the probe is the first groups of a micro-batch: at most the groups one holds
@@ -279,11 +287,16 @@ class Learner:
             num_microbatches=config.num_microbatches,
             loss_batch_keys=("entropy_scale",) if config.forking_schedule else (), rollout_metrics=rollout_metrics,
             donate=donate, max_logp_shift=config.max_logp_shift,
-            shift_probe_rows=probe_groups * config.group_size)
+            shift_probe_rows=probe_groups * config.group_size, combine=combine)
         self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b).logp)
         self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=(1, 2))
         self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far
         self.common_len: int | None = None  # batch-wide common part: the shortest seen so far
+
+    def policy_params(self, trained):
+        """The model's params of the trained tree `trained` (`TrainState.params`): itself, or combined with the
+        frozen base."""
+        return trained if self.combine is None else self.combine(trained, self.frozen)
 
     def shared_prefix_len(self, stats: BatchStats) -> tuple[int, int]:
         """SHORTEST_PROMPT_SYNC: reads this batch's shortest prompt (and, with ``share_common_prefix``, the length
@@ -310,7 +323,8 @@ class Learner:
             batch = self._split(batch, *self.shared_prefix_len(stats))
         if self._ref_logp is not None:
             batch = batch.replace(ref_logp=self._ref_logp(self.ref_params, batch))
-        state, train_metrics = self.train_step(state, batch)
+        frozen = () if self.combine is None else (self.frozen,)
+        state, train_metrics = self.train_step(state, batch, *frozen)
         metrics = {f"train/{k}": v for k, v in train_metrics.items()}
         metrics["rollout/informative_group_rate"] = stats.informative_group_rate
         return state, metrics
@@ -325,7 +339,7 @@ class Learner:
         t0 = time.time()
         state, step_key = trainer.split_rng(state)
         k_starts, k_rollout = jax.random.split(step_key)
-        traj = self.rollout_fn(state.params, k_rollout, starts_fn(k_starts))
+        traj = self.rollout_fn(self.policy_params(state.params), k_rollout, starts_fn(k_starts))
         rollout_seconds = None
         if time_rollout:
             jax.block_until_ready(traj.reward)  # ROLLOUT_WAIT

@@ -1,14 +1,29 @@
-"""The policy as the trainer sees it: `logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput`."""
+"""The policy as the trainer sees it: `logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput`, and, for a
+run that trains LoRA adapters over a frozen base, how the two make the model's params (`Adapted`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from reno_jax.models import ling3
+from reno_jax.models import ling3, lora
 from reno_jax.models.config import Ling3Config
 from reno_jax.rl import shared_prefix, trainer
 from reno_jax.rl.batch import TrainBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+    """`combine(adapters, base) -> params` of `trainer.make_train_step` / `learner.Learner` for LoRA: the base's
+    targeted weights become `lora.LoraKernel` leaves that the model's matmuls apply in the layer, so the train
+    step, the rollout and evaluation all run the same adapted weights (no merged copy). Hashable: a static part
+    of the compiled programs."""
+    config: lora.LoraConfig
+
+    def __call__(self, adapters, base):
+        return lora.apply(base, adapters, self.config)
 
 
 def routing_stats(own: jax.Array, recorded: jax.Array) -> trainer.RoutingStats:

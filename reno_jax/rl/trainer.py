@@ -4,7 +4,10 @@
   moments (``state_dtype="bfloat16"`` or ``"int8"``: 8-bit block-wise quantised moments).
 * ``TrainState``: params, opt_state, step, skipped_updates, rng (a pytree; checkpointed as a whole).
 * ``make_train_step``: PPO-style minibatches (sequential optimizer updates) with micro-batch gradient
-  accumulation; non-finite loss or gradient skips the update and counts it.
+  accumulation; non-finite loss or gradient skips the update and counts it. With ``combine`` the trained tree is
+  only part of the model (LoRA adapters): ``train_step(state, batch, frozen)`` scores ``combine(state.params,
+  frozen)`` and differentiates ``state.params`` alone; ``frozen`` (the base) is an argument of the program, never
+  donated, differentiated or held by the optimizer.
 
 The policy is abstracted by ``logp_fn(params, batch) -> (logp [B, L], entropy [B, L] or None)`` so the same step
 trains the Ling-3.0 model and the toy policies of the tests.
@@ -285,7 +288,8 @@ def make_optimizer(learning_rate: float, end_learning_rate: float = 0.0, warmup_
 class TrainState:
     """Everything a training run needs to resume bit-exactly (a pytree of arrays).
 
-    params: model parameters.  opt_state: optimizer state.  step: int32 [] train steps done (``train_step``
+    params: the trained parameters (the model's, or with a frozen base the adapters trained over it).
+    opt_state: optimizer state (of ``params`` only).  step: int32 [] train steps done (``train_step``
     calls).  skipped_updates: int32 [] optimizer updates skipped because of a non-finite loss / gradient.
     rng: uint32 [2] PRNG key owned by the training loop (rollout sampling etc.; ``split_rng``).
     """
@@ -364,11 +368,17 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
                     num_minibatches: int = 1, num_microbatches: int = 1, *, shuffle: bool = False,
                     donate: bool = True, loss_batch_keys: Sequence[str] = (), rollout_metrics: bool = False,
                     max_logp_shift: float = 0.0, shift_probe_rows: int = 0, shift_backtracks: int = 4,
-                    metric_reductions: Mapping[str, str] | None = None) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
-    """Builds ``train_step(state, batch) -> (state, metrics)``, jitted with ``state`` donated.
+                    metric_reductions: Mapping[str, str] | None = None, combine: Callable | None = None
+                    ) -> Callable[..., tuple[TrainState, dict]]:
+    """Builds ``train_step(state, batch, frozen=None) -> (state, metrics)``, jitted with ``state`` donated.
 
     Args:
       logp_fn: ``logp_fn(params, batch: TrainBatch) -> PolicyOutput`` on a (micro-)batch.
+      combine: ``combine(trained, frozen) -> params`` for ``logp_fn`` when only part of the model is trained
+        (e.g. ``policy.Adapted``: LoRA adapters over a frozen base); ``train_step`` then takes the frozen part as
+        its third argument. Gradients, optimizer state and the update guard cover ``state.params`` alone; the
+        frozen tree is read as a constant (no gradient of it is formed, and it is not donated). None: the
+        trained tree is the model's params and ``frozen`` must be None.
       loss_fn: ``loss_fn(logp, old_logp, advantages, mask, **kw) -> (loss, metrics)`` with hparams bound (e.g.
         ``functools.partial(losses.gspo_loss, eps_high=4e-4)``). Called with ``entropy=`` when ``logp_fn``
         returns one and ``ref_logp=`` when the batch has ``ref_logp``; ``PolicyOutput.routing``, when set,
@@ -430,13 +440,16 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         raise ValueError(f"max_logp_shift needs shift_probe_rows >= 1 and shift_backtracks >= 0, got "
                          f"{shift_probe_rows}, {shift_backtracks}")
 
-    def logp_shift(params, probe):
+    def policy_logp(params, frozen, batch):
+        return logp_fn(params if combine is None else combine(params, frozen), batch)
+
+    def logp_shift(params, frozen, probe):
         """Mean |logp - old_logp| over the probe's policy tokens (float32 [])."""
-        logp = jax.lax.stop_gradient(logp_fn(params, probe).logp)
+        logp = jax.lax.stop_gradient(policy_logp(params, frozen, probe).logp)
         mask = probe.loss_mask.astype(jnp.float32)
         return jnp.sum(jnp.abs(logp - probe.old_logp) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
-    def guarded_params(params, updates, micro):
+    def guarded_params(params, frozen, updates, micro):
         """(new params, applied scale, shift of the whole update): the update halved until the probe's shift is
         within bounds."""
         rows = int(shift_probe_rows)
@@ -454,15 +467,15 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
         def body(c):
             scale, _, tries = c
             scale = scale * 0.5
-            return scale, logp_shift(apply(scale), probe), tries + 1
+            return scale, logp_shift(apply(scale), frozen, probe), tries + 1
 
-        first = logp_shift(apply(jnp.float32(1.0)), probe)
+        first = logp_shift(apply(jnp.float32(1.0)), frozen, probe)
         scale, shift, _ = jax.lax.while_loop(cond, body, (jnp.float32(1.0), first, jnp.int32(0)))
         scale = jnp.where(shift > max_logp_shift, jnp.float32(0.0), scale)
         return apply(scale), scale, first
 
-    def loss_and_metrics(params, mb):
-        out = logp_fn(params, mb)
+    def loss_and_metrics(params, frozen, mb):
+        out = policy_logp(params, frozen, mb)
         if not isinstance(out, PolicyOutput):
             raise TypeError(f"logp_fn must return a trainer.PolicyOutput, got {type(out).__name__}")
         kw = {}
@@ -482,11 +495,11 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
 
     grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
 
-    def minibatch_grads(params, micro):
+    def minibatch_grads(params, frozen, micro):
         """Weighted accumulation over the leading (micro-batch) axis of ``micro``."""
         def body(acc, mb):
             mb = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, mb)
-            (loss, (metrics, extra)), grads = grad_fn(params, mb)
+            (loss, (metrics, extra)), grads = grad_fn(params, frozen, mb)
             w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
             g_acc, l_acc, w_acc = acc
             g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
@@ -515,7 +528,9 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
                 out[k] = jnp.where(w_sum > 0, jnp.sum(v * ws) / denom, jnp.mean(v))
         return l_sum / denom, grads, out, extra
 
-    def train_step(state: TrainState, batch: TrainBatch):
+    def train_step(state: TrainState, batch: TrainBatch, frozen: PyTree = None):
+        if (frozen is None) != (combine is None):
+            raise ValueError("train_step takes a frozen tree exactly when make_train_step was given combine=")
         if not isinstance(batch, TrainBatch):
             raise TypeError(f"train_step takes a rl.batch.TrainBatch, got {type(batch).__name__}")
         missing = [k for k in loss_batch_keys if getattr(batch, k) is None]
@@ -544,13 +559,13 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
 
         def update(carry, micro):
             params, opt_state, skipped = carry
-            loss, grads, metrics, extra = minibatch_grads(params, micro)
+            loss, grads, metrics, extra = minibatch_grads(params, frozen, micro)
             grad_norm = optax.tree.norm(grads)
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
             guard = {}
             if max_logp_shift:
-                new_params, scale, shift = guarded_params(params, updates, micro)
+                new_params, scale, shift = guarded_params(params, frozen, updates, micro)
                 guard = {"update_scale": scale, "logp_shift": shift}
             else:
                 new_params = optax.apply_updates(params, updates)
