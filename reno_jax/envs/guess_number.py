@@ -26,20 +26,28 @@ TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "number": {"type": "integer", "minimum": 1, "maximum": MAX_NUMBER}}, "required": ["number"]}}}
 
-# Message values: [the last guess, guesses left]. Tool templates: what the answer says.
+# Message values: [the last guess, the lowest and the highest number the answers so far allow]. Tool templates: what
+# the answer says.
 TOO_HIGH, TOO_LOW, FOUND, OUT, INVALID = range(5)
 CHAT = ChatSpec(
     system=f"Find the secret number from 1 to {MAX_NUMBER} with the guess tool. Each answer says higher or lower.",
     tools=(TOOL,),
     user=((f"I picked a number. You have {MAX_GUESSES} guesses.",),),
-    tool=((Slot(0, NUMBERS), " is too high. Guesses left: ", Slot(1, NUMBERS), "."),
-          (Slot(0, NUMBERS), " is too low. Guesses left: ", Slot(1, NUMBERS), "."),
+    tool=((Slot(0, NUMBERS), " is too high. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
+          (Slot(0, NUMBERS), " is too low. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
           (Slot(0, NUMBERS), " is right!"),
           ("Out of guesses.",),
           ("Invalid call.",)),
     tool_continues=(True, True, False, False, False),
-    num_values=2,
+    num_values=3,
 )
+
+# Reward: finding the secret on guess k (1..MAX_GUESSES) earns FOUND_REWARD - GUESS_COST * (k - 1) (1.0 on the
+# first guess down to 0.5 on the fifth); running out of guesses earns 0; a malformed call (or a number out of
+# range) earns -1 and ends the episode.
+FOUND_REWARD = 1.0
+GUESS_COST = 0.125
+INVALID_REWARD = -1.0
 
 
 @chex.dataclass(frozen=True)
@@ -69,7 +77,7 @@ class GuessNumberEnv(interface.TextEnv):
     def reset(self, start: Start):
         state = State(secret=start.secret.astype(jnp.int32), guesses=jnp.int32(0), found=jnp.bool_(False),
                       low=jnp.int32(1), high=jnp.int32(MAX_NUMBER))
-        return state, interface.Message(jnp.int32(0), jnp.zeros((2,), jnp.int32))
+        return state, interface.Message(jnp.int32(0), jnp.zeros((3,), jnp.int32))
 
     def step(self, state: State, call: interface.ToolCall) -> interface.Step:
         guess = call.args[0]
@@ -77,12 +85,12 @@ class GuessNumberEnv(interface.TextEnv):
         found = call.ok & (guess == state.secret)
         out = call.ok & ~found & (guesses >= MAX_GUESSES)
         template = jnp.select([~call.ok, found, out, guess > state.secret], [INVALID, FOUND, OUT, TOO_HIGH], TOO_LOW)
-        reward = jnp.where(found, 1.0, jnp.where(call.ok, 0.0, -1.0))
+        reward = jnp.where(found, FOUND_REWARD - GUESS_COST * (guesses - 1), jnp.where(call.ok, 0.0, INVALID_REWARD))
         low = jnp.where(call.ok & (guess < state.secret), jnp.maximum(state.low, guess + 1), state.low)
         high = jnp.where(call.ok & (guess > state.secret), jnp.minimum(state.high, guess - 1), state.high)
         new = State(secret=state.secret, guesses=guesses, found=found, low=low, high=high)
         info = dict(found=found, invalid=~call.ok, guesses=guesses)
-        message = interface.Message(template.astype(jnp.int32), jnp.stack([guess, MAX_GUESSES - guesses]))
+        message = interface.Message(template.astype(jnp.int32), jnp.stack([guess, low, high]))
         return interface.Step(state=new, message=message, reward=reward.astype(jnp.float32),
                               done=found | out | ~call.ok, info=info)
 
