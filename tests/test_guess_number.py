@@ -83,6 +83,7 @@ def test_answers_state_the_numbers_left():
     answers = [(int(s.message.template), *map(int, s.message.values)) for s in steps]
     assert answers == [(gn.TOO_HIGH, 8, 1, 7), (gn.TOO_LOW, 3, 4, 7), (gn.TOO_HIGH, 12, 4, 7),
                        (gn.TOO_LOW, 5, 6, 7)]
+    assert [int(s.info["wasted"]) for s in steps] == [0, 0, 1, 1]  # 12 was a wasted guess
     assert len(gn.CHAT.tool) == 5 and gn.CHAT.num_values == 3
 
 

@@ -62,6 +62,7 @@ class State:
     found: jax.Array  # bool []
     low: jax.Array  # int32 []: the secret is in [low, high] given the answers so far
     high: jax.Array
+    wasted: jax.Array  # int32 []: guesses the answers before them had already ruled out
 
 
 @flax.struct.dataclass
@@ -76,7 +77,7 @@ class GuessNumberEnv(interface.TextEnv):
 
     def reset(self, start: Start):
         state = State(secret=start.secret.astype(jnp.int32), guesses=jnp.int32(0), found=jnp.bool_(False),
-                      low=jnp.int32(1), high=jnp.int32(MAX_NUMBER))
+                      low=jnp.int32(1), high=jnp.int32(MAX_NUMBER), wasted=jnp.int32(0))
         return state, interface.Message(jnp.int32(0), jnp.zeros((3,), jnp.int32))
 
     def step(self, state: State, call: interface.ToolCall) -> interface.Step:
@@ -88,15 +89,16 @@ class GuessNumberEnv(interface.TextEnv):
         reward = jnp.where(found, FOUND_REWARD - GUESS_COST * (guesses - 1), jnp.where(call.ok, 0.0, INVALID_REWARD))
         low = jnp.where(call.ok & (guess < state.secret), jnp.maximum(state.low, guess + 1), state.low)
         high = jnp.where(call.ok & (guess > state.secret), jnp.minimum(state.high, guess - 1), state.high)
-        new = State(secret=state.secret, guesses=guesses, found=found, low=low, high=high)
-        info = dict(found=found, invalid=~call.ok, guesses=guesses)
+        wasted = state.wasted + (call.ok & ((guess < state.low) | (guess > state.high))).astype(jnp.int32)
+        new = State(secret=state.secret, guesses=guesses, found=found, low=low, high=high, wasted=wasted)
+        info = dict(found=found, invalid=~call.ok, guesses=guesses, wasted=wasted)
         message = interface.Message(template.astype(jnp.int32), jnp.stack([guess, low, high]))
         return interface.Step(state=new, message=message, reward=reward.astype(jnp.float32),
                               done=found | out | ~call.ok, info=info)
 
     def episode_metrics(self):
         return {"found_rate": interface.rate("found", plot=True), "invalid_rate": interface.rate("invalid"),
-                "guesses_mean": interface.mean_of("guesses", plot=True)}
+                "guesses_mean": interface.mean_of("guesses", plot=True), "wasted_mean": interface.mean_of("wasted")}
 
 
 def consistent_guess(state: State, key: jax.Array):
