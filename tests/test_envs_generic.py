@@ -184,9 +184,10 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
 
 def test_summarize_reduces_infos_by_the_declared_metrics():
     info = {"found": np.array([True, False, True, True]), "guesses": np.array([2, 7, 3, 1]),
-            "invalid": np.array([False, True, False, False])}
+            "invalid": np.array([False, True, False, False]), "wasted": np.array([0, 2, 0, 0])}
     env = guess_number.GuessNumberEnv()
-    assert interface.summarize(env, info) == {"found_rate": 0.75, "invalid_rate": 0.25, "guesses_mean": 3.25}
+    assert interface.summarize(env, info) == {"found_rate": 0.75, "invalid_rate": 0.25, "guesses_mean": 3.25,
+                                              "wasted_mean": 0.5}
     from reno_jax.rollout import summary
     assert summary.plotted_metrics(env) == ("rollout/found_rate", "rollout/guesses_mean")
 
@@ -206,7 +207,8 @@ def test_summarize_reduces_infos_by_the_declared_metrics():
         def episode_metrics(self):
             return {}
 
-    assert interface.summarize(Undeclared(), info) == {"found": 0.75, "guesses": 3.25, "invalid": 0.25}
+    assert interface.summarize(Undeclared(), info) == {"found": 0.75, "guesses": 3.25, "invalid": 0.25,
+                                                       "wasted": 0.5}
     with pytest.raises(ValueError, match="reduce"):
         interface.Metric(lambda i: i["found"], reduce="median")
 
