@@ -5,7 +5,8 @@ parameters, GSPO, 8-bit Adam moments, micro-batched backward. Random weights nev
 row generates the full --max-new-tokens: the rollout time is the worst case of a step (the published run started
 near that length and ended near 850 tokens).
 
-  python benchmarks/real_shape_step.py                       # real shape; needs an accelerator (~40 GB)
+  python benchmarks/real_shape_step.py --remat --share-prefix    # real shape on a GPU: XLA plans 92.4 GB for the
+                                                  # train step, 16.9 GB for the rollout (neither flag: 341 GB)
   python benchmarks/real_shape_step.py --synthetic-batch --remat --share-prefix    # train step only
   python benchmarks/real_shape_step.py --model tiny --max-new-tokens 32 --steps 2    # CPU smoke run
   python benchmarks/real_shape_step.py --remat --share-prefix \

@@ -5,8 +5,9 @@
 
 Ling-3.0-tiny from a local HF directory in bf16, its own tokenizer and chat template, 4 boards x 4 samples per
 step, up to 1471 new tokens, learning rate 1e-8 decaying to 1e-9, 400 GSPO steps, a checkpoint every 100 steps.
-The published run kept 8-bit Adam states: `rl.optimizer_state_dtype = "int8"` keeps the optimiser state of the
-7.9B-parameter model small enough for one 128 GB device (bf16 params 15.8 GB + int8 moments ~15.8 GB).
+The published run kept 8-bit Adam states: `rl.optimizer_state_dtype = "int8"` (bf16 params 15.8 GB + int8 moments
+~15.8 GB). Weights and moments are not the whole footprint: XLA's memory plan of this setting's train step is
+92.4 GB on one device (remat on, as below; docs/benchmarks.md, benchmarks/real_shape_step.py --compile-only).
 """
 
 from configs import tictactoe_tiny

@@ -34,8 +34,7 @@ def get_config():
   c.env.module = ""  # none of tic-tac-toe's board-dataset fields apply
   c.env.name = "connect4"
   c.env.opponent = "random"        # "random", "greedy", "negamax" or "mixed" (the three in turn by group)
-  c.env.agent_player = "alternate" # 1 (X, moves first), 2 (O) or "alternate" (X in even groups); note that
-                                   # pipeline.validate_config still only knows tic-tac-toe's "x" / "o" / "alternate"
+  c.env.agent_player = "alternate" # 1 (X, moves first), 2 (O) or "alternate" (X in even groups)
   c.env.negamax_depth = 3          # plies; only compiled in when the opponent is "negamax" or "mixed"
   c.env.max_agent_turns = 21       # every agent move of a full game
 

@@ -168,7 +168,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- bookkeeping ------------------------------------------------------------------------------
   c.checkpoint_every = 50
-  c.keep_checkpoints = 2
+  c.keep_checkpoints = 0         # 0: every checkpoint (3 MB each for the tiny model), all on the play page's slider
   c.plot_every = 25
   c.eval_every = 0
   return c

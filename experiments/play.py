@@ -10,7 +10,7 @@ probability for each move at its decision token before each of its moves (best m
 declares them) and the model's raw turn and the environment's answer. Any other environment gets transcripts: an
 episode of its sampler or of an evaluation suite, played by the chosen checkpoint. Both show the run's curves
 refreshed live from `metrics.jsonl` and pick among the saved checkpoints (0 = the supervised warm start). The
-workdir may still be training. The JSON API the page uses is described in `reno_jax/play/app.py` and the README.
+workdir may still be training. The JSON API the page uses is described in `reno_jax/play/app.py` and docs/play.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Test-session settings: CPU only, XLA's cheapest backend optimisation level, and a compilation cache.
+"""Test-session settings: CPU only, XLA's cheapest compilation, and a compilation cache.
 
-Almost all of the suite's time is XLA compilation of small programs; LLVM optimisation level 0 roughly halves it
-and only changes float rounding (every numeric tolerance in the suite is far above that). Many tests build the
-same programs again (a second run of the same config, a resumed run, the CLIs in subprocesses), so compiled
-executables go to a persistent cache that is new for each test session (nothing carries over between sessions).
-Set before JAX is imported, so subprocesses started by the CLI tests inherit it too.
+Almost all of the suite's time is XLA compilation of small programs. `jax_disable_most_optimizations` (LLVM
+optimisation level 0 and no expensive LLVM passes) roughly halves it and only changes float rounding (every
+numeric tolerance in the suite is far above that). Many tests build the same programs again (a second run of the
+same config, a resumed run, the CLIs in subprocesses, the other pytest-xdist worker), so compiled executables go to
+a persistent cache that is new for each test session (nothing carries over between sessions). Set before JAX is
+imported, so the xdist workers and the subprocesses started by the CLI tests inherit it too.
 """
 
 import os
@@ -14,9 +15,7 @@ import tempfile
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flag = "--xla_backend_optimization_level=0"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="reno_jax_test_xla_cache_")
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The slow tier (`-m slow`): tests that need a browser, several processes, or long runs of the CLIs in fresh
 # processes. Marked here by node name (parameters aside) so that the test files carry no tier marks; the fast tier
-# is `python -m pytest -q -m "not slow" tests`. tests/test_packaging.py checks that every name here is a test.
+# is `python -m pytest -q -n 2 -m "not slow" tests`. tests/test_packaging.py checks that every name here is a test.
 SLOW = {
     "tests/test_play.py::test_browser_plays_tictactoe_and_moves_the_slider":
         "drives a headless Chromium through chromedriver",

@@ -147,6 +147,15 @@ def _guess_config(tmp_steps=1):
     return c
 
 
+def test_warm_start_names_a_turn_too_short_for_the_teachers_calls(tmp_path):
+    from reno_jax import loop
+    c = _guess_config()
+    c.rollout.max_new_tokens = 6  # a guess call is 14-15 tokens: the teacher's calls would never fit a turn
+    with pytest.raises(errors.ConfigError, match=r"--config\.rollout\.max_new_tokens=6 is shorter than .*"
+                       r"longest teacher call \(1\d tokens with the turn end\); set it to >= 1\d"):
+        loop.train(c, str(tmp_path))
+
+
 def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     from reno_jax import loop
     c = _guess_config(2)
@@ -175,9 +184,10 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
 
 def test_summarize_reduces_infos_by_the_declared_metrics():
     info = {"found": np.array([True, False, True, True]), "guesses": np.array([2, 7, 3, 1]),
-            "invalid": np.array([False, True, False, False])}
+            "invalid": np.array([False, True, False, False]), "wasted": np.array([0, 2, 0, 0])}
     env = guess_number.GuessNumberEnv()
-    assert interface.summarize(env, info) == {"found_rate": 0.75, "invalid_rate": 0.25, "guesses_mean": 3.25}
+    assert interface.summarize(env, info) == {"found_rate": 0.75, "invalid_rate": 0.25, "guesses_mean": 3.25,
+                                              "wasted_mean": 0.5}
     from reno_jax.rollout import summary
     assert summary.plotted_metrics(env) == ("rollout/found_rate", "rollout/guesses_mean")
 
@@ -197,7 +207,8 @@ def test_summarize_reduces_infos_by_the_declared_metrics():
         def episode_metrics(self):
             return {}
 
-    assert interface.summarize(Undeclared(), info) == {"found": 0.75, "guesses": 3.25, "invalid": 0.25}
+    assert interface.summarize(Undeclared(), info) == {"found": 0.75, "guesses": 3.25, "invalid": 0.25,
+                                                       "wasted": 0.5}
     with pytest.raises(ValueError, match="reduce"):
         interface.Metric(lambda i: i["found"], reduce="median")
 

@@ -296,6 +296,17 @@ def test_config_errors_name_the_flag(field, value, needle, tmp_path):
     assert not os.path.exists(tmp_path / "w")
 
 
+def test_keep_checkpoints_zero_keeps_every_checkpoint(tmp_path):
+    from reno_jax import errors
+    from reno_jax.loop import config as loop_config
+    c = short_config(2)
+    c.keep_checkpoints = 0  # the play page's slider offers every saved step
+    loop_config.validate_config(c)
+    c.keep_checkpoints = -1
+    with pytest.raises(errors.ConfigError, match=r"--config\.keep_checkpoints must be an integer >= 0"):
+        loop_config.validate_config(c)
+
+
 def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
     from reno_jax import errors
     c = short_config(2)

@@ -28,7 +28,7 @@ _MISSING = object()
 _CHECKS = (
     ("num_steps", lambda v: v >= 1, "an integer >= 1"),
     ("checkpoint_every", lambda v: v >= 1, "an integer >= 1"),
-    ("keep_checkpoints", lambda v: v >= 1, "an integer >= 1"),
+    ("keep_checkpoints", lambda v: v >= 0, "an integer >= 0 (0: keep every checkpoint)"),
     ("plot_every", lambda v: v >= 0, "an integer >= 0 (0: never)"),
     ("model.dtype", lambda v: v in build.DTYPES, f"one of {sorted(build.DTYPES)}"),
     ("sft.num_steps", lambda v: v >= 0, "an integer >= 0 (0: no warm start)"),

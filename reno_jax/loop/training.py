@@ -99,7 +99,7 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
     # Restore (onto this run's mesh, whatever mesh wrote the checkpoint) before writing anything: a checkpoint of
     # another model raises RestoreError naming the leaf and both shapes, and the run's files stay as they were.
     ckpt = ckpt_lib.Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
-                                 max_to_keep=config.keep_checkpoints)
+                                 max_to_keep=config.keep_checkpoints or None)
     # A LoRA run's state holds the adapters and their optimizer state; the frozen base is rebuilt below.
     abstract = layout.abstract_state(jax.eval_shape(
         lambda p: trainer.create_train_state(adapters.init_trained(config, p), optimizer, key_rl), abstract_params))

@@ -85,6 +85,11 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     tool_names = [t["function"]["name"] for t in env.env.chat().tools]
     calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names)
     rc = build.rollout_config(config)
+    longest = int(np.max(np.asarray(calls.length)))
+    if longest > rc.max_new_tokens:  # such a call never fits a turn: the warm start would train on nothing
+        raise ConfigError(f"--config.rollout.max_new_tokens={rc.max_new_tokens} is shorter than env.name="
+                          f"{entry.name!r}'s longest teacher call ({longest} tokens with the turn end); "
+                          f"set it to >= {longest}")
     turns = rollout_lib.num_turns(env, rc)
     length = int(s.get("max_length", 0)) or transcript_length(env, calls, turns,
                                                               rollout_lib.conversation_length(env, rc))
