@@ -22,6 +22,9 @@ def get_config():
   c.model.path = ""  # required: --config.model.path=/path/to/Ling-3.0-tiny
   c.model.dtype = "bfloat16"
   c.sft.num_steps = 0  # a real checkpoint already knows the call format
+  # With --config.lora.rank > 0: a pretrained model's adapters go on its projections, not on its token tables (the
+  # tiny default adapts those because it is trained from scratch); an lm_head adapter would add a logits-sized term.
+  c.lora.targets = ("kda", "mla", "mlp", "experts", "shared_experts")
   c.rollout.boards_per_step = 4
   c.rollout.group_size = 4
   c.rollout.max_new_tokens = 1471

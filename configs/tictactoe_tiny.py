@@ -152,7 +152,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.lora = ml_collections.ConfigDict()
   c.lora.rank = 0
   c.lora.alpha = 32.0            # the adapted weight is W + (alpha / rank) A @ B
-  c.lora.targets = ("kda", "mla", "mlp", "experts", "shared_experts")  # projection kinds adapted
+  # Weights adapted: every projection kind and, for this model trained from scratch, the token tables too: without
+  # them rank-8 adapters learned nothing in 336 steps at lr 3e-3 (and collapsed at 1e-2 and 3e-2), since much of
+  # what RL changes in a model this small sits in its embedding and lm_head (docs/benchmarks.md).
+  c.lora.targets = ("kda", "mla", "mlp", "experts", "shared_experts", "embedding", "lm_head")
   c.lora.expert_adapters = "per_expert"  # routed experts: "per_expert" (own A, B each) or "shared" (one per layer)
 
   # --- device mesh (reno_jax.parallel; all 1: one device) -----------------------------------------

@@ -377,7 +377,7 @@ def test_short_run_with_routing_replay(tmp_path):
 
 def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_path):
     """`lora.rank > 0` over an int8 base through `loop.train`: the rollout and the train step run the same adapted
-    int8 weights; checkpoints hold the adapters and their optimizer state only, and a run resumed from one continues
+    int8 weights (the same log-probs, the same experts, replayed); checkpoints hold the adapters and their optimizer state only, and a run resumed from one continues
     bit for bit (its base rebuilt from the config and the cached warm start); the play page and evaluation read it;
     the export is the merged float model, with the adapted model's logits."""
     import shutil
@@ -390,12 +390,14 @@ def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_pa
         c = short_config(3)
         c.lora.rank, c.model.quantize, c.keep_checkpoints = 4, "int8", 3
         c.rl.max_logp_shift = 0.0  # the guard over a frozen tree: tests/test_trainer.py (a smaller program here)
+        c.rl.routing_replay = True  # the rollout's experts replayed by the adapted int8 train forward
         return c
 
     workdir = str(tmp_path / "lora")
     rows = loop.train(config(), workdir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert max(r["train/rollout_logp_abs_diff_max"] for r in rows) <= 1e-4  # B != 0 from step 2 on
+    assert min(r["train/routing_agreement"] for r in rows) == 1.0
     run = loop.load_checkpoint(workdir)
     assert run.step == 3 and any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
         run.base, is_leaf=lambda x: isinstance(x, quant.QArray)))
