@@ -30,20 +30,53 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # processes. Marked here by node name (parameters aside) so that the test files carry no tier marks; the fast tier
 # is `python -m pytest -q -n 2 -m "not slow" tests`. tests/test_packaging.py checks that every name here is a test.
 SLOW = {
+    # a browser
     "tests/test_play.py::test_browser_plays_tictactoe_and_moves_the_slider":
         "drives a headless Chromium through chromedriver",
     "tests/test_play.py::test_browser_plays_connect4_with_column_buttons":
         "drives a headless Chromium through chromedriver",
+    # several processes or devices
     "tests/test_play.py::test_cli_serves_a_run_and_prints_its_url":
         "starts the play server (uvicorn) in a second process and talks to it over HTTP",
     "tests/test_multihost.py::test_two_processes_train_one_run_and_one_process_resumes_it":
         "two training processes joined by gloo collectives, then a third process that resumes the run",
     "tests/test_multihost.py::test_two_processes_draw_and_load_the_model_straight_onto_their_shards":
         "two processes on one distributed mesh",
+    "tests/test_parallel.py::test_sharded_forward_and_decode_equal_one_device":
+        "a process with 8 CPU devices (shared by the four tests below)",
+    "tests/test_parallel.py::test_sharded_train_steps_equal_one_device": "the 8-device process",
+    "tests/test_parallel.py::test_routing_replay_under_expert_parallelism": "the 8-device process",
+    "tests/test_parallel.py::test_blocked_moe_dispatch_per_device_rows_is_exact": "the 8-device process",
+    "tests/test_parallel.py::test_a_batch_that_does_not_split_over_the_mesh_names_the_numbers":
+        "the 8-device process",
+    "tests/test_sharded_io.py::test_init_on_8_devices_is_the_one_device_init_bit_for_bit":
+        "a process with 8 CPU devices (shared by the three tests below)",
+    "tests/test_sharded_io.py::test_real_shape_init_traces_without_drawing_and_each_device_makes_only_its_shard":
+        "the 8-device process",
+    "tests/test_sharded_io.py::test_golden_checkpoint_loads_onto_shards_and_saves_back_from_them":
+        "the 8-device process",
+    "tests/test_sharded_io.py::test_checkpoint_written_on_8_devices_restores_onto_one": "the 8-device process",
+    # long training runs (the fast tier keeps one short default run: tests/test_experiments.py's run_dir)
     "tests/test_own_environment.py::test_an_environment_of_the_users_package_trains_and_evaluates_from_the_cli":
         "a training run and an evaluation through the CLIs, each in a fresh process",
+    "tests/test_own_environment.py::test_the_loop_is_a_library_call":
+        "warm start, GSPO and evaluation of a user's environment (~50 s)",
     "tests/test_experiments.py::test_game_config_curriculum_run_resume_and_evaluation":
         "three training runs, then games against two opponents through the evaluation CLI (~160 s on 2 busy cores)",
+    "tests/test_experiments.py::test_same_seed_same_metrics": "a second short run",
+    "tests/test_experiments.py::test_resume_continues_from_latest_checkpoint":
+        "a resumed run (its longer schedule is a new program, ~35 s)",
+    "tests/test_experiments.py::test_short_run_with_forking_kl_anchor": "two short runs of another loss (~30 s)",
+    "tests/test_experiments.py::test_short_game_run_with_game_warm_start": "a multi-turn game run (~40 s)",
+    "tests/test_experiments.py::test_short_run_with_routing_replay": "a run with routing replay (~30 s)",
+    "tests/test_experiments.py::test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged":
+        "a LoRA run over an int8 base, its resume and export (~75 s)",
+    "tests/test_envs_generic.py::test_generic_trainer_and_evaluation_on_guess_number":
+        "a guess_number run and the evaluation CLI (~65 s)",
+    "tests/test_play.py::test_connect4_heat_map_is_the_models_distribution_over_the_teachers_calls":
+        "a Connect Four run for the page (~45 s)",
+    "tests/test_play.py::test_api_connect4_board": "the same Connect Four run",
+    "tests/test_play.py::test_api_board_less_environment_shows_transcripts": "a guess_number run for the page (~45 s)",
 }
 
 

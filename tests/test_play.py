@@ -302,8 +302,11 @@ def _check_heat_map(svc, step, text):
     np.testing.assert_allclose(by_action, heat["mass"] * np.asarray(heat["probs"]), rtol=2e-3, atol=1e-7)
 
 
-def test_heat_map_is_the_models_distribution_over_the_teachers_calls(service, c4_service):
+def test_heat_map_is_the_models_distribution_over_the_teachers_calls(service):
     _check_heat_map(service, 2, BOARD)
+
+
+def test_connect4_heat_map_is_the_models_distribution_over_the_teachers_calls(c4_service):
     _check_heat_map(c4_service, 1, C4_BOARD)
 
 
