@@ -44,6 +44,8 @@ SLOW = {
         "a training run and an evaluation through the CLIs, each in a fresh process",
     "tests/test_experiments.py::test_game_config_curriculum_run_resume_and_evaluation":
         "three training runs, then games against two opponents through the evaluation CLI (~160 s on 2 busy cores)",
+    "tests/test_gpu_check.py::test_runs_every_phase_on_the_tiny_model":
+        "benchmarks/gpu_check.py's three phases: three XLA compilations (~50 CPU-s; the fast tier runs its rollout)",
 }
 
 
