@@ -19,7 +19,9 @@ per-expert adapters on every projection, none on the token tables) over a frozen
 the programs and never differentiated (`trainer.make_train_step(combine=policy.Adapted(...))`); the optimizer
 state covers the adapters only, and the rollout runs the adapted weights (`lora.LoraKernel` leaves). --quantize
 int8: that base in int8 weight-only (`quant.quantize`, per-channel scales; drawn leaf by leaf, so the bf16 model is
-never whole in memory). Peak host memory (`ru_maxrss`) is reported on every backend.
+never whole in memory). Peak host memory (`ru_maxrss`) is reported on every backend. A CPU run at the real shape
+(`--boards 1 --group-size 1 --max-new-tokens 8 --microbatches 1 --cpu-dense-moe`, docs/gpu.md) shows the
+programs run and what they hold in host memory.
 
 --compile-only needs no accelerator: the train step is lowered on abstract shapes and compiled by XLA's GPU
 compiler for a device described by a GpuTargetConfig text proto (deviceless ahead-of-time compilation; needs the
@@ -298,6 +300,10 @@ def main(argv=None):
                          "block); 0: the full fine-tune")
     ap.add_argument("--quantize", default="", choices=["", "int8"],
                     help="the frozen base in int8 weight-only (needs --lora-rank)")
+    ap.add_argument("--cpu-dense-moe", action="store_true",
+                    help="on CPU, run every routed expert on every token (`layers.moe_dense_reference`, the "
+                         "model's CPU choice for <= 16 experts): E*N expert rows instead of the E*N*K of XLA:CPU's "
+                         "dense ragged_dot fallback (decode and short sequences; for a CPU run at the real shape)")
     ap.add_argument("--out", default="", help="also write the JSON figures to this file after each phase")
     args = ap.parse_args(argv)
     if args.quantize and not args.lora_rank:
@@ -318,6 +324,9 @@ def main(argv=None):
                 json.dump(res, f, indent=1)
 
     config = ling3.ling3_tiny_real() if args.model == "real" else ling3.tiny_test_config(vocab_size=512)
+    if args.cpu_dense_moe:
+        layers.DENSE_DISPATCH_MAX_EXPERTS = config.num_experts
+    res["cpu_dense_moe"] = args.cpu_dense_moe
     counts = ling3.count_params(config)
     res.update(params_total=counts["total"], params_active=counts["active"])
     if args.compile_only:  # traced as for the GPU (the default backend here is the CPU; see layers.platform)
