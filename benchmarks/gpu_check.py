@@ -58,7 +58,8 @@ PHASES = ("rollout", "train_full", "train_lora")
 
 # XLA's plans at the real shape with this script's defaults (docs/benchmarks.md; deviceless compiles, jax 0.10.2):
 # the pre-check before a phase is compiled. Other shapes skip the pre-check (the compiled plan is still checked).
-PLANNED_BYTES = {"rollout": 16.89e9, "train_full": 92.37e9, "train_lora/int8": None, "train_lora/bf16": None}
+# (train_lora/int8: planned for an RTX 4090; the bf16 base's plan is not compiled yet.)
+PLANNED_BYTES = {"rollout": 16.89e9, "train_full": 92.37e9, "train_lora/int8": 41.72e9, "train_lora/bf16": None}
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, FLOP/s, by a substring of
 # `device_kind` (first match wins).
@@ -155,7 +156,7 @@ class Check:
         lower bound of its footprint (`lower_bound`: weights, adapters and optimizer state), exceeds the device."""
         if self.limit is None:
             return
-        planned = PLANNED_BYTES.get(key) if self.published_shape else None
+        planned = PLANNED_BYTES.get(key) if self.published_shape and not self.args.ignore_known_plans else None
         if planned and planned > self.limit:
             raise Skip(f"XLA plans {planned / 1e9:.1f} GB for it at the real shape (docs/benchmarks.md); "
                        f"the device has {self.limit / 1e9:.1f} GB")
@@ -347,6 +348,9 @@ def parse_args(argv=None):
                     help="phases that would start after this many seconds are skipped")
     ap.add_argument("--memory-limit-bytes", type=int, default=0,
                     help="pretend the device has this much memory (tests the skip path; default: the device's)")
+    ap.add_argument("--ignore-known-plans", action="store_true",
+                    help="compile a phase even when its known plan at the real shape exceeds the device (the "
+                         "compiled program's own plan is still checked before it runs)")
     ap.add_argument("--out", default="", help="also write the JSON object to this file")
     args = ap.parse_args(argv)
     if args.lora_rank < 1:

@@ -68,3 +68,6 @@ def test_peak_table_and_published_plan_precheck():
     else:
         raise AssertionError("the full fine-tune's plan exceeds 24 GB")
     check.precheck("rollout", 0)  # 16.9 GB fits
+    ignoring = gpu_check.Check(gpu_check.parse_args(["--memory-limit-bytes", str(24 * 2**30),
+                                                      "--ignore-known-plans"]))
+    ignoring.precheck("train_full", 0)  # left to the compiled plan
