@@ -11,6 +11,17 @@ near that length and ended near 850 tokens).
   python benchmarks/real_shape_step.py --model tiny --max-new-tokens 32 --steps 2    # CPU smoke run
   python benchmarks/real_shape_step.py --remat --share-prefix \
       --compile-only benchmarks/gpu_targets/h200.txtpb        # no GPU: XLA's memory plan for an H200
+  python benchmarks/real_shape_step.py --remat --share-prefix --lora-rank 8 --quantize int8 \
+      --compile-only benchmarks/gpu_targets/rtx4090_24g.txtpb # LoRA over a frozen int8 base, a 24 GB card
+
+--lora-rank R: the published setting's LoRA (configs/areno_ling3_tiny.py's `lora` block at rank R: alpha 32,
+per-expert adapters on every projection, none on the token tables) over a frozen base, which is an argument of
+the programs and never differentiated (`trainer.make_train_step(combine=policy.Adapted(...))`); the optimizer
+state covers the adapters only, and the rollout runs the adapted weights (`lora.LoraKernel` leaves). --quantize
+int8: that base in int8 weight-only (`quant.quantize`, per-channel scales; drawn leaf by leaf, so the bf16 model is
+never whole in memory). Peak host memory (`ru_maxrss`) is reported on every backend. A CPU run at the real shape
+(`--boards 1 --group-size 1 --max-new-tokens 8 --microbatches 1 --cpu-dense-moe`, docs/gpu.md) shows the
+programs run and what they hold in host memory.
 
 --compile-only needs no accelerator: the train step is lowered on abstract shapes and compiled by XLA's GPU
 compiler for a device described by a GpuTargetConfig text proto (deviceless ahead-of-time compilation; needs the
@@ -47,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
 from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
-from reno_jax.models import layers, ling3  # noqa: E402
+from reno_jax.models import layers, ling3, lora, quant  # noqa: E402
 from reno_jax.rl import policy  # noqa: E402
 from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
 from reno_jax.rl.batch import TrainBatch  # noqa: E402
@@ -62,6 +73,61 @@ def tree_bytes(tree) -> int:
 def peak_bytes() -> int | None:
     stats = jax.local_devices()[0].memory_stats()
     return None if not stats else int(stats.get("peak_bytes_in_use", 0))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux `ru_maxrss`, KiB)."""
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def lora_config(args) -> lora.LoraConfig | None:
+    """The published setting's LoRA block (configs/areno_ling3_tiny.py) at rank --lora-rank; None: full fine-tune."""
+    if not args.lora_rank:
+        return None
+    from configs import areno_ling3_tiny
+    from reno_jax.loop import build
+    c = areno_ling3_tiny.get_config()
+    c.lora.rank = args.lora_rank
+    return build.lora_config(c)
+
+
+def base_params(args, config, key, abstract: bool = False):
+    """Random bf16 parameters, int8 with --quantize (quantized leaf by leaf as they are drawn); `abstract`: their
+    shapes only (`jax.ShapeDtypeStruct`s, nothing drawn)."""
+    def init(k):
+        return ling3.init_params(config, k, jnp.bfloat16)
+
+    shapes = jax.eval_shape(init, key)
+    if abstract:
+        return jax.eval_shape(quant.quantize, shapes) if args.quantize else shapes
+    if not args.quantize:
+        return init(key)
+    kinds = lora.projections(shapes)  # the weights quant.quantize quantizes, by path
+    qleaf = jax.jit(quant.quantize_array, static_argnames=("axis",))
+
+    def transform(path, x):
+        kind = kinds.get(path)
+        return x if kind is None else qleaf(x, axis=-1 if kind == "embedding" else -2)
+
+    return ling3.init_params(config, key, jnp.bfloat16, leaf_transform=transform)
+
+
+def trained_and_frozen(args, params, abstract: bool = False):
+    """(the tree the train step trains, the frozen tree or None): the params themselves (full fine-tune), or
+    fresh adapters over the frozen base `params` (--lora-rank)."""
+    lc = lora_config(args)
+    if lc is None:
+        return params, None
+    init = functools.partial(lora.init_adapters, config=lc)
+    key = jax.random.PRNGKey(4)
+    return (jax.eval_shape(init, params, key=key) if abstract else init(params, key=key)), params
+
+
+def model_params(args, trained, frozen):
+    """The params the model runs: `trained`, or the frozen base with the adapters applied in the layers."""
+    lc = lora_config(args)
+    return trained if lc is None else policy.Adapted(lc)(trained, frozen)
 
 
 def compile_only_device(target_path: str):
@@ -112,14 +178,17 @@ def synthetic_batch(args, config, key):
 
 
 def make_step(args, config):
-    """(optimizer, jitted train step): GSPO, the published clip range, Adam moments in --state-dtype."""
+    """(optimizer, jitted train step): GSPO, the published clip range, Adam moments in --state-dtype; with
+    --lora-rank the step is `train_step(state, batch, frozen)` over the adapters."""
+    lc = lora_config(args)
     optimizer = trainer.make_optimizer(1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32"
                                        else args.state_dtype)
     loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
     step_fn = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=args.entropy,
                                                             group_size=args.group_size, remat=args.remat),
                                       loss_fn, optimizer,
-                                      num_microbatches=args.microbatches)
+                                      num_microbatches=args.microbatches,
+                                      combine=None if lc is None else policy.Adapted(lc))
     return optimizer, step_fn
 
 
@@ -135,10 +204,12 @@ def compile_only(args, config, res):
     """Lower + compile the train step for a compile-only device and report XLA's memory plan (nothing runs)."""
     device = compile_only_device(args.compile_only)
     res.update(backend="compile-only", device=str(device.device_kind), target_config=args.compile_only)
-    params = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
+    params = base_params(args, config, jax.random.PRNGKey(0), abstract=True)
     res["param_bytes"] = tree_bytes(params)
+    trained, frozen = trained_and_frozen(args, params, abstract=True)
+    res["trained_param_bytes"] = tree_bytes(trained)
     optimizer, step_fn = make_step(args, config)
-    state = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), params)
+    state = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), trained)
     res["optimizer_state_bytes"] = tree_bytes(state.opt_state)
 
     def make_batch(key):
@@ -150,13 +221,14 @@ def compile_only(args, config, res):
     if not args.synthetic_batch:  # the rollout program too (its tables and start boards as abstract arguments)
         rollout_fn, key, starts, env = rollout_setup(args, config)
         t0 = time.perf_counter()
-        compiled = rollout_fn.lower(on_device(params, device), on_device(key, device), on_device(starts, device),
-                                    env=on_device(env, device)).compile()
+        compiled = rollout_fn.lower(on_device(model_params(args, trained, frozen), device), on_device(key, device),
+                                    on_device(starts, device), env=on_device(env, device)).compile()
         res["rollout_compile_s"] = time.perf_counter() - t0
         res.update({f"rollout_{k}": v for k, v in memory_figures(compiled).items()})
         print("[rollout] " + json.dumps(res), flush=True)
     t0 = time.perf_counter()
-    lowered = step_fn.lower(on_device(state, device), on_device(batch, device))
+    extra = () if frozen is None else (on_device(frozen, device),)
+    lowered = step_fn.lower(on_device(state, device), on_device(batch, device), *extra)
     res["train_lower_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     compiled = lowered.compile()
@@ -185,6 +257,7 @@ def rollout_setup(args, config):
 
 
 def run_rollout(args, config, params, res):
+    """The rollout phase on `params` (the model's params, adapted or not)."""
     rollout_fn, key, starts, env = rollout_setup(args, config)
     rollout_fn = functools.partial(rollout_fn, env=env)
     traj, first = timed(rollout_fn, params, key, starts)
@@ -203,7 +276,7 @@ def run_rollout(args, config, params, res):
     return traj
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["real", "tiny"], default="real")
     ap.add_argument("--boards", type=int, default=4)
@@ -222,53 +295,71 @@ def main():
     ap.add_argument("--compile-only", default="", metavar="TARGET",
                     help="no device: compile the train step for the GPU described by this GpuTargetConfig text "
                          "proto and report XLA's memory plan (the rollout's too, unless --synthetic-batch)")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="train LoRA adapters of this rank over a frozen base (configs/areno_ling3_tiny.py's lora "
+                         "block); 0: the full fine-tune")
+    ap.add_argument("--quantize", default="", choices=["", "int8"],
+                    help="the frozen base in int8 weight-only (needs --lora-rank)")
+    ap.add_argument("--cpu-dense-moe", action="store_true",
+                    help="on CPU, run every routed expert on every token (`layers.moe_dense_reference`, the "
+                         "model's CPU choice for <= 16 experts): E*N expert rows instead of the E*N*K of XLA:CPU's "
+                         "dense ragged_dot fallback (decode and short sequences; for a CPU run at the real shape)")
     ap.add_argument("--out", default="", help="also write the JSON figures to this file after each phase")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.quantize and not args.lora_rank:
+        ap.error("--quantize int8 needs --lora-rank > 0 (an int8 base is frozen)")
 
     res = {"backend": jax.default_backend(), "device": str(jax.local_devices()[0].device_kind),
            "jax": jax.__version__, "model": args.model, "boards": args.boards, "group_size": args.group_size,
            "max_new_tokens": args.max_new_tokens, "microbatches": args.microbatches,
            "optimizer_state_dtype": args.state_dtype, "remat": args.remat, "share_prefix": args.share_prefix,
-           "entropy": args.entropy}
+           "entropy": args.entropy, "lora_rank": args.lora_rank, "quantize": args.quantize or None}
 
     def report(phase):
         res["peak_bytes_in_use"] = peak_bytes()
+        res["peak_rss_bytes"] = peak_rss_bytes()
         print(f"[{phase}] " + json.dumps(res), flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
 
     config = ling3.ling3_tiny_real() if args.model == "real" else ling3.tiny_test_config(vocab_size=512)
-    dtype = jnp.bfloat16
+    if args.cpu_dense_moe:
+        layers.DENSE_DISPATCH_MAX_EXPERTS = config.num_experts
+    res["cpu_dense_moe"] = args.cpu_dense_moe
     counts = ling3.count_params(config)
     res.update(params_total=counts["total"], params_active=counts["active"])
     if args.compile_only:  # traced as for the GPU (the default backend here is the CPU; see layers.platform)
         with layers.trace_for_platform("gpu"):
             return compile_only(args, config, res)
-    params, res["init_s"] = timed(ling3.init_params, config, jax.random.PRNGKey(0), dtype)
+    params, res["init_s"] = timed(base_params, args, config, jax.random.PRNGKey(0))
     res["param_bytes"] = tree_bytes(params)
+    trained, frozen = trained_and_frozen(args, params)
+    del params
+    res["trained_param_bytes"] = tree_bytes(trained)
     report("init")
 
     if args.synthetic_batch:
         traj = synthetic_batch(args, config, jax.random.PRNGKey(1))
         res["rollout_rows"], res["rollout_length"] = traj.tokens.shape
     else:
-        traj = run_rollout(args, config, params, res)
+        traj = run_rollout(args, config, model_params(args, trained, frozen), res)
     report("rollout")
 
     optimizer, step_fn = make_step(args, config)
-    state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(2))
-    del params
+    state = trainer.create_train_state(trained, optimizer, jax.random.PRNGKey(2))
+    del trained
+    extra = () if frozen is None else (frozen,)
     opt_bytes = tree_bytes(state.opt_state)
     res["optimizer_state_bytes"] = opt_bytes
     adv = jax.random.normal(jax.random.PRNGKey(3), traj.reward.shape, jnp.float32)
     batch = train_batch(args, traj, adv, int(jnp.min(traj.prompt_length)))
     del traj
-    (state, metrics), res["train_first_call_s"] = timed(step_fn, state, batch)
+    (state, metrics), res["train_first_call_s"] = timed(step_fn, state, batch, *extra)
     report("train first call")
     times = []
     for _ in range(args.steps):
-        (state, metrics), dt = timed(step_fn, state, batch)
+        (state, metrics), dt = timed(step_fn, state, batch, *extra)
         times.append(dt)
     res["train_step_s"] = float(np.median(times)) if times else None
     res["train_tokens"] = int(np.asarray(batch.valid).sum())

@@ -77,6 +77,8 @@ SLOW = {
         "a Connect Four run for the page (~45 s)",
     "tests/test_play.py::test_api_connect4_board": "the same Connect Four run",
     "tests/test_play.py::test_api_board_less_environment_shows_transcripts": "a guess_number run for the page (~45 s)",
+    "tests/test_gpu_check.py::test_runs_every_phase_on_the_tiny_model":
+        "benchmarks/gpu_check.py's three phases: three XLA compilations (~50 CPU-s; the fast tier runs its rollout)",
 }
 
 

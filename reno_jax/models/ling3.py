@@ -278,7 +278,8 @@ def _flat_shardings(shardings, paths) -> dict:
     return flat
 
 
-def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, shardings=None) -> dict:
+def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, shardings=None,
+                leaf_transform=None) -> dict:
     """Random parameters (HF-style init: N(0, initializer_range) linears and embeddings, unit norms, zero
     expert_bias, A = exp(A_log) ~ U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1), short-conv
     kernels U(-1/sqrt(W), 1/sqrt(W))), drawn with `jax.random`: leaf i of the path-sorted parameter list from
@@ -291,7 +292,8 @@ def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, sharding
     jitted program of its own, each device computing only its own shard, so no device and no host ever holds a
     whole real-size model; the values are those of the one-device init, bit for bit. Under `jax.jit` /
     `jax.eval_shape` (a traced key) every leaf takes the per-leaf route, so `jax.eval_shape` gives the shapes and
-    dtypes without drawing anything.
+    dtypes without drawing anything. leaf_transform: `fn(path, value) -> leaf`, applied to each leaf right after
+    it is drawn (the per-leaf route; e.g. int8-quantize the real model leaf by leaf, never holding it in bf16).
     Returns the nested dict described in the module docstring.
     """
     items = sorted(param_shapes(config).items())
@@ -305,7 +307,7 @@ def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, sharding
     except jax.errors.TracerArrayConversionError:
         key_data = jnp.asarray(key_data)
     values = None
-    if shardings is None and isinstance(key_data, np.ndarray):
+    if shardings is None and leaf_transform is None and isinstance(key_data, np.ndarray):
         values = _draw_model(specs, key_data, impl, p0, p1, mode)
     if values is None:
         flat_shardings = {} if shardings is None else _flat_shardings(shardings, paths)
@@ -313,7 +315,8 @@ def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, sharding
         for i, (path, (shape, kind, leaf_dtype)) in enumerate(zip(paths, specs)):
             normal = None if kind not in _RANDOM_KINDS else kind in _NORMAL_KINDS
             program = _leaf_program(shape, normal, leaf_dtype, flat_shardings.get(path), impl)
-            values.append(program(key_data, np.uint32(i), p0[i], p1[i], mode[i]))
+            value = program(key_data, np.uint32(i), p0[i], p1[i], mode[i])
+            values.append(value if leaf_transform is None else leaf_transform(path, value))
     return _unflatten(dict(zip(paths, values)))
 
 
