@@ -135,7 +135,8 @@ class Check:
                     "microbatches": args.microbatches, "lora_rank": args.lora_rank, "lora_base": args.lora_base,
                     "phases": {}}
         self.published_shape = (args.model == "real" and (args.boards, args.group_size, args.max_new_tokens,
-                                                           args.microbatches, args.lora_rank) == (4, 4, 1471, 4, 8))
+                                                           args.microbatches, args.lora_rank, args.logits_chunk)
+                                 == (4, 4, 1471, 4, 8, 0))  # the settings the plans in PLANNED_BYTES were made with
 
     # -- helpers
 
@@ -143,7 +144,14 @@ class Check:
         a = self.args
         return argparse.Namespace(boards=a.boards, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
                                   microbatches=a.microbatches, state_dtype="int8", entropy=False, remat=True,
-                                  share_prefix=True, lora_rank=lora_rank, quantize=quantize)
+                                  share_prefix=self.whole_groups(), lora_rank=lora_rank, quantize=quantize,
+                                  logits_chunk=a.logits_chunk)
+
+    def whole_groups(self) -> bool:
+        """Whether each micro-batch holds whole groups (then the prompt is encoded once per group)."""
+        a = self.args
+        rows = a.boards * a.group_size // a.microbatches
+        return rows % a.group_size == 0
 
     def free_bytes(self):
         if self.limit is None:
@@ -340,6 +348,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=1471)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--logits-chunk", type=int, default=128,
+                    help="train steps make the logits this many positions at a time (0: all at once)")
     ap.add_argument("--lora-base", choices=["int8", "bf16"], default="int8")
     ap.add_argument("--steps", type=int, default=1, help="timed calls of each phase after the first")
     ap.add_argument("--peak-tflops", type=float, default=0.0,

@@ -43,6 +43,7 @@ The last output line is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -185,7 +186,8 @@ def make_step(args, config):
                                        else args.state_dtype)
     loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
     step_fn = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=args.entropy,
-                                                            group_size=args.group_size, remat=args.remat),
+                                                            group_size=args.group_size, remat=args.remat,
+                                                            logits_chunk=args.logits_chunk),
                                       loss_fn, optimizer,
                                       num_microbatches=args.microbatches,
                                       combine=None if lc is None else policy.Adapted(lc))
@@ -304,8 +306,19 @@ def main(argv=None):
                     help="on CPU, run every routed expert on every token (`layers.moe_dense_reference`, the "
                          "model's CPU choice for <= 16 experts): E*N expert rows instead of the E*N*K of XLA:CPU's "
                          "dense ragged_dot fallback (decode and short sequences; for a CPU run at the real shape)")
+    ap.add_argument("--logits-chunk", type=int, default=0,
+                    help="make the train step's logits this many positions at a time (`policy.make_logp_fn("
+                         "logits_chunk=)`): no [rows, tokens, vocab] array; 0: all at once")
+    ap.add_argument("--num-layers", type=int, default=0,
+                    help="keep only the first N decoder layers of the model (same widths; for memory studies: "
+                         "XLA compiles a few layers in minutes, and a plan's per-layer part scales with N)")
     ap.add_argument("--out", default="", help="also write the JSON figures to this file after each phase")
     args = ap.parse_args(argv)
+    # XLA:CPU's default scheduler favours concurrency: in a decode loop it dequantizes (and widens to float32) every
+    # layer's weights at the top of the loop body, all live at once (31.2 GB at the real shape). The memory-
+    # minimising scheduler dequantizes each weight where it is used. Read when the CPU backend starts; no GPU effect.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
     if args.quantize and not args.lora_rank:
         ap.error("--quantize int8 needs --lora-rank > 0 (an int8 base is frozen)")
 
@@ -313,7 +326,7 @@ def main(argv=None):
            "jax": jax.__version__, "model": args.model, "boards": args.boards, "group_size": args.group_size,
            "max_new_tokens": args.max_new_tokens, "microbatches": args.microbatches,
            "optimizer_state_dtype": args.state_dtype, "remat": args.remat, "share_prefix": args.share_prefix,
-           "entropy": args.entropy, "lora_rank": args.lora_rank, "quantize": args.quantize or None}
+           "entropy": args.entropy, "num_layers": args.num_layers or None, "logits_chunk": args.logits_chunk, "lora_rank": args.lora_rank, "quantize": args.quantize or None}
 
     def report(phase):
         res["peak_bytes_in_use"] = peak_bytes()
@@ -324,6 +337,8 @@ def main(argv=None):
                 json.dump(res, f, indent=1)
 
     config = ling3.ling3_tiny_real() if args.model == "real" else ling3.tiny_test_config(vocab_size=512)
+    if args.num_layers:
+        config = dataclasses.replace(config, num_hidden_layers=args.num_layers)
     if args.cpu_dense_moe:
         layers.DENSE_DISPATCH_MAX_EXPERTS = config.num_experts
     res["cpu_dense_moe"] = args.cpu_dense_moe
@@ -332,7 +347,8 @@ def main(argv=None):
     if args.compile_only:  # traced as for the GPU (the default backend here is the CPU; see layers.platform)
         with layers.trace_for_platform("gpu"):
             return compile_only(args, config, res)
-    params, res["init_s"] = timed(base_params, args, config, jax.random.PRNGKey(0))
+    # The RngBitGenerator key: drawing 7.9B random values with the default threefry takes ~20 min on 2 CPU cores.
+    params, res["init_s"] = timed(base_params, args, config, jax.random.key(0, impl="rbg"))
     res["param_bytes"] = tree_bytes(params)
     trained, frozen = trained_and_frozen(args, params)
     del params

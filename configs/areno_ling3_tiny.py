@@ -39,6 +39,7 @@ def get_config():
   c.rl.num_minibatches = 1
   c.rl.num_microbatches = 4       # one group (4 samples, one shared prompt) per micro-batch
   c.rl.remat = True               # without it the train step ran out of memory on a 141 GB H200 (docs/benchmarks.md)
+  c.rl.logits_chunk = 128         # no [rows, tokens, 157184] float32 logits in the train step
   c.rl.entropy_coef = 0.0          # the published run used no entropy or KL terms
   c.rl.forking_entropy_coef = 0.0
   c.rl.entropy_top_k = 0

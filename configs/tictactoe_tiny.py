@@ -137,6 +137,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.num_minibatches = 1       # optimiser steps per rollout batch
   c.rl.num_microbatches = 1
   c.rl.remat = False               # recompute layers in the backward pass (memory for speed; big models)
+  c.rl.logits_chunk = 0            # > 0: the train step makes the logits this many positions at a time (big vocab)
   c.rl.share_prompt_prefix = True  # encode each group's prompt once in the backward pass (exact, much cheaper)
   # ... and the part every prompt shares (system prompt, tool schema) once per batch: exact to float32 rounding,
   # 15% of this step.

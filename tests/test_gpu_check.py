@@ -59,7 +59,9 @@ def test_peak_table_and_published_plan_precheck():
     assert gpu_check.default_peak_flops("NVIDIA H100 PCIe") == 756e12
     assert gpu_check.default_peak_flops("NVIDIA GeForce RTX 4090") == 165e12
     assert gpu_check.default_peak_flops("cpu") is None
-    check = gpu_check.Check(gpu_check.parse_args(["--memory-limit-bytes", str(24 * 2**30)]))
+    # The known plans were made without a chunked head: the default (--logits-chunk 128) leaves it to the compile.
+    assert not gpu_check.Check(gpu_check.parse_args(["--memory-limit-bytes", str(24 * 2**30)])).published_shape
+    check = gpu_check.Check(gpu_check.parse_args(["--memory-limit-bytes", str(24 * 2**30), "--logits-chunk", "0"]))
     assert check.published_shape
     try:
         check.precheck("train_full", 0)
@@ -68,6 +70,6 @@ def test_peak_table_and_published_plan_precheck():
     else:
         raise AssertionError("the full fine-tune's plan exceeds 24 GB")
     check.precheck("rollout", 0)  # 16.9 GB fits
-    ignoring = gpu_check.Check(gpu_check.parse_args(["--memory-limit-bytes", str(24 * 2**30),
+    ignoring = gpu_check.Check(gpu_check.parse_args(["--memory-limit-bytes", str(24 * 2**30), "--logits-chunk", "0",
                                                       "--ignore-known-plans"]))
     ignoring.precheck("train_full", 0)  # left to the compiled plan

@@ -150,3 +150,41 @@ def test_hf_checkpoint_read_straight_into_int8():
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
     with pytest.raises(conv.CheckpointError, match="unknown quantization"):
         conv.from_pretrained(GOLDEN, quantize="int4")
+
+
+def _calls_by_computation(hlo_text: str, callees: set) -> dict:
+    """{computation name: how many of its instructions call a fused computation in `callees`}."""
+    import re
+    out = {}
+    for comp in re.split(r"\n(?=\S)", hlo_text):
+        head = comp.splitlines()[0]
+        if head.startswith("%fused"):
+            continue
+        n = sum(1 for name in re.findall(r"calls=%([\w.\-]+)", comp) if name in callees)
+        if n:
+            out[head.split()[0].lstrip("%")] = n
+    return out
+
+
+def test_dequantization_stays_inside_the_decode_loop():
+    """XLA hoists loop-invariant work out of a while loop: without the per-layer barrier of `ling3._decoder_layer`
+    it dequantized every int8 weight once before a decode loop, holding the whole float model (at the real shape
+    one 31.4 GB buffer on XLA:CPU). The compiled loop must dequantize inside its body, layer by layer."""
+    import dataclasses
+    import re
+    cfg = dataclasses.replace(ling3.tiny_test_config(num_hidden_layers=4), num_experts=16, hidden_size=128,
+                              moe_intermediate_size=256, intermediate_size=256)
+    params = quant.quantize(ling3.init_params(cfg, jax.random.PRNGKey(0)))
+
+    def decode(params, tok):
+        def step(_, carry):
+            cache, tok = carry
+            logits, cache = ling3.forward(params, cfg, tok, cache)
+            return cache, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, 4, step, (ling3.init_cache(cfg, 1, 8), tok))[1]
+
+    text = jax.jit(decode).lower(params, jnp.zeros((1, 1), jnp.int32)).compile().as_text()
+    dequant = {comp.splitlines()[0].split()[0].lstrip("%") for comp in re.split(r"\n(?=\S)", text)
+               if comp.startswith("%fused") and "s8[" in comp.splitlines()[0].split("->")[0] and "convert" in comp}
+    calls = _calls_by_computation(text, dequant)
+    assert calls.get("ENTRY", 0) == 0 and sum(calls.values()) >= 4 * 3, calls  # every layer's experts, in the loop

@@ -56,6 +56,7 @@ _CHECKS = (
     ("rl.clip_norm", lambda v: v >= 0, "a number >= 0 (0: no clipping)"),
     ("rl.num_minibatches", lambda v: v >= 1, "an integer >= 1"),
     ("rl.num_microbatches", lambda v: v >= 1, "an integer >= 1"),
+    ("rl.logits_chunk", lambda v: v >= 0, "an integer >= 0 (0: all positions at once)"),
     ("rl.train_groups", lambda v: v >= 0, "an integer >= 0 (0: every group)"),
     ("rl.optimizer_state_dtype", lambda v: v in ("float32", "bfloat16", "int8"),
      "one of ['float32', 'bfloat16', 'int8']"),

@@ -393,6 +393,11 @@ def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, replay=N
     """One pre-norm decoder layer: x -> (x + attention, + MLP), the layer's new cache, and for MoE layers with
     `return_routing` the (used, own) expert ids [B, T, K] (else None). replay: int [B, T, K] or None."""
     eps = config.rms_norm_eps
+    # Tie this layer's weights to its input: whatever XLA derives from them (an int8 base's dequantized copy, a
+    # transposed expert stack for the backward pass) then depends on this layer's activations, so it cannot be
+    # hoisted out of an enclosing loop (decode steps, micro-batches) or scheduled early, where every layer's
+    # derived copies would be live at once (a 24-layer int8 base: 14+ GB of bf16 expert stacks). Values unchanged.
+    p = jax.lax.optimization_barrier((p, x))[0]
     hn = rms_norm(x, p["input_layernorm"]["scale"], eps)
     if config.layer_kinds[index] == "kda":
         a, lc = kda_attention(p["attention"], hn, config, valid, lc)
@@ -413,7 +418,7 @@ def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, replay=N
 
 def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict | None = None, *,
             valid: jax.Array | None = None, return_hidden: bool = False, remat: bool = False,
-            replay_experts: jax.Array | None = None, return_routing: bool = False):
+            replay_experts: jax.Array | None = None, return_routing: bool = False, apply_head: bool = True):
     """Causal LM forward.
 
     input_ids: [B, T] int; valid: [B, T] bool, a left-aligned prefix of real tokens per row (default all True).
@@ -429,6 +434,10 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     router (see `layers.route`); a (token, layer) with a negative entry (-1) is routed normally.
     return_routing=True appends a `Routing` (used and own expert ids per token and MoE layer) as the last
     element of the returned tuple. Without replay the computation is exactly the plain forward.
+
+    apply_head=False: the first element is the final-normed hidden state [B, T, D] (compute dtype) instead of the
+    logits; `head_logits(hidden, lm_head(params, config))` gives the logits (a caller scoring a long sequence
+    can then compute them a chunk of positions at a time).
     """
     input_ids = jnp.asarray(input_ids)
     _check_inputs(params, config, input_ids, cache, valid)
@@ -474,11 +483,11 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
         hidden.append(x)
 
     xn = rms_norm(x, m["norm"]["scale"], eps)
-    if config.tie_word_embeddings:
-        head = m["word_embeddings"]["embedding"].T
+    if apply_head:
+        head = jax.lax.optimization_barrier((lm_head(params, config), xn))[0]  # as in `_decoder_layer`
+        logits = rows(head_logits(xn, head))
     else:
-        head = params["lm_head"]["kernel"]
-    logits = rows(head_logits(xn, head))
+        logits = xn
 
     new_cache = None
     if cache is not None:
@@ -493,6 +502,14 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
             return jnp.where(valid[:, :, None, None], jnp.stack(ids, axis=2), -1)
         out += (Routing(experts=stack(used), own=stack(own)),)
     return out
+
+
+def lm_head(params: dict, config: Ling3Config):
+    """The output projection [D, V]: the lm_head kernel, or the transposed embedding table when tied (either may
+    be a `lora.LoraKernel` or a `quant.QArray`; `layers.head_logits` takes all of them)."""
+    if config.tie_word_embeddings:
+        return params["model"]["word_embeddings"]["embedding"].T
+    return params["lm_head"]["kernel"]
 
 
 def token_logprobs(params: dict, config: Ling3Config, tokens: jax.Array, valid: jax.Array | None = None,

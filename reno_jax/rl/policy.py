@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from reno_jax.models import ling3, lora
+from reno_jax.models import layers, ling3, lora
 from reno_jax.models.config import Ling3Config
 from reno_jax.rl import shared_prefix, trainer
 from reno_jax.rl.batch import TrainBatch
@@ -40,9 +40,70 @@ def routing_stats(own: jax.Array, recorded: jax.Array) -> trainer.RoutingStats:
                                 total=jnp.sum(present).astype(jnp.float32))
 
 
+def position_terms(logits: jax.Array, targets: jax.Array, *, with_entropy: bool, entropy_top_k: int = 0,
+                   temperature: float = 1.0, soft_ids: jax.Array | None = None,
+                   soft_weights: jax.Array | None = None):
+    """Per-position log-prob of `targets` and entropy under `logits`, each position on its own.
+
+    logits: float32 [B, T, V]; targets: int [B, T]; soft_ids int [B, K] and soft_weights float32 [B, T, K]: the
+    soft targets of `make_logp_fn`. Returns (logp [B, T] float32, entropy [B, T] float32 or None)."""
+    if temperature != 1.0:
+        logits = logits / jnp.float32(temperature)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    logp = picked - logz
+    if soft_weights is not None:
+        soft_logits = jnp.take_along_axis(logits, jnp.broadcast_to(soft_ids[:, None, :], soft_weights.shape),
+                                          axis=-1)
+        total = jnp.sum(soft_weights, axis=-1)
+        soft = jnp.sum(soft_weights * soft_logits, axis=-1) - total * logz
+        logp = jnp.where(total > 0, soft, logp)
+    entropy = None
+    if with_entropy:
+        ent_logits = jax.lax.top_k(logits, entropy_top_k)[0] if entropy_top_k else logits
+        ent_logz = jax.nn.logsumexp(ent_logits, axis=-1) if entropy_top_k else logz
+        probs = jax.nn.softmax(ent_logits, axis=-1)
+        entropy = ent_logz - jnp.sum(probs * ent_logits, axis=-1)
+    return logp, entropy
+
+
+def chunked_position_terms(hidden: jax.Array, head, targets: jax.Array, chunk: int, **kw):
+    """`position_terms(head_logits(hidden, head), targets, **kw)` a chunk of `chunk` positions at a time.
+
+    hidden: [B, T, D] final-normed hidden states (`ling3.forward(apply_head=False)`); head: `ling3.lm_head`.
+    Each chunk's [B, chunk, V] float32 logits are made, reduced to per-position figures and dropped; the
+    backward pass recomputes them chunk by chunk (`jax.checkpoint`), so no [B, T, V] array exists in either
+    direction (at Ling-3.0's vocabulary of 157,184, one row of 1,471 positions is 0.9 GB of float32 logits and
+    its softmax and gradient as much again). Same values as the unchunked path (each position is independent).
+    """
+    b, t, _ = hidden.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, n, chunk) + x.shape[2:]), 1, 0)
+
+    soft_weights = kw.pop("soft_weights", None)
+    soft_ids = kw.pop("soft_ids", None)
+
+    @jax.checkpoint
+    def one(xs):
+        h, tgt, w = xs
+        return position_terms(layers.head_logits(h, head), tgt, soft_ids=soft_ids, soft_weights=w, **kw)
+
+    logp, entropy = jax.lax.map(one, (split(hidden), split(targets),
+                                      None if soft_weights is None else split(soft_weights)))
+
+    def join(x):  # [n, B, chunk] -> [B, T]
+        return None if x is None else jnp.moveaxis(x, 0, 1).reshape(b, n * chunk)[:, :t]
+
+    return join(logp), join(entropy)
+
+
 def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None,
                  remat: bool = False, entropy_top_k: int = 0, routing_replay: bool = False,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, logits_chunk: int = 0):
     """`logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput` for `trainer.make_train_step`.
 
     `temperature`: score the tempered policy `softmax(logits / temperature)`, the distribution a rollout with that
@@ -66,7 +127,13 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
     (how many (token, MoE layer) pairs the train forward's own top-k agrees with the rollout on); with
     ``routing_replay=True`` the forward also uses those ids instead of its own top-k (``ling3.forward``'s
     ``replay_experts``; -1 entries route normally).
+
+    ``logits_chunk`` > 0: the logits are made and reduced that many positions at a time
+    (`chunked_position_terms`): the train step never holds a [B, T, V] array. Same values; for long responses
+    over a large vocabulary, where the logits, their softmax and their gradient dominate the step's memory.
     """
+    if logits_chunk < 0:
+        raise ValueError(f"logits_chunk must be >= 0, got {logits_chunk}")
 
     def logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput:
         tokens, valid = batch.tokens, batch.valid
@@ -85,7 +152,7 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
                     parts["common_replay"] = batch.common_routing
             out = shared_prefix.shared_prefix_logits(params, model_config, batch.prefix_tokens, tokens,
                                                      valid, group_size, remat=remat, return_routing=recorded,
-                                                     **parts)
+                                                     apply_head=not logits_chunk, **parts)
             logits, routing = out if recorded else (out, None)
             if recorded:
                 full_recorded = jnp.concatenate(
@@ -94,31 +161,23 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
             targets, pad = tokens, 0
         else:
             out = ling3.forward(params, model_config, tokens, valid=valid, remat=remat, return_routing=recorded,
-                                replay_experts=batch.routing if replay else None)
-            logits = out[0][:, :-1].astype(jnp.float32)
+                                replay_experts=batch.routing if replay else None, apply_head=not logits_chunk)
+            logits = out[0][:, :-1]
             if recorded:
                 routing, full_recorded = out[-1], batch.routing
             targets, pad = tokens[:, 1:], 1
-        if temperature != 1.0:
-            logits = logits / jnp.float32(temperature)
-        logz = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        logp = picked - logz
+        kw = dict(with_entropy=with_entropy, entropy_top_k=entropy_top_k, temperature=temperature)
         if batch.soft_target_weights is not None:
-            weights = batch.soft_target_weights[:, pad:].astype(jnp.float32)  # [B, T, K], aligned with logits
-            ids = batch.soft_target_ids  # [B, K]
-            soft_logits = jnp.take_along_axis(logits, jnp.broadcast_to(ids[:, None, :], weights.shape), axis=-1)
-            total = jnp.sum(weights, axis=-1)
-            soft = jnp.sum(weights * soft_logits, axis=-1) - total * logz
-            logp = jnp.where(total > 0, soft, logp)
+            kw.update(soft_ids=batch.soft_target_ids,  # [B, K]; weights [B, T, K], aligned with the logits
+                      soft_weights=batch.soft_target_weights[:, pad:].astype(jnp.float32))
+        if logits_chunk:  # `logits` holds the final hidden states [B, T, D] here
+            logp, entropy = chunked_position_terms(logits, ling3.lm_head(params, model_config), targets,
+                                                   logits_chunk, **kw)
+        else:
+            logp, entropy = position_terms(logits.astype(jnp.float32), targets, **kw)
         logp = jnp.pad(logp, ((0, 0), (pad, 0)))
-        entropy = None
-        if with_entropy:
-            ent_logits = jax.lax.top_k(logits, entropy_top_k)[0] if entropy_top_k else logits
-            ent_logz = jax.nn.logsumexp(ent_logits, axis=-1) if entropy_top_k else logz
-            probs = jax.nn.softmax(ent_logits, axis=-1)
-            ent = ent_logz - jnp.sum(probs * ent_logits, axis=-1)
-            entropy = jnp.pad(ent, ((0, 0), (pad, 0)))
+        if entropy is not None:
+            entropy = jnp.pad(entropy, ((0, 0), (pad, 0)))
         stats = routing_stats(jax.lax.stop_gradient(routing.own), full_recorded) if recorded else None
         return trainer.PolicyOutput(logp, entropy, stats)
 

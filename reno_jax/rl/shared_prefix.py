@@ -59,7 +59,7 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
                          valid: jax.Array | None, group_size: int, remat: bool = False,
                          prefix_replay: jax.Array | None = None, replay: jax.Array | None = None,
                          return_routing: bool = False, common_tokens: jax.Array | None = None,
-                         common_replay: jax.Array | None = None):
+                         common_replay: jax.Array | None = None, apply_head: bool = True):
     """Next-token logits for a shared-prefix batch.
 
     Args:
@@ -74,6 +74,9 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
       common_tokens: optional `int [B, S0]`, the part every row shares, placed before `prefix_tokens` (only row 0
         is read; `split_shared_prefix(..., common_len=S0)`); `common_replay` its routing to replay.
 
+      apply_head: False returns the final-normed hidden states `[B, C, D]` instead of the logits (see
+        `ling3.forward(apply_head=False)`).
+
     Returns:
       `float32 [B, C, V]`: `logits[:, t]` scores `tokens[:, t]` given the prefix and `tokens[:, :t]`.
     """
@@ -85,7 +88,7 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
     n, s = prefix.shape
     s0 = 0 if common_tokens is None else common_tokens.shape[1]
     dtype = params["model"]["word_embeddings"]["embedding"].dtype
-    kw = dict(remat=remat, return_routing=return_routing)
+    kw = dict(remat=remat, return_routing=return_routing, apply_head=apply_head)
     if s0:
         common_out = ling3.forward(params, config, common_tokens[:1], ling3.init_cache(config, 1, s0 + s + c, dtype),
                                    replay_experts=None if common_replay is None else common_replay[:1], **kw)
@@ -98,7 +101,8 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
     cont_out = ling3.forward(params, config, tokens, cache, valid=valid, replay_experts=replay, **kw)
     first = jnp.repeat(prefix_logits[:, -1:], g, axis=0)  # [B, 1, V] scores tokens[:, 0]
-    logits = jnp.concatenate([first, cont_out[0][:, :-1]], axis=1).astype(jnp.float32)
+    logits = jnp.concatenate([first, cont_out[0][:, :-1]], axis=1)
+    logits = logits.astype(jnp.float32) if apply_head else logits
     if not return_routing:
         return logits
     routing = jax.tree.map(lambda p, q: jnp.concatenate([jnp.repeat(p, g, axis=0), q], axis=1),
