@@ -305,20 +305,30 @@ def main(argv=None):
     ap.add_argument("--cpu-dense-moe", action="store_true",
                     help="on CPU, run every routed expert on every token (`layers.moe_dense_reference`, the "
                          "model's CPU choice for <= 16 experts): E*N expert rows instead of the E*N*K of XLA:CPU's "
-                         "dense ragged_dot fallback (decode and short sequences; for a CPU run at the real shape)")
+                         "dense ragged_dot fallback (decode and short sequences; for a CPU run at the real shape); "
+                         "also sets XLA:CPU's memory-minimising scheduler and turns its CSE pass off (see main)")
     ap.add_argument("--logits-chunk", type=int, default=0,
                     help="make the train step's logits this many positions at a time (`policy.make_logp_fn("
                          "logits_chunk=)`): no [rows, tokens, vocab] array; 0: all at once")
+    ap.add_argument("--recompute-old-logp", action="store_true",
+                    help="score the rollout with the train forward and use that as old_logp (GSPO's ratio then "
+                         "starts at 1); default: the rollout's own log-probs, whose gap to the train forward can put "
+                         "the ratio outside the published clip range (3e-4 / 4e-4), where the gradient is zero")
     ap.add_argument("--num-layers", type=int, default=0,
                     help="keep only the first N decoder layers of the model (same widths; for memory studies: "
                          "XLA compiles a few layers in minutes, and a plan's per-layer part scales with N)")
     ap.add_argument("--out", default="", help="also write the JSON figures to this file after each phase")
     args = ap.parse_args(argv)
-    # XLA:CPU's default scheduler favours concurrency: in a decode loop it dequantizes (and widens to float32) every
-    # layer's weights at the top of the loop body, all live at once (31.2 GB at the real shape). The memory-
-    # minimising scheduler dequantizes each weight where it is used. Read when the CPU backend starts; no GPU effect.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_cpu_enable_concurrency_optimized_scheduler=false").strip()
+    if args.cpu_dense_moe:
+        # A CPU run at the real shape. XLA:CPU's default scheduler favours concurrency: in a decode loop it
+        # dequantizes (and widens to float32) every layer's weights at the top of the loop body, all live at once
+        # (31.2 GB); the memory-minimising scheduler dequantizes each weight where it is used. And XLA's common-
+        # subexpression pass merges the backward pass's recomputed dequantization with the forward's, keeping
+        # every layer's float32 experts live from one to the other (1.3 GB per MoE layer, 31.5 GB in all).
+        # Read when the CPU backend starts (nothing has started it yet).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+                                   + " --xla_disable_hlo_passes=cse").strip()
     if args.quantize and not args.lora_rank:
         ap.error("--quantize int8 needs --lora-rank > 0 (an int8 base is frozen)")
 
@@ -326,7 +336,7 @@ def main(argv=None):
            "jax": jax.__version__, "model": args.model, "boards": args.boards, "group_size": args.group_size,
            "max_new_tokens": args.max_new_tokens, "microbatches": args.microbatches,
            "optimizer_state_dtype": args.state_dtype, "remat": args.remat, "share_prefix": args.share_prefix,
-           "entropy": args.entropy, "num_layers": args.num_layers or None, "logits_chunk": args.logits_chunk, "lora_rank": args.lora_rank, "quantize": args.quantize or None}
+           "entropy": args.entropy, "num_layers": args.num_layers or None, "logits_chunk": args.logits_chunk, "recompute_old_logp": args.recompute_old_logp, "lora_rank": args.lora_rank, "quantize": args.quantize or None}
 
     def report(phase):
         res["peak_bytes_in_use"] = peak_bytes()
@@ -371,6 +381,10 @@ def main(argv=None):
     adv = jax.random.normal(jax.random.PRNGKey(3), traj.reward.shape, jnp.float32)
     batch = train_batch(args, traj, adv, int(jnp.min(traj.prompt_length)))
     del traj
+    if args.recompute_old_logp:  # the ratio starts at exactly 1: inside any clip range, so the gradient is not zero
+        logp_fn = jax.jit(policy.make_logp_fn(config, with_entropy=False, group_size=args.group_size,
+                                              logits_chunk=args.logits_chunk))
+        batch = batch.replace(old_logp=logp_fn(model_params(args, state.params, frozen), batch).logp)
     (state, metrics), res["train_first_call_s"] = timed(step_fn, state, batch, *extra)
     report("train first call")
     times = []
