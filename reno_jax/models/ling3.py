@@ -388,6 +388,13 @@ class Routing(NamedTuple):
     own: jax.Array
 
 
+TIE_WEIGHTS_MIN_BYTES = 1 << 20  # a layer's weights from this size on pass through a barrier with its input
+
+
+def _tree_bytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
 def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, replay=None, *, config: Ling3Config,
                    index: int, return_routing: bool = False):
     """One pre-norm decoder layer: x -> (x + attention, + MLP), the layer's new cache, and for MoE layers with
@@ -397,7 +404,9 @@ def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, replay=N
     # transposed expert stack for the backward pass) then depends on this layer's activations, so it cannot be
     # hoisted out of an enclosing loop (decode steps, micro-batches) or scheduled early, where every layer's
     # derived copies would be live at once (a 24-layer int8 base: 14+ GB of bf16 expert stacks). Values unchanged.
-    p = jax.lax.optimization_barrier((p, x))[0]
+    # Only for layers large enough for such copies to matter: on a small model the barrier only costs fusions.
+    if _tree_bytes(p) >= TIE_WEIGHTS_MIN_BYTES:
+        p = jax.lax.optimization_barrier((p, x))[0]
     hn = rms_norm(x, p["input_layernorm"]["scale"], eps)
     if config.layer_kinds[index] == "kda":
         a, lc = kda_attention(p["attention"], hn, config, valid, lc)
@@ -484,7 +493,9 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
 
     xn = rms_norm(x, m["norm"]["scale"], eps)
     if apply_head:
-        head = jax.lax.optimization_barrier((lm_head(params, config), xn))[0]  # as in `_decoder_layer`
+        head = lm_head(params, config)
+        if _tree_bytes(head) >= TIE_WEIGHTS_MIN_BYTES:  # as in `_decoder_layer`
+            head = jax.lax.optimization_barrier((head, xn))[0]
         logits = rows(head_logits(xn, head))
     else:
         logits = xn
