@@ -58,7 +58,8 @@ PHASES = ("rollout", "train_full", "train_lora")
 
 # XLA's plans at the real shape with this script's defaults (docs/benchmarks.md; deviceless compiles, jax 0.10.2):
 # the pre-check before a phase is compiled. Other shapes skip the pre-check (the compiled plan is still checked).
-# (train_lora/int8: planned for an RTX 4090; the bf16 base's plan is not compiled yet.)
+# (train_lora/int8: planned for an RTX 4090 at the published batching; with a bf16 base that batching is not
+# compiled: the 24 GB recipe's plans, 16 one-row micro-batches, are in docs/gpu.md.)
 PLANNED_BYTES = {"rollout": 16.89e9, "train_full": 92.37e9, "train_lora/int8": 41.72e9, "train_lora/bf16": None}
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, FLOP/s, by a substring of
@@ -259,7 +260,7 @@ class Check:
         out = params
         for path, kind in lora.projections(params).items():
             w = lora._get(params, path)
-            q = jax.block_until_ready(qleaf(w, axis=-1 if kind == "embedding" else -2))
+            q = jax.block_until_ready(qleaf(w, axis=quant.quantized_axis(kind)))
             w.delete()
             out = lora._set(out, path, q)
         return out

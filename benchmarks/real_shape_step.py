@@ -109,7 +109,7 @@ def base_params(args, config, key, abstract: bool = False):
 
     def transform(path, x):
         kind = kinds.get(path)
-        return x if kind is None else qleaf(x, axis=-1 if kind == "embedding" else -2)
+        return x if kind is None else qleaf(x, axis=quant.quantized_axis(kind))
 
     return ling3.init_params(config, key, jnp.bfloat16, leaf_transform=transform)
 
@@ -336,7 +336,9 @@ def main(argv=None):
            "jax": jax.__version__, "model": args.model, "boards": args.boards, "group_size": args.group_size,
            "max_new_tokens": args.max_new_tokens, "microbatches": args.microbatches,
            "optimizer_state_dtype": args.state_dtype, "remat": args.remat, "share_prefix": args.share_prefix,
-           "entropy": args.entropy, "num_layers": args.num_layers or None, "logits_chunk": args.logits_chunk, "recompute_old_logp": args.recompute_old_logp, "lora_rank": args.lora_rank, "quantize": args.quantize or None}
+           "entropy": args.entropy, "num_layers": args.num_layers or None, "logits_chunk": args.logits_chunk,
+           "recompute_old_logp": args.recompute_old_logp, "lora_rank": args.lora_rank,
+           "quantize": args.quantize or None}
 
     def report(phase):
         res["peak_bytes_in_use"] = peak_bytes()

@@ -624,7 +624,7 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
                 blocks.clear()  # the host copies: the devices hold their shards now
             kind = _quantized_kind(config, first.flax_path) if quantize else None
             if kind is not None:
-                leaf = _quantize_leaf(leaf, axis=-1 if kind == "embedding" else -2, block=quant_block)
+                leaf = _quantize_leaf(leaf, axis=quant.quantized_axis(kind), block=quant_block)
             _set_leaf(params, first.flax_path, leaf)
     return config, params
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from reno_jax.models import lora
 
-__all__ = ["QArray", "QUANT_TARGETS", "quantize", "quantize_array", "dequantize", "count_bytes"]
+__all__ = ["QArray", "QUANT_TARGETS", "quantize", "quantize_array", "quantized_axis", "dequantize", "count_bytes"]
 
 QUANT_TARGETS = lora.TARGETS + ("embedding", "lm_head")
 QMAX = 127
@@ -121,6 +121,12 @@ def quantize_array(w, axis: int = -2, block: int | None = None) -> QArray:
     return QArray(q, scale, axis - w.ndim if axis >= 0 else axis, blk, jnp.dtype(w.dtype).name)
 
 
+def quantized_axis(kind: str) -> int:
+    """The axis a weight of `lora.weight_kind` `kind` is quantized along: the embedding [V, D] along D (its rows are
+    looked up), every kernel [..., in, out] along `in` (the contracted axis)."""
+    return -1 if kind == "embedding" else -2
+
+
 def quantize(params: dict, which=QUANT_TARGETS, block: int | None = None) -> dict:
     """A params tree with the weights of the kinds in `which` (`lora.weight_kind` names: 'kda', 'mla', 'mlp',
     'experts', 'shared_experts', 'embedding', 'lm_head'; default all) replaced by `QArray`s; every other leaf is
@@ -132,7 +138,7 @@ def quantize(params: dict, which=QUANT_TARGETS, block: int | None = None) -> dic
     for path, kind in lora.projections(params).items():
         if kind in which:
             w = lora._get(params, path)
-            out = lora._set(out, path, quantize_array(w, -1 if kind == "embedding" else -2, block))
+            out = lora._set(out, path, quantize_array(w, quantized_axis(kind), block))
     return out
 
 
