@@ -7,6 +7,11 @@ curve figures; each evaluation's last output line (its JSON figures, `<suite>/<f
 seed and the mean / min / max over seeds, writes every seed's reward curve into one PNG, and ends with one JSON
 line of figures.
 
+Each evaluation also runs on the run's warm start (`experiments.evaluate --warm_start`, what GSPO started from):
+`warm_start/<eval name>/<suite>/<figure>` beside the post-RL figure, and the PNG's second panel puts the two side
+by side per seed for the `--headline` figures (with `--config.eval_every=N` also the curve of the first headline
+figure, evaluated during training). `--no-warm-start` skips it.
+
     python benchmarks/seed_sweep.py --config=configs/tictactoe_tiny.py --seeds=0,1,2 --root=workdir/sweep
     python benchmarks/seed_sweep.py --config=configs/tictactoe_tiny_game.py --seeds=0,1,2 --root=workdir/sweep_game \
         --eval="greedy:--suites=minimax,random --num_episodes=1024" --eval="sampled:--suites=minimax --sampled"
@@ -28,6 +33,7 @@ import time
 import numpy as np
 
 REWARD = "rollout/rewards_mean"
+WARM = "warm_start"
 VALID = "rollout/tool_call_valid_rate"
 
 
@@ -90,14 +96,33 @@ def parse_evals(specs: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def plot(curves: dict[int, list[dict]], path: str, title: str) -> None:
+def default_headlines(row: dict) -> list[str]:
+    """The post-RL rate figures of a row (`<eval>/<suite>/<...>_rate`), at most four: what the bars show."""
+    return [k for k in row if not k.startswith(WARM + "/") and k.endswith("_rate") and k.count("/") >= 2][:4]
+
+
+def eval_curve(rows: list[dict], headline: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of a headline figure evaluated during training (`eval/<suite>/<figure>` in the run's
+    metrics, the headline without its evaluation name)."""
+    key = "eval/" + headline.split("/", 1)[1]
+    points = [(r["step"], r[key]) for r in rows if key in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot(curves: dict[int, list[dict]], path: str, title: str, rows: list[dict] | None = None,
+         headlines: list[str] | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for seed, rows in curves.items():
-        steps = [r["step"] for r in rows if REWARD in r]
-        rewards = np.array([r[REWARD] for r in rows if REWARD in r])
+    rows, headlines = rows or [], headlines or []
+    compared = [h for h in headlines if rows and all(h in r and f"{WARM}/{h}" in r for r in rows)]
+    if compared:
+        fig, (ax, bars) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+    for seed, metrics in curves.items():
+        steps = [r["step"] for r in metrics if REWARD in r]
+        rewards = np.array([r[REWARD] for r in metrics if REWARD in r])
         window = min(20, len(rewards))
         smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
         line, = ax.plot(steps, rewards, alpha=0.25)
@@ -106,7 +131,30 @@ def plot(curves: dict[int, list[dict]], path: str, title: str) -> None:
     ax.set_ylabel(REWARD)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    if compared:
+        width = 0.8 / (2 * len(rows))
+        for j, r in enumerate(rows):
+            x = np.arange(len(compared))
+            bars.bar(x + (2 * j) * width, [r[f"{WARM}/{h}"] for h in compared], width, color=f"C{j}", alpha=0.35,
+                     label=f"seed {r['seed']}: warm start")
+            bars.bar(x + (2 * j + 1) * width, [r[h] for h in compared], width, color=f"C{j}",
+                     label=f"seed {r['seed']}: after GSPO")
+        bars.set_xticks(np.arange(len(compared)) + 0.4 - width / 2)
+        bars.set_xticklabels([h.split("/", 1)[1].replace("/", "\n") for h in compared], fontsize=8)
+        bars.set_title("warm start (light) vs after GSPO (dark), greedy evaluation")
+        bars.grid(alpha=0.3, axis="y")
+        bars.legend(fontsize=7, ncol=2)
+        steps, values = eval_curve(next(iter(curves.values())), compared[0])
+        if steps:  # evaluated during training: that figure's curve per seed, from the warm start on the right axis
+            twin = ax.twinx()
+            for j, (seed, metrics) in enumerate(curves.items()):
+                steps, values = eval_curve(metrics, compared[0])
+                warm = rows[j].get(f"{WARM}/{compared[0]}")
+                if warm is not None:
+                    steps, values = [0] + steps, [warm] + values
+                twin.plot(steps, values, "o--", color=f"C{j}", markersize=3, linewidth=1)
+            twin.set_ylabel(f"{compared[0]} (dashed: evaluated during training)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -122,6 +170,10 @@ def main(argv=None) -> None:
                              "'greedy:' = the environment's default suites, greedy)")
     parser.add_argument("--trainer", default="experiments.train")
     parser.add_argument("--plot", default="", help="PNG of every seed's curve (default: ROOT/seed_sweep.png)")
+    parser.add_argument("--headline", default="", help="comma-separated <eval>/<suite>/<figure> names the PNG "
+                        "compares between warm start and after GSPO (default: the first evaluation's rates)")
+    parser.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                        help="do not evaluate the warm starts")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -154,6 +206,10 @@ def main(argv=None) -> None:
                             os.path.join(args.root, f"seed{seed}.eval_{name}.log"))
             row[f"{name}/eval_wall_s"] = round(wall, 1)
             row.update(eval_figures(name, last_json_line(out)))
+            if args.warm_start and os.path.isdir(os.path.join(workdir, "warmstart")):
+                out, _ = run([sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", "--warm_start",
+                              *flags], os.path.join(args.root, f"seed{seed}.eval_{name}.warm_start.log"))
+                row.update({f"{WARM}/{k}": v for k, v in eval_figures(name, last_json_line(out)).items()})
         rows.append(row)
         print("      " + json.dumps(row), flush=True)
 
@@ -169,7 +225,8 @@ def main(argv=None) -> None:
     for stat in ("mean", "min", "max"):
         print(f"| {stat} | " + " | ".join(f"{summary[k][stat]:.4g}" for k in keys) + " |")
     plot_path = args.plot or os.path.join(args.root, "seed_sweep.png")
-    plot(curves, plot_path, f"{os.path.basename(args.config)}: {len(seeds)} seeds")
+    headlines = [h for h in args.headline.split(",") if h] or default_headlines(rows[0])
+    plot(curves, plot_path, f"{os.path.basename(args.config)}: {len(seeds)} seeds", rows, headlines)
     print(f"curves: {plot_path}")
     print(json.dumps({"config": args.config, "seeds": seeds, "overrides": overrides, "per_seed": rows,
                       "summary": summary}))

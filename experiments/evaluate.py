@@ -49,6 +49,8 @@ _BATCH = flags.DEFINE_integer("batch_size", 256, "Episodes per jitted rollout ca
 _SEED = flags.DEFINE_integer("seed", 0, "RNG seed (starts, sampling, opponents).")
 _TRANSCRIPTS = flags.DEFINE_integer("transcripts", 3, "Rendered transcripts to write to workdir/eval_transcripts.txt.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_WARM_START = flags.DEFINE_bool("warm_start", False, "Evaluate the run's warm start (what GSPO started from, "
+                                "reported as step 0) instead of a checkpoint.")
 _MESH = flags.DEFINE_string("mesh", "", "Mesh to restore the checkpoint onto and evaluate on: comma-separated "
                             "fields of a training config's mesh section, e.g. 'fsdp=4,preset=fsdp' or "
                             "'data=2,fsdp=2,expert=2,preset=fsdp_ep' (one axis may be -1: the devices left). "
@@ -73,7 +75,13 @@ def main(argv):
         raise cli.UserError(f"unexpected arguments: {argv[1:]}")
     workdir = _WORKDIR.value
     mesh_config = cli.mesh_from_flags(_MESH.value, _BATCH.value)
-    config, tokenizer, model_config, params, step = loop.load_run(workdir, _STEP.value, mesh_config)
+    if _WARM_START.value and _STEP.value is not None:
+        raise cli.UserError("--warm_start and --step name two different parameter sets; pass one")
+    if _WARM_START.value:
+        run = loop.load_warm_start(workdir, mesh_config)
+        config, tokenizer, model_config, params, step = run.config, run.tokenizer, run.model_config, run.params, 0
+    else:
+        config, tokenizer, model_config, params, step = loop.load_run(workdir, _STEP.value, mesh_config)
     if _LIST.value:
         for name, suite in evaluation.suites_of(config).items():
             print(f"{name}: {suite.num_episodes} episodes{' (default)' if suite.default else ''}")
@@ -95,7 +103,7 @@ def main(argv):
         first = next(iter(results.values()))
         write_transcripts(os.path.join(workdir, "eval_transcripts.txt"), tokenizer, first.trajectory,
                           _TRANSCRIPTS.value)
-    print(json.dumps({"checkpoint_step": step, "env": str(config.env.name), "greedy": not _SAMPLED.value,
+    print(json.dumps({"checkpoint_step": step, "warm_start": _WARM_START.value, "env": str(config.env.name), "greedy": not _SAMPLED.value,
                       **evaluation.flat_figures(results)}))
 
 

@@ -180,6 +180,14 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
         assert summary[f"secrets/{figure}"] == rows[1][f"eval/secrets/{figure}"], figure
     assert 0.0 <= summary["secrets/invalid_rate"] <= 1.0
     assert 0.0 <= summary["secrets/tool_call_valid_rate"] <= 1.0
+    # The warm start (what GSPO started from) as a step-0 run: its own parameters, not a checkpoint's, evaluated by
+    # the same program (`experiments.evaluate --warm_start`).
+    warm, final = loop.load_warm_start(str(tmp_path)), loop.load_checkpoint(str(tmp_path))
+    assert warm.step == 0 and jax.tree.structure(warm.params) == jax.tree.structure(final.params)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(warm.params), jax.tree.leaves(final.params)))
+    figures = loop.flat_figures(loop.evaluate(warm.params, warm.model_config, warm.tokenizer, warm.config,
+                                              key=jax.random.PRNGKey(0), show_progress=False))
+    assert figures["secrets/num_episodes"] == guess_number.MAX_NUMBER and 0.0 <= figures["secrets/found_rate"] <= 1
 
 
 def test_summarize_reduces_infos_by_the_declared_metrics():

@@ -343,6 +343,16 @@ def test_load_run_errors_and_abstract_restore_target(run_dir, tmp_path):
         runs.load_run(run_dir, step=7)
     _, _, _, params, step = runs.load_run(run_dir, step=1)
     assert step == 1 and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
+    with pytest.raises(errors.RunError, match="warm-start cache .* is missing"):  # config.json, no warmstart/
+        runs.load_warm_start(str(empty))
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    config["sft"]["num_steps"] = 0
+    (cold / "config.json").write_text(json.dumps(config))
+    with pytest.raises(errors.RunError, match="no warm start"):
+        runs.load_warm_start(str(cold))
 
 
 def test_rollout_config_keeps_every_rollout_field():

@@ -48,3 +48,20 @@ def test_refuses_a_root_that_already_holds_a_seed(tmp_path, capsys):
     with pytest.raises(SystemExit):
         seed_sweep.main([f"--root={tmp_path}", "--seeds=0", "--num_steps=3"])
     assert "only --config.* overrides" in capsys.readouterr().err
+
+
+def test_warm_start_comparison_headlines_curve_and_plot(tmp_path):
+    rows = [{"seed": s, "greedy/secrets/found_rate": 0.9 + s / 100, "greedy/secrets/guesses_mean": 3.5,
+             "greedy/eval_wall_s": 3.0, "warm_start/greedy/secrets/found_rate": 0.2,
+             "warm_start/greedy/secrets/guesses_mean": 4.5} for s in (0, 1)]
+    assert seed_sweep.default_headlines(rows[0]) == ["greedy/secrets/found_rate"]
+    metrics = [{"step": i, seed_sweep.REWARD: i / 10} for i in range(1, 31)]
+    for m in metrics[9::10]:
+        m["eval/secrets/found_rate"] = m["step"] / 30
+    assert seed_sweep.eval_curve(metrics, "greedy/secrets/found_rate") == ([10, 20, 30], [1 / 3, 2 / 3, 1.0])
+    assert seed_sweep.eval_curve(metrics, "greedy/secrets/guesses_mean") == ([], [])
+    path = tmp_path / "sweep.png"
+    seed_sweep.plot({0: metrics, 1: metrics}, str(path), "two seeds", rows,
+                    ["greedy/secrets/found_rate", "greedy/secrets/guesses_mean", "greedy/absent/x_rate"])
+    assert path.stat().st_size > 10_000
+    seed_sweep.plot({0: metrics}, str(tmp_path / "plain.png"), "no evaluations")  # the reward panel alone

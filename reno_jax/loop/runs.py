@@ -13,7 +13,7 @@ import ml_collections
 from reno_jax import parallel
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.errors import RunError
-from reno_jax.loop import adapters, build
+from reno_jax.loop import adapters, build, warmstart
 from reno_jax.rl import recipe, trainer
 
 
@@ -45,6 +45,40 @@ def load_run(workdir: str, step: int | None = None, mesh_config: parallel.MeshCo
     return run.config, run.tokenizer, run.model_config, run.params, run.step
 
 
+def _read_run_config(workdir: str) -> ml_collections.ConfigDict:
+    if not os.path.isdir(workdir):
+        raise RunError(f"--workdir={workdir} does not exist; expected the workdir of a training run")
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(config_path):
+        raise RunError(f"--workdir={workdir} holds no training run (no config.json); train one with "
+                       f"python -m experiments.train --config=... --workdir={workdir}")
+    with open(config_path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def load_warm_start(workdir: str, mesh_config: parallel.MeshConfig | None = None) -> SavedRun:
+    """The warm start of the training run in `workdir` (its cache, `<workdir>/warmstart`) as a step-0 run: what
+    GSPO started from, to evaluate beside the run's checkpoints. Raises `RunError` for a run without a warm
+    start (none configured, or its cache is gone)."""
+    config = _read_run_config(workdir)
+    if not warmstart.runs_warm_start(config):
+        raise RunError(f"--workdir={workdir}: this run has no warm start (sft.num_steps=0 or a model.path)")
+    path = os.path.abspath(os.path.join(workdir, warmstart.CACHE_SUBDIR))
+    if not os.path.isdir(path):
+        raise RunError(f"--workdir={workdir}: the warm-start cache {path} is missing (a run writes it before its "
+                       f"first GSPO step)")
+    tokenizer = build.build_tokenizer(config)
+    model_config, abstract = build.abstract_model(config, tokenizer)
+    layout = parallel.Layout.create(model_config, mesh_config)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+                            layout.param_shardings)
+    params = ckpt_lib.restore_item(path, {"params": abstract})["params"]
+    if adapters.trains_adapters(config):  # the run's base (int8 where it trains over int8), with fresh adapters:
+        base = adapters.frozen_base(config, params)  # their B is zero, so the model is the base itself
+        return SavedRun(config, tokenizer, model_config, adapters.init_trained(config, base), base, 0)
+    return SavedRun(config, tokenizer, model_config, params, None, 0)
+
+
 def load_checkpoint(workdir: str, step: int | None = None, mesh_config: parallel.MeshConfig | None = None
                     ) -> SavedRun:
     """A checkpoint of the training run in `workdir` (default: the newest).
@@ -55,14 +89,7 @@ def load_checkpoint(workdir: str, step: int | None = None, mesh_config: parallel
     (`adapters.restore_base`). Raises `RunError` for a workdir without a run, a run without a checkpoint yet, or a
     `step` that has none (the message lists the saved steps).
     """
-    if not os.path.isdir(workdir):
-        raise RunError(f"--workdir={workdir} does not exist; expected the workdir of a training run")
-    config_path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(config_path):
-        raise RunError(f"--workdir={workdir} holds no training run (no config.json); train one with "
-                       f"python -m experiments.train --config=... --workdir={workdir}")
-    with open(config_path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+    config = _read_run_config(workdir)
     tokenizer = build.build_tokenizer(config)
     model_config, abstract_params = build.abstract_model(config, tokenizer)
     optimizer = recipe.make_optimizer(config)
