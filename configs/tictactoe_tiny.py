@@ -107,6 +107,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.eps_low = 3e-4
   c.rl.eps_high = 4e-4
   c.rl.normalize_adv_std = True
+  # Multi-turn credit: a token's advantage is its episode's plus this times its turn's, among the group's turns
+  # taken from the same state (the environment's `state_key`); needs a token-level loss (gspo_token). 0: off.
+  c.rl.turn_advantage_coef = 0.0
+  c.rl.turn_discount = 1.0
   c.rl.kl_coef = 0.0
   c.rl.entropy_coef = 0.0        # entropy bonus on every response token (format tokens included)
   c.rl.forking_entropy_coef = 0.1   # entropy bonus on each response's highest-entropy token (the square)

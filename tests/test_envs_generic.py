@@ -25,7 +25,7 @@ from reno_jax.envs.connect4 import rules as c4rules
 from reno_jax.models import ling3
 from reno_jax.protocol import chat
 from reno_jax.protocol.tokenizer import load_tokenizer
-from reno_jax.rl import sft
+from reno_jax.rl import losses, sft
 from reno_jax.rl.batch import TrainBatch
 from reno_jax.rollout import rollout as R
 
@@ -86,6 +86,32 @@ def test_connect4_rollout_plays_forced_columns_and_renders_the_environments_text
     edges = np.flatnonzero(np.diff(mask.astype(np.int8)))
     between = [_decode(tok, row[edges[2 * k + 1] + 1: edges[2 * k + 2] + 1]) for k in range(2)]
     assert between == texts[:2]
+
+
+def test_rollout_records_each_turns_reward_and_state_key(tok, params):
+    # Group of 2 with secret 5: row 0 guesses 8, 4, 5 (found on the third guess); row 1 guesses 8, 2, 99 (invalid).
+    env = R.compile_env(guess_number.GuessNumberEnv(), tok, vocab_size=MC.vocab_size)
+    turns, m = 4, 20
+    rc = R.RolloutConfig(group_size=2, max_new_tokens=m, max_turns=turns, prefill_chunk=64)
+    starts = guess_number.Start(secret=jnp.array([5], jnp.int32))
+    forced = np.full((2, turns, m), -1, np.int32)
+    for b, calls in enumerate([[8, 4, 5], [8, 2, 99]]):
+        for t, number in enumerate(calls):
+            ids = _call_ids(tok, "guess", "number", number, env.chat.turn_end_id)
+            forced[b, t, :len(ids)] = ids
+    fn = jax.jit(functools.partial(R.rollout, model_config=MC, rollout_config=rc), compiler_options=FAST)
+    traj = jax.device_get(fn(params, jax.random.PRNGKey(0), starts, env=env, forced_tokens=jnp.asarray(forced)))
+    np.testing.assert_array_equal(traj.stats.num_turns, [3, 3])
+    np.testing.assert_allclose(traj.turn_reward, [[0, 0, 1 - 2 * guess_number.GUESS_COST, 0], [0, 0, -1, 0]])
+    np.testing.assert_allclose(traj.turn_reward.sum(1), traj.reward)
+    key = lambda guesses, low, high: env.env.state_key(guess_number.State(  # noqa: E731
+        secret=5, guesses=guesses, found=False, low=low, high=high, wasted=0))
+    # Turn 0 from the start (1..16), turn 1 after "8 is too high" (1..7) in both rows; then the rows part.
+    np.testing.assert_array_equal(traj.turn_key, [[key(0, 1, 16), key(1, 1, 7), key(2, 5, 7), -1],
+                                                  [key(0, 1, 16), key(1, 1, 7), key(2, 3, 7), -1]])
+    turn_adv = np.asarray(losses.turn_advantages(traj.turn_reward, traj.turn_key, 2))
+    assert turn_adv[0, 1] > 0 > turn_adv[1, 1] and turn_adv[0, 0] > 0 > turn_adv[1, 0]  # shared states compared
+    assert turn_adv[0, 2] == turn_adv[1, 2] == 0.0  # states only one row reached
 
 
 def test_guess_number_transcripts_step_the_environment(tok):

@@ -320,12 +320,17 @@ def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
 @pytest.mark.parametrize("name,value,needle", [
     ("max_logp_shift", -0.1, "--config.rl.max_logp_shift must be >= 0"),
     ("shift_probe_groups", 0, "--config.rl.shift_probe_groups must be >= 1"),
+    ("turn_advantage_coef", -1.0, "--config.rl.turn_advantage_coef must be >= 0"),
+    ("turn_discount", 0.0, "--config.rl.turn_discount must be in (0, 1]"),
+    ("turn_advantage_coef", 1.0, "--config.rl.turn_advantage_coef gives every token its own advantage; "
+                                 "--config.rl.loss=gspo takes one per sequence"),
 ])
-def test_update_guard_flags_are_checked(tmp_path, name, value, needle):
+def test_update_guard_and_turn_credit_flags_are_checked(tmp_path, name, value, needle):
+    import re
     from reno_jax import errors
     c = short_config(2)
     c.rl[name] = value
-    with pytest.raises(errors.ConfigError, match=needle.replace(".", r"\.")):
+    with pytest.raises(errors.ConfigError, match=re.escape(needle)):
         loop.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w")
 

@@ -106,6 +106,73 @@ def test_group_advantages_bad_group_size():
         L.group_advantages(jnp.zeros((6,)), 4)
 
 
+def np_turn_advantages(r, k, g, discount=1.0, normalize_std=True):
+    """The definition, loop by loop: returns-to-go, then each turn against the group's turns with its key."""
+    b, t = r.shape
+    ret = np.array([[sum(discount ** (j - i) * r[row, j] for j in range(i, t)) for i in range(t)] for row in range(b)])
+    out = np.zeros((b, t))
+    for row in range(b):
+        for i in range(t):
+            if k[row, i] < 0:
+                continue
+            group = range(row // g * g, row // g * g + g)
+            peers = np.array([ret[o, j] for o in group for j in range(t) if k[o, j] == k[row, i]])
+            if len(peers) < 2 or peers.max() == peers.min():
+                continue
+            out[row, i] = ret[row, i] - peers.mean()
+            if normalize_std:
+                out[row, i] /= peers.std() + 1e-8
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(0, 2**31 - 1),
+       st.sampled_from([1.0, 0.5]), st.booleans())
+def test_turn_advantages_match_the_definition(num_groups, g, t, seed, discount, normalize_std):
+    rng = np.random.default_rng(seed)
+    r = rng.choice([0.0, 0.5, 1.0, -1.0], size=(num_groups * g, t)).astype(np.float32)
+    k = rng.integers(-1, 3, size=(num_groups * g, t)).astype(np.int32)  # few keys: many shared states
+    got = np.asarray(L.turn_advantages(r, k, g, discount, normalize_std))
+    np.testing.assert_allclose(got, np_turn_advantages(r, k, g, discount, normalize_std), rtol=1e-4, atol=1e-5)
+    assert np.all(got[k < 0] == 0.0)
+
+
+def test_turn_advantages_of_one_shared_state_are_the_group_advantages():
+    # One turn per episode, all from the group's start state: the turn advantage is the episode's.
+    r = np.array([1.0, 0.0, 0.5, 0.5, -1.0, 2.0, 3.0, 3.0], np.float32)
+    got = np.asarray(L.turn_advantages(r[:, None], np.zeros((8, 1), np.int32), 4))[:, 0]
+    np.testing.assert_allclose(got, np.asarray(L.group_advantages(r, 4)), atol=1e-6)
+    # A state only one turn reached, or an all-equal group: exactly 0.
+    same_state_per_turn = np.tile(np.array([[0, 1]], np.int32), (4, 1))
+    assert np.all(np.asarray(L.turn_advantages(np.full((4, 2), 0.8), same_state_per_turn, 4)) == 0.0)
+    assert np.all(np.asarray(L.turn_advantages(r.reshape(4, 2), np.arange(8).reshape(4, 2), 2)) == 0.0)
+    with pytest.raises(ValueError, match="group_size"):
+        L.turn_advantages(np.zeros((6, 2)), np.zeros((6, 2), np.int32), 4)
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        L.turn_advantages(np.zeros((4, 2)), np.zeros((4, 3), np.int32), 2)
+
+
+def test_token_advantages_add_each_turns_credit_on_policy_tokens_only():
+    adv = jnp.array([1.0, -1.0])
+    turn_adv = jnp.array([[0.5, -0.5], [2.0, 0.0]])
+    turn_id = jnp.array([[0, 0, 1, 1, -1], [0, 0, 0, 1, -1]])
+    mask = jnp.array([[False, True, False, True, False], [False, True, False, True, False]])
+    got = np.asarray(L.token_advantages(adv, turn_adv, turn_id, mask, 2.0))
+    np.testing.assert_allclose(got, [[0, 2.0, 0, 0.0, 0], [0, 3.0, 0, -1.0, 0]])
+
+
+@pytest.mark.parametrize("name", ["gspo_token", "grpo", "dr_grpo", "dapo"])
+def test_token_level_losses_take_per_token_advantages(name):
+    logp, old, adv, mask, _, _ = _inputs(3, spread=1e-4, seq_shift=1.5e-3)
+    fn = L.get_loss(name)
+    kw = {"max_length": logp.shape[1]} if name == "dr_grpo" else {}
+    loss_seq, _ = fn(logp, old, adv, mask, **kw)
+    loss_tok, _ = fn(logp, old, jnp.broadcast_to(jnp.asarray(adv)[:, None], logp.shape), mask, **kw)
+    np.testing.assert_allclose(float(loss_tok), float(loss_seq), rtol=1e-6)
+    with pytest.raises(ValueError, match="advantages must have shape"):
+        L.gspo_loss(logp, old, jnp.broadcast_to(jnp.asarray(adv)[:, None], logp.shape), mask)
+
+
 @pytest.mark.parametrize("with_extras", [False, True])
 def test_gspo_matches_numpy(with_extras):
     logp, old, adv, mask, ref, ent = _inputs(1, spread=1e-4, seq_shift=1.5e-3)  # small spread: a mix of clipped / unclipped

@@ -146,6 +146,12 @@ def test_scenario_plays_several_turns(world):
     # Rows 2/3 end on an invalid sampled call.
     for r in (2, 3):
         assert info["invalid"][r] and traj.reward[r] == -1.0 and info["parse_kind"][r] != 0
+    # Each turn's reward: the rows sum to the episode's (a truncated row's on its last turn), 0 after the last turn;
+    # tic-tac-toe declares no state keys.
+    np.testing.assert_allclose(traj.turn_reward.sum(1), traj.reward)
+    for r in range(B):
+        assert np.all(traj.turn_reward[r, info["num_turns"][r]:] == 0.0)
+    assert np.all(traj.turn_key == -1)
     # The loss mask covers exactly the generated tokens; valid is a prefix; turn ids are 0.. per segment.
     np.testing.assert_array_equal(traj.loss_mask.sum(1), info["generated_tokens"])
     for r in range(B):

@@ -107,6 +107,10 @@ class GuessNumberEnv(interface.TextEnv):
         return interface.Step(state=new, message=message, reward=reward.astype(jnp.float32),
                               done=found | out | ~call.ok, info=info)
 
+    def state_key(self, state: State):
+        """The interval the answers leave and the guesses made: what the next guess can depend on."""
+        return (state.guesses * (MAX_NUMBER + 1) + state.low) * (MAX_NUMBER + 1) + state.high
+
     def episode_metrics(self):
         return {"found_rate": interface.rate("found", plot=True), "invalid_rate": interface.rate("invalid"),
                 "guesses_mean": interface.mean_of("guesses", plot=True), "wasted_mean": interface.mean_of("wasted")}

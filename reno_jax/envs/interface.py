@@ -95,6 +95,15 @@ class TextEnv(abc.ABC):
         del state, truncated
         return info
 
+    def state_key(self, state: PyTree) -> jax.Array | None:
+        """``int32 [] >= 0`` naming the decision point ``state`` puts the agent at, equal exactly when two episodes
+        of a group face the same choice (e.g. guess_number's interval and guesses made). The rollout records it
+        for every turn, and `rl.turn_advantage_coef` compares turns of a group taken from the same key
+        (`reno_jax.rl.losses.turn_advantages`). Keys are compared within a group only, so they need not cover what
+        the group's start fixes. Default: None (no keys; turn advantages are then 0)."""
+        del state
+        return None
+
     def episode_metrics(self) -> Mapping[str, "Metric"]:
         """Host: the figures a batch of final infos reduces to, by name (logged as ``rollout/<name>`` in training,
         ``<suite>/<name>`` in evaluation). Default: none declared, and `summarize` takes the mean of every info

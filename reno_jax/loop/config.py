@@ -115,6 +115,11 @@ def validate_config(config) -> None:
     shift = float(config.rl.get("max_logp_shift", 0.0))
     if not shift >= 0.0:
         raise ConfigError(f"--config.rl.max_logp_shift must be >= 0 (0: off), got {shift}")
+    coef, discount = float(config.rl.get("turn_advantage_coef", 0.0)), float(config.rl.get("turn_discount", 1.0))
+    if not coef >= 0.0:
+        raise ConfigError(f"--config.rl.turn_advantage_coef must be >= 0 (0: off), got {coef}")
+    if not 0.0 < discount <= 1.0:
+        raise ConfigError(f"--config.rl.turn_discount must be in (0, 1], got {discount}")
     probe = int(config.rl.get("shift_probe_groups", 8))
     if shift and probe < 1:
         raise ConfigError(f"--config.rl.shift_probe_groups must be >= 1, got {probe}")

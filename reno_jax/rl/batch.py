@@ -24,7 +24,8 @@ class TrainBatch:
       loss_mask: ``bool [B, L]`` the policy-generated tokens, the ones the loss is over.
       old_logp: ``float32 [B, L]`` the log-probs the importance ratios are taken against (the rollout's
         behaviour log-probs; zeros for supervised batches).
-      advantages: ``float32 [B]`` one per row (sequence-level; zeros for supervised batches).
+      advantages: ``float32 [B]`` one per row (sequence-level; zeros for supervised batches), or ``[B, L]`` one
+        per token (turn advantages, `learner.LearnerConfig.turn_advantage_coef`).
       valid: ``bool [B, L]`` real tokens (None: every token is real).
       routing: ``int16 [B, L, n_moe, K]`` the rollout's MoE experts per token (routing replay / agreement).
       entropy_scale: ``float32 [B]`` the forking regulariser's scheduled scale, a loss input.

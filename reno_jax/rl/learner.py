@@ -29,7 +29,8 @@ Reading the metrics (``jax.device_get``) is the caller's, once per step, when it
 
 The policy is abstracted as in ``trainer.make_train_step``: ``logp_fn(params, batch)`` and ``loss_fn``; the
 trajectory is read through its fields ``tokens``, ``valid``, ``loss_mask``, ``behaviour_logp``, ``reward``,
-``prompt_length`` and ``routing`` only, so any environment's rollout that fills them can be trained on.
+``prompt_length`` and ``routing`` only (with turn advantages also ``turn_id``, ``turn_reward`` and ``turn_key``),
+so any environment's rollout that fills them can be trained on.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class LearnerConfig:
       ``Learner`` is told ``num_groups``).
     step_offset: train steps done before this learner's stage of a curriculum; the forking schedule is evaluated
       at ``TrainState.step - step_offset`` (its ``num_steps`` are the stage's).
+    turn_advantage_coef, turn_discount: multi-turn credit: each policy token's advantage is its episode's plus
+      ``turn_advantage_coef`` times its turn's advantage among the group's turns taken from the same state
+      (``losses.turn_advantages`` with ``turn_discount``; needs a loss that takes ``[B, L]`` advantages). 0: off.
     """
     group_size: int
     train_groups: int = 0
@@ -89,6 +93,8 @@ class LearnerConfig:
     max_logp_shift: float = 0.0
     shift_probe_groups: int = 8
     step_offset: int = 0
+    turn_advantage_coef: float = 0.0
+    turn_discount: float = 1.0
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -101,6 +107,9 @@ class LearnerConfig:
             raise ValueError("share_common_prefix needs share_prompt_prefix")
         if self.step_offset < 0:
             raise ValueError(f"step_offset must be >= 0, got {self.step_offset}")
+        if not self.turn_advantage_coef >= 0.0 or not 0.0 < self.turn_discount <= 1.0:
+            raise ValueError(f"turn_advantage_coef must be >= 0 and turn_discount in (0, 1], got "
+                             f"{self.turn_advantage_coef}, {self.turn_discount}")
         if not self.max_logp_shift >= 0.0 or self.shift_probe_groups < 1:
             raise ValueError(f"max_logp_shift must be >= 0 and shift_probe_groups >= 1, got {self.max_logp_shift}, "
                              f"{self.shift_probe_groups}")
@@ -207,13 +216,18 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
     @jax.jit
     def assemble(traj, step):
         advantages = losses.group_advantages(traj.reward, config.group_size, normalize_std=config.normalize_adv_std)
+        if config.turn_advantage_coef:  # [B, L]: each turn's tokens also get their turn's credit
+            turn_adv = losses.turn_advantages(traj.turn_reward, traj.turn_key, config.group_size,
+                                              config.turn_discount, normalize_std=config.normalize_adv_std)
+            advantages = losses.token_advantages(advantages, turn_adv, traj.turn_id, traj.loss_mask,
+                                                 config.turn_advantage_coef)
         # routing: the rollout's [B, L, n_moe, K] experts (None unless recorded), replayed and/or compared
         batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask,
                            old_logp=traj.behaviour_logp, advantages=advantages, routing=traj.routing)
         batch, informative = select_groups(batch, traj.reward, config.group_size, config.train_groups)
         if schedule is not None:  # per row because the trainer splits loss inputs like the batch
             scale = schedule(step - config.step_offset)
-            batch = batch.replace(entropy_scale=jnp.full(batch.advantages.shape, scale, jnp.float32))
+            batch = batch.replace(entropy_scale=jnp.full(batch.advantages.shape[:1], scale, jnp.float32))
         # over every rolled-out row, selected or not, as the cut always was
         shortest = jnp.min(traj.prompt_length) if config.share_prompt_prefix else None
         common = common_prefix_length(traj.tokens) if config.share_common_prefix else None

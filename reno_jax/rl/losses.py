@@ -10,8 +10,9 @@ with
 
 * ``logp      [B, L] float``  per-token log-probs of the *current* policy (the only differentiated input),
 * ``old_logp  [B, L] float``  per-token log-probs of the behaviour policy that sampled the tokens,
-* ``advantages [B] float``    one advantage per sequence, broadcast over its tokens
-                              (``gspo_token_loss`` also accepts per-token ``[B, L]``),
+* ``advantages [B] float``    one advantage per sequence, broadcast over its tokens (every loss but ``gspo_loss``,
+                              whose objective is per sequence, also accepts per-token ``[B, L]``, e.g.
+                              ``token_advantages``),
 * ``mask      [B, L]``        1/True exactly on policy-generated tokens (prompt, tool output and padding are 0).
 * ``ref_logp  [B, L]``        optional reference-policy log-probs for a KL penalty (``kl_coef``), estimated per
                               token with the non-negative, unbiased "k3" estimator
@@ -112,6 +113,65 @@ def group_advantages(rewards: Array, group_size: int, normalize_std: bool = True
         std = jnp.sqrt(jnp.mean(centred * centred, axis=1, keepdims=True))
         centred = centred / (std + eps)
     return centred.reshape(-1)
+
+
+def turn_advantages(turn_reward: Array, turn_key: Array, group_size: int, discount: float = 1.0,
+                    normalize_std: bool = True, eps: float = 1e-8) -> Array:
+    """Turn-level advantages of multi-turn episodes, by states the group's episodes share (GiGPO's step groups,
+    Feng et al., 2025).
+
+    An episode-level advantage credits every turn of an episode alike; here turn t of an episode is compared with
+    the other turns of its group taken from the same environment state (same ``turn_key``): the same decision
+    point, so their returns differ only by the choices made there and after. The return of turn t is
+    ``sum_{t' >= t} discount^(t' - t) turn_reward[t']``.
+
+    Args:
+      turn_reward: ``[B, T]`` the environment's reward of each turn (0 after an episode's last turn).
+      turn_key: ``[B, T] int`` the environment's key of the state each turn acted in (``TextEnv.state_key``);
+        negative: no turn, or no key (such turns get 0).
+      group_size: G (static); rows ``[g*G, (g+1)*G)`` are group g. Keys are compared within a group only.
+      discount: per-turn discount of later rewards.
+      normalize_std: divide by the standard deviation of the returns that share the state.
+      eps: as in ``group_advantages``.
+
+    Returns:
+      ``[B, T] float32``: ``(R - mean) / (std + eps)`` over the turns that share the state, 0 for a turn whose
+      state no other turn of the group reached, whose peers all returned the same, or that has no key.
+    """
+    turn_reward = jnp.asarray(turn_reward, jnp.float32)
+    if turn_reward.ndim != 2 or jnp.shape(turn_key) != turn_reward.shape:
+        raise ValueError(f"turn_advantages: turn_reward and turn_key must both be [B, T], got {turn_reward.shape} "
+                         f"and {jnp.shape(turn_key)}")
+    b, t = turn_reward.shape
+    group_size = int(group_size)
+    if group_size < 1 or b % group_size:
+        raise ValueError(f"turn_advantages: batch size {b} is not a positive multiple of group_size {group_size}")
+    later = jnp.arange(t)[None, :] >= jnp.arange(t)[:, None]  # [t, t']: t' >= t
+    weights = jnp.where(later, jnp.float32(discount) ** (jnp.arange(t)[None, :] - jnp.arange(t)[:, None]), 0.0)
+    returns = turn_reward @ weights.T  # [B, T]
+    key = jnp.asarray(turn_key).reshape(-1, group_size * t)
+    ret = returns.reshape(-1, group_size * t)
+    has = key >= 0
+    same = (key[:, :, None] == key[:, None, :]) & has[:, :, None] & has[:, None, :]  # [N, GT, GT]
+    count = jnp.sum(same, axis=-1)
+    # Exactly 0 where the peers' returns are all equal (as in `group_advantages`: no float residue).
+    constant = (jnp.max(jnp.where(same, ret[:, None, :], -jnp.inf), axis=-1)
+                == jnp.min(jnp.where(same, ret[:, None, :], jnp.inf), axis=-1))
+    mean = jnp.sum(jnp.where(same, ret[:, None, :], 0.0), axis=-1) / jnp.maximum(count, 1)
+    centred = jnp.where(constant | (count < 2) | ~has, 0.0, ret - mean)
+    if normalize_std:
+        dev = jnp.where(same, ret[:, None, :] - mean[:, :, None], 0.0)
+        std = jnp.sqrt(jnp.sum(dev * dev, axis=-1) / jnp.maximum(count, 1))
+        centred = centred / (std + eps)
+    return centred.reshape(b, t)
+
+
+def token_advantages(advantages: Array, turn_adv: Array, turn_id: Array, mask: Array, coef: float) -> Array:
+    """``[B, L]`` per-token advantages: the episode's ``advantages [B]`` plus ``coef`` times its turn's
+    ``turn_adv [B, T]`` on the policy tokens (``turn_id [B, L]`` names each token's turn; 0 off ``mask``)."""
+    t = turn_adv.shape[1]
+    per_token = jnp.take_along_axis(turn_adv, jnp.clip(turn_id, 0, t - 1), axis=1)
+    return jnp.where(mask, advantages[:, None] + jnp.float32(coef) * per_token, 0.0).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -321,10 +381,11 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, 
 def _token_ppo(name, agg, logp, old_logp, advantages, mask, eps_low, eps_high, ref_logp, kl_coef, entropy,
                entropy_coef, token_weight):
     logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
-        name, logp, old_logp, advantages, mask, ref_logp, entropy)
+        name, logp, old_logp, advantages, mask, ref_logp, entropy, token_advantages=True)
     log_r = jnp.clip(_masked_log_ratio(logp, old_logp, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = jnp.exp(log_r)
-    per_tok, clipped = _ppo_surrogate(ratio, advantages[:, None], eps_low, eps_high)
+    per_tok, clipped = _ppo_surrogate(ratio, advantages if advantages.ndim == 2 else advantages[:, None], eps_low,
+                                      eps_high)
     if token_weight is not None:
         per_tok = per_tok * _as_token_weight(name, token_weight, mask)
     policy_loss, normalizer = agg(per_tok, mask)

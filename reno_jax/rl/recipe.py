@@ -46,7 +46,8 @@ def learner_config(config, step_offset: int = 0) -> learner_lib.LearnerConfig:
         share_prompt_prefix=bool(r.get("share_prompt_prefix", False)),
         share_common_prefix=bool(r.get("share_common_prefix", False)), num_minibatches=int(r.num_minibatches),
         num_microbatches=int(r.num_microbatches), max_logp_shift=float(r.get("max_logp_shift", 0.0)),
-        shift_probe_groups=int(r.get("shift_probe_groups", 8)), step_offset=int(step_offset))
+        shift_probe_groups=int(r.get("shift_probe_groups", 8)), step_offset=int(step_offset),
+        turn_advantage_coef=float(r.get("turn_advantage_coef", 0.0)), turn_discount=float(r.get("turn_discount", 1.0)))
 
 
 def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:
@@ -79,6 +80,10 @@ def make_loss_fn(config):
         kwargs["kl_coef"] = r.kl_coef
     if r.entropy_coef:
         kwargs["entropy_coef"] = r.entropy_coef
+    if r.get("turn_advantage_coef", 0.0) and r.loss == "gspo":
+        raise ConfigError("--config.rl.turn_advantage_coef gives every token its own advantage; --config.rl.loss=gspo "
+                          "takes one per sequence: use --config.rl.loss=gspo_token (the same loss for sequence "
+                          "advantages) or a token-level loss")
     loss_fn = functools.partial(losses.get_loss(r.loss), **kwargs)
     # Mismatch corrections wrap the policy loss only (the forking regularisers go outside). TIS goes outside IcePop,
     # so its metrics cover every policy token.

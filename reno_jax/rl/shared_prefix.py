@@ -52,6 +52,8 @@ def split_shared_prefix(batch: TrainBatch, prefix_len: int, common_len: int = 0)
         value = getattr(batch, name)
         if value is not None:
             cut[name] = value[:, s:]
+    if batch.advantages.ndim == 2:  # per-token advantages: the policy tokens all lie after the prompt
+        cut["advantages"] = batch.advantages[:, s:]
     return batch.replace(**cut)
 
 

@@ -38,6 +38,10 @@ Trajectory layout (`Trajectory`, B = num_groups * group_size episodes, L = `conv
                                   compute the hidden state at t, which scores token t + 1. -1 where nothing was
                                   routed, i.e. on padding (every real token is fed once, so it has ids).
   prompt_length [B] int32, reward [B] float32, group_id [B] int32 (episode b is in group b // G)
+  turn_reward [B, T] float32      the environment's reward of turn k (0 after the last turn; a truncated episode's
+                                  whole `truncation_reward` on its last turn): each row sums to `reward`
+  turn_key [B, T] int32           `env.state_key` of the state turn k acted in; -1 after the last turn, or when
+                                  the environment declares no keys
   stats: `RolloutStats` of [B] arrays (the rollout's own per-episode figures)
   env_info: the environment's final info pytree ([B] leaves, after `env.finish`)
   info: dict merging both (`stats` fields by name, then the environment's info keys)
@@ -242,6 +246,8 @@ class Trajectory:
     stats: RolloutStats
     env_info: Any
     routing: Any = None
+    turn_reward: Any = None
+    turn_key: Any = None
 
     @property
     def info(self) -> dict:
@@ -308,6 +314,8 @@ class _Episodes:
     gen_end: jax.Array  # int32 [B, T]
     live: jax.Array  # bool [B]
     reward: jax.Array  # float32 [B] sum of the environment's step rewards
+    turn_reward: jax.Array  # float32 [B, T]
+    turn_key: jax.Array  # int32 [B, T]
     env_state: Any
     env_info: Any
     parse_kind: jax.Array
@@ -410,6 +418,7 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
         gen_end=jnp.full((b, t_max), big_l, jnp.int32),
         live=jnp.ones((b,), jnp.bool_),
         reward=jnp.zeros((b,), jnp.float32),
+        turn_reward=jnp.zeros((b, t_max), jnp.float32), turn_key=jnp.full((b, t_max), -1, jnp.int32),
         env_state=env_state, env_info=env_info0,
         parse_kind=i32(), valid_call=bool_(), num_turns=i32(), gen_tokens=i32(), budget_stops=i32(),
         truncated=bool_(), routing=routing,
@@ -470,10 +479,18 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
         gen_end = jax.lax.dynamic_update_index_in_dim(carry.gen_end, jnp.where(live, start + n_gen, big_l), turn, 1)
         # 2. Parse the call and step the environment; rows that are not live keep their state.
         call = env.parse_batch(d.gen_tok, n_gen, rc.parse_max_bytes)
+        state_key = jax.vmap(tenv.state_key)(carry.env_state)
+        if state_key is not None:
+            turn_key = jax.lax.dynamic_update_index_in_dim(
+                carry.turn_key, jnp.where(live, state_key.astype(jnp.int32), -1), turn, 1)
+        else:
+            turn_key = carry.turn_key
         out = jax.vmap(tenv.step)(carry.env_state, call)
         env_state = _keep_where(live, out.state, carry.env_state)
         env_info = _keep_where(live, out.info, carry.env_info)
-        reward = carry.reward + jnp.where(live, out.reward.astype(jnp.float32), 0.0)
+        step_reward = jnp.where(live, out.reward.astype(jnp.float32), 0.0)
+        reward = carry.reward + step_reward
+        turn_reward = jax.lax.dynamic_update_index_in_dim(carry.turn_reward, step_reward, turn, 1)
         cont = live & ~out.done
         truncated = carry.truncated
         if t_max > 1:
@@ -496,7 +513,8 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
         kind = call.kind.astype(jnp.int32)
         return _Episodes(
             turn=turn + 1, cache=cache, last=last, tokens=tokens, logp=logp, gen_start=gen_start, gen_end=gen_end,
-            live=cont, reward=reward, env_state=env_state, env_info=env_info,
+            live=cont, reward=reward, turn_reward=turn_reward, turn_key=turn_key, env_state=env_state,
+            env_info=env_info,
             parse_kind=jnp.where(live, kind, carry.parse_kind),
             valid_call=jnp.where(live, kind == 0, carry.valid_call),
             num_turns=carry.num_turns + live.astype(jnp.int32),
@@ -510,6 +528,8 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
     # ---- episodes still running after the last turn are truncated too
     truncated = carry.truncated | carry.live
     reward = jnp.where(truncated, jnp.float32(tenv.truncation_reward), carry.reward).astype(jnp.float32)
+    last_turn = jnp.arange(t_max)[None, :] == jnp.maximum(carry.num_turns - 1, 0)[:, None]
+    turn_reward = jnp.where(truncated[:, None], jnp.where(last_turn, reward[:, None], 0.0), carry.turn_reward)
     env_info = jax.vmap(tenv.finish)(carry.env_state, carry.env_info, truncated)
     length = carry.cache["length"]
     pos = jnp.arange(big_l, dtype=jnp.int32)[None, :]
@@ -524,7 +544,8 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
                          generated_tokens=carry.gen_tokens, budget_stops=carry.budget_stops, truncated=truncated)
     traj = Trajectory(tokens=jnp.where(valid, carry.tokens, pad_id), valid=valid, loss_mask=loss_mask,
                       behaviour_logp=logp, turn_id=turn_id, prompt_length=prompt_len.astype(jnp.int32),
-                      reward=reward, group_id=group_id, stats=stats, env_info=env_info, routing=carry.routing)
+                      reward=reward, group_id=group_id, stats=stats, env_info=env_info, routing=carry.routing,
+                      turn_reward=turn_reward, turn_key=carry.turn_key)
     if return_cache:
         return traj, carry.cache
     return traj
