@@ -141,6 +141,9 @@ class ToyTrajectory:
     stats: object = None
     env_info: object = None
     routing: object = None
+    turn_id: object = None
+    turn_reward: object = None
+    turn_key: object = None
 
 
 def toy_params(seed=0):
@@ -312,6 +315,48 @@ def test_learner_step_with_a_common_prefix_equals_the_step_without():
     np.testing.assert_allclose(out[1][1], out[0][1], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+
+
+def with_two_turns(traj, seed):
+    """`traj` as two-turn episodes: each row's policy tokens split in two turns, the reward earned on the second,
+    turn 0 from the group's start (one key), turn 1 from one of two states."""
+    rng = np.random.default_rng(seed)
+    mask, valid = np.asarray(traj.loss_mask), np.asarray(traj.valid)
+    pos = np.arange(L)[None, :]
+    first = np.argmax(mask, axis=1)
+    split = first + (mask.sum(1) + 1) // 2
+    turn_id = np.where(valid, (pos >= split[:, None]).astype(np.int32), -1)
+    reward = np.asarray(traj.reward)
+    turn_key = np.stack([np.zeros(N * G, np.int32), rng.integers(5, 7, N * G).astype(np.int32)], 1)
+    return dataclasses.replace(traj, turn_id=jnp.asarray(turn_id), turn_key=jnp.asarray(turn_key),
+                               turn_reward=jnp.asarray(np.stack([np.zeros_like(reward), reward], 1)))
+
+
+def test_turn_advantages_reach_the_batch_and_the_shared_prefix_step():
+    params = toy_params()
+    traj = with_two_turns(toy_trajectory(params, seed=0), seed=0)
+    cfg = learner.LearnerConfig(group_size=G, turn_advantage_coef=0.5, num_microbatches=2)
+    batch, _ = learner.make_prepare_batch(cfg)(traj, jnp.int32(0))
+    want = losses.token_advantages(losses.group_advantages(traj.reward, G),
+                                   losses.turn_advantages(traj.turn_reward, traj.turn_key, G), traj.turn_id,
+                                   traj.loss_mask, 0.5)
+    assert batch.advantages.shape == (N * G, L)
+    np.testing.assert_allclose(np.asarray(batch.advantages), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert np.any(np.asarray(batch.advantages)[np.asarray(traj.loss_mask)] != np.repeat(
+        np.asarray(losses.group_advantages(traj.reward, G)), L).reshape(N * G, L)[np.asarray(traj.loss_mask)])
+    # The per-token advantages are cut with the shared prefix: the same update with and without it.
+    out = []
+    for share in (False, True):
+        c = dataclasses.replace(cfg, share_prompt_prefix=share)
+        opt = trainer.make_optimizer(1e-2, weight_decay=0.0)
+        lrn = learner.Learner(c, toy_logp_fn, losses.gspo_token_loss, opt, num_groups=N)
+        state, metrics = lrn.learner_step(trainer.create_train_state(toy_params(), opt, 0), traj)
+        out.append((state.params, float(metrics["train/loss"])))
+    np.testing.assert_allclose(out[1][1], out[0][1], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    with pytest.raises(ValueError, match="turn_advantage_coef"):
+        learner.LearnerConfig(group_size=G, turn_advantage_coef=-1.0)
 
 
 def test_learner_rejects_groups_that_do_not_split():
