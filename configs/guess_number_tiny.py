@@ -25,7 +25,6 @@ def get_config():
   c.env = ml_collections.ConfigDict()
   c.env.module = ""
   c.env.name = "guess_number"
-  c.env.answers = "range"          # "range": "It is 5 to 7."; "list": "Left: 5 6 7."
 
   # 120 steps leave the warm start reading the stated interval in 92% / 79% / 70% / 56% of the sampled 2nd..5th
   # guesses; 240 steps reach the teacher's NLL, and greedy play of the warm start is then always consistent.

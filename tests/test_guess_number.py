@@ -14,7 +14,6 @@ import pytest
 
 from reno_jax.envs import guess_number as gn
 from reno_jax.envs import interface
-from reno_jax.protocol import chat
 
 OK, NO_CALL, BAD_CALL, OUT_OF_RANGE = range(4)  # reno_jax.protocol.toolcall's kinds
 
@@ -86,25 +85,6 @@ def test_answers_state_the_numbers_left():
                        (gn.TOO_LOW, 5, 6, 7)]
     assert [int(s.info["wasted"]) for s in steps] == [0, 0, 1, 1]  # 12 was a wasted guess
     assert len(gn.CHAT.tool) == 5 and gn.CHAT.num_values == 3
-
-
-def test_list_answers_name_every_number_left():
-    env = gn.GuessNumberEnv(answers="list")
-    state, first = env.reset(gn.Start(secret=jnp.int32(6)))
-    assert first.values.shape == (env.chat().num_values,) == (1 + gn.MAX_NUMBER,)
-    texts, rewards = [], []
-    for g in (8, 3, 12, 6):
-        step = jax.jit(env.step)(state, _call(g))
-        state = step.state
-        texts.append(chat.tool_message(env.chat(), step.message)["content"])
-        rewards.append(float(step.reward))
-    assert texts == ["8 is too high. Left: 1 2 3 4 5 6 7.", "3 is too low. Left: 4 5 6 7.",
-                     "12 is too high. Left: 4 5 6 7.", "6 is right!"]
-    # The same game as with ranges: the same rewards and state keys.
-    assert rewards == [float(s.reward) for s in _play(6, [8, 3, 12, 6])]
-    with pytest.raises(ValueError, match="answers must be one of"):
-        gn.GuessNumberEnv(answers="words")
-    assert gn.make_env({"answers": "list"}).answers == "list" and gn.make_env({}).answers == "range"
 
 
 def test_state_key_names_the_decision_point():

@@ -37,30 +37,21 @@ TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "number": {"type": "integer", "minimum": 1, "maximum": MAX_NUMBER}}, "required": ["number"]}}}
 
-# Tool templates: what the answer says.
+# Message values: [the last guess, the lowest and the highest number the answers so far allow]. Tool templates: what
+# the answer says.
 TOO_HIGH, TOO_LOW, FOUND, OUT, INVALID = range(5)
-SYSTEM = f"Find the secret number from 1 to {MAX_NUMBER} with the guess tool. Each answer says higher or lower."
-USER = ((f"I picked a number. You have {MAX_GUESSES} guesses.",),)
-ENDINGS = ((Slot(0, NUMBERS), " is right!"), ("Out of guesses.",), ("Invalid call.",))
-# answers="range": values [the last guess, the lowest and the highest number the answers so far allow].
 CHAT = ChatSpec(
-    system=SYSTEM, tools=(TOOL,), user=USER,
+    system=f"Find the secret number from 1 to {MAX_NUMBER} with the guess tool. Each answer says higher or lower.",
+    tools=(TOOL,),
+    user=((f"I picked a number. You have {MAX_GUESSES} guesses.",),),
     tool=((Slot(0, NUMBERS), " is too high. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
-          (Slot(0, NUMBERS), " is too low. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), ".")) + ENDINGS,
+          (Slot(0, NUMBERS), " is too low. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
+          (Slot(0, NUMBERS), " is right!"),
+          ("Out of guesses.",),
+          ("Invalid call.",)),
     tool_continues=(True, True, False, False, False),
     num_values=3,
 )
-# answers="list": values [the last guess, then one flag per number 1..MAX_NUMBER: still possible]; the answer lists
-# them ("8 is too high. Left: 5 6 7."), each number its own slot that renders nothing when ruled out.
-_LEFT = tuple(Slot(k, ("", f" {k}")) for k in range(1, MAX_NUMBER + 1))
-CHAT_LIST = ChatSpec(
-    system=SYSTEM, tools=(TOOL,), user=USER,
-    tool=((Slot(0, NUMBERS), " is too high. Left:") + _LEFT + (".",),
-          (Slot(0, NUMBERS), " is too low. Left:") + _LEFT + (".",)) + ENDINGS,
-    tool_continues=(True, True, False, False, False),
-    num_values=1 + MAX_NUMBER,
-)
-ANSWERS = ("range", "list")
 
 # Reward: finding the secret on guess k (1..MAX_GUESSES) earns FOUND_REWARD - GUESS_COST * (k - 1) (1.0 on the
 # first guess down to 0.5 on the fifth); running out of guesses earns 0; a malformed call (or a number out of
@@ -87,16 +78,10 @@ class State:
 
 @flax.struct.dataclass
 class GuessNumberEnv(interface.TextEnv):
-    """`answers`: how an answer states the numbers left, "range" ("It is 5 to 7.") or "list" ("Left: 5 6 7.")."""
-    answers: str = flax.struct.field(pytree_node=False, default="range")
     truncation_reward = 0.0
 
-    def __post_init__(self):
-        if self.answers not in ANSWERS:
-            raise ValueError(f"guess_number: answers must be one of {ANSWERS}, got {self.answers!r}")
-
     def chat(self):
-        return CHAT_LIST if self.answers == "list" else CHAT
+        return CHAT
 
     def max_turns(self) -> int:
         return MAX_GUESSES
@@ -104,7 +89,7 @@ class GuessNumberEnv(interface.TextEnv):
     def reset(self, start: Start):
         state = State(secret=start.secret.astype(jnp.int32), guesses=jnp.int32(0), found=jnp.bool_(False),
                       low=jnp.int32(1), high=jnp.int32(MAX_NUMBER), wasted=jnp.int32(0))
-        return state, interface.Message(jnp.int32(0), jnp.zeros((self.chat().num_values,), jnp.int32))
+        return state, interface.Message(jnp.int32(0), jnp.zeros((3,), jnp.int32))
 
     def step(self, state: State, call: interface.ToolCall) -> interface.Step:
         guess = call.args[0]
@@ -118,13 +103,7 @@ class GuessNumberEnv(interface.TextEnv):
         wasted = state.wasted + (call.ok & ((guess < state.low) | (guess > state.high))).astype(jnp.int32)
         new = State(secret=state.secret, guesses=guesses, found=found, low=low, high=high, wasted=wasted)
         info = dict(found=found, invalid=~call.ok, guesses=guesses, wasted=wasted)
-        if self.answers == "list":
-            numbers = jnp.arange(1, MAX_NUMBER + 1)
-            left = ((numbers >= low) & (numbers <= high)).astype(jnp.int32)
-            values = jnp.concatenate([guess[None].astype(jnp.int32), left])
-        else:
-            values = jnp.stack([guess, low, high])
-        message = interface.Message(template.astype(jnp.int32), values.astype(jnp.int32))
+        message = interface.Message(template.astype(jnp.int32), jnp.stack([guess, low, high]))
         return interface.Step(state=new, message=message, reward=reward.astype(jnp.float32),
                               done=found | out | ~call.ok, info=info)
 
@@ -163,9 +142,5 @@ def eval_suites(config) -> dict[str, interface.EvalSuite]:
     return {"secrets": interface.EvalSuite(num_episodes=MAX_NUMBER, starts=starts)}
 
 
-def make_env(env_config, **overrides) -> GuessNumberEnv:
-    return GuessNumberEnv(answers=str(overrides.get("answers", env_config.get("answers", "range"))))
-
-
-registry.register("guess_number", make_env,
+registry.register("guess_number", lambda env_config, **overrides: GuessNumberEnv(),
                   lambda config: sample_starts, make_teacher, eval_suites=eval_suites)
