@@ -15,16 +15,20 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reno_jax import loop
-from reno_jax.envs import guess_number, interface
-from reno_jax.loop import evaluation
-from reno_jax.protocol import tokenizer as tokenizer_lib
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from reno_jax import loop  # noqa: E402
+from reno_jax.envs import guess_number, interface  # noqa: E402
+from reno_jax.loop import evaluation  # noqa: E402
+from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
 
 GUESS = re.compile(r'"number": (\d+)')
 RANGE = re.compile(r"It is (\d+) to (\d+)\.")
