@@ -70,12 +70,12 @@ def load_warm_start(workdir: str, mesh_config: parallel.MeshConfig | None = None
     tokenizer = build.build_tokenizer(config)
     model_config, abstract = build.abstract_model(config, tokenizer)
     layout = parallel.Layout.create(model_config, mesh_config)
+    if adapters.trains_adapters(config):  # the run's base (int8 where it trains over int8), with fresh adapters:
+        base = adapters.restore_base(config, workdir, tokenizer, layout)  # B is zero: the model is the base itself
+        return SavedRun(config, tokenizer, model_config, adapters.init_trained(config, base), base, 0)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
                             layout.param_shardings)
     params = ckpt_lib.restore_item(path, {"params": abstract})["params"]
-    if adapters.trains_adapters(config):  # the run's base (int8 where it trains over int8), with fresh adapters:
-        base = adapters.frozen_base(config, params)  # their B is zero, so the model is the base itself
-        return SavedRun(config, tokenizer, model_config, adapters.init_trained(config, base), base, 0)
     return SavedRun(config, tokenizer, model_config, params, None, 0)
 
 
