@@ -111,6 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
   # taken from the same state (the environment's `state_key`); needs a token-level loss (gspo_token). 0: off.
   c.rl.turn_advantage_coef = 0.0
   c.rl.turn_discount = 1.0
+  c.rl.turn_scope = "group"        # "batch": compare with every turn of the batch from the same key (TextEnv.state_key)
   c.rl.kl_coef = 0.0
   c.rl.entropy_coef = 0.0        # entropy bonus on every response token (format tokens included)
   c.rl.forking_entropy_coef = 0.1   # entropy bonus on each response's highest-entropy token (the square)

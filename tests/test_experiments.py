@@ -322,6 +322,7 @@ def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
     ("shift_probe_groups", 0, "--config.rl.shift_probe_groups must be >= 1"),
     ("turn_advantage_coef", -1.0, "--config.rl.turn_advantage_coef must be >= 0"),
     ("turn_discount", 0.0, "--config.rl.turn_discount must be in (0, 1]"),
+    ("turn_scope", "episode", "--config.rl.turn_scope must be 'group' or 'batch'"),
     ("turn_advantage_coef", 1.0, "--config.rl.turn_advantage_coef gives every token its own advantage; "
                                  "--config.rl.loss=gspo takes one per sequence"),
 ])

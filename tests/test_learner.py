@@ -359,6 +359,30 @@ def test_turn_advantages_reach_the_batch_and_the_shared_prefix_step():
         learner.LearnerConfig(group_size=G, turn_advantage_coef=-1.0)
 
 
+def test_batch_turn_scope_compares_turns_across_groups():
+    """turn_scope="batch": every turn of the batch from the same key is a peer, whatever its group."""
+    params = toy_params()
+    traj = with_two_turns(toy_trajectory(params, seed=0), seed=1)
+    batches = {}
+    for scope in learner.TURN_SCOPES:
+        cfg = learner.LearnerConfig(group_size=G, turn_advantage_coef=0.5, turn_scope=scope)
+        batches[scope], _ = learner.make_prepare_batch(cfg)(traj, jnp.int32(0))
+    pooled = losses.turn_advantages(traj.turn_reward, traj.turn_key, N * G)
+    want = losses.token_advantages(losses.group_advantages(traj.reward, G), pooled, traj.turn_id, traj.loss_mask,
+                                   0.5)
+    np.testing.assert_allclose(np.asarray(batches["batch"].advantages), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.asarray(batches["batch"].advantages), np.asarray(batches["group"].advantages))
+    # turn 1's keys (5 or 6) recur across groups: pooled, a turn's advantage is its return against every such turn
+    ret, key = np.asarray(traj.turn_reward)[:, 1], np.asarray(traj.turn_key)[:, 1]
+    for k in (5, 6):
+        peers = ret[key == k]
+        if np.ptp(peers) > 0:
+            np.testing.assert_allclose(np.asarray(pooled)[key == k, 1], (peers - peers.mean()) / (peers.std() + 1e-8),
+                                       rtol=1e-5)
+    with pytest.raises(ValueError, match="turn_scope"):
+        learner.LearnerConfig(group_size=G, turn_scope="episode")
+
+
 def test_learner_rejects_groups_that_do_not_split():
     cfg = learner.LearnerConfig(group_size=4, train_groups=3, share_prompt_prefix=True, num_microbatches=2)
     with pytest.raises(ValueError, match="whole groups"):

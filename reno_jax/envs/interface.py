@@ -100,7 +100,9 @@ class TextEnv(abc.ABC):
         of a group face the same choice (e.g. guess_number's interval and guesses made). The rollout records it
         for every turn, and `rl.turn_advantage_coef` compares turns of a group taken from the same key
         (`reno_jax.rl.losses.turn_advantages`). Keys are compared within a group only, so they need not cover what
-        the group's start fixes. Default: None (no keys; turn advantages are then 0)."""
+        the group's start fixes; with `rl.turn_scope="batch"` they are compared across the batch, for keys that
+        name what the agent knows (its observations so far), not the start's hidden parts. Default: None (no
+        keys; turn advantages are then 0)."""
         del state
         return None
 

@@ -120,6 +120,9 @@ def validate_config(config) -> None:
         raise ConfigError(f"--config.rl.turn_advantage_coef must be >= 0 (0: off), got {coef}")
     if not 0.0 < discount <= 1.0:
         raise ConfigError(f"--config.rl.turn_discount must be in (0, 1], got {discount}")
+    scope = str(config.rl.get("turn_scope", "group"))
+    if scope not in ("group", "batch"):
+        raise ConfigError(f"--config.rl.turn_scope must be 'group' or 'batch', got {scope!r}")
     probe = int(config.rl.get("shift_probe_groups", 8))
     if shift and probe < 1:
         raise ConfigError(f"--config.rl.shift_probe_groups must be >= 1, got {probe}")

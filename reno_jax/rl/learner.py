@@ -52,6 +52,7 @@ Array = jax.Array
 
 SHORTEST_PROMPT_SYNC = "shortest_prompt"
 ROLLOUT_WAIT = "rollout_wait"
+TURN_SCOPES = ("group", "batch")
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -78,6 +79,9 @@ class LearnerConfig:
     turn_advantage_coef, turn_discount: multi-turn credit: each policy token's advantage is its episode's plus
       ``turn_advantage_coef`` times its turn's advantage among the group's turns taken from the same state
       (``losses.turn_advantages`` with ``turn_discount``; needs a loss that takes ``[B, L]`` advantages). 0: off.
+    turn_scope: "group": a turn is compared with its group's turns from the same state key; "batch": with every
+      turn of the batch from that key (for keys that name what the agent knows, so that groups whose starts differ
+      meet at the same decision; see ``TextEnv.state_key``).
     """
     group_size: int
     train_groups: int = 0
@@ -95,6 +99,7 @@ class LearnerConfig:
     step_offset: int = 0
     turn_advantage_coef: float = 0.0
     turn_discount: float = 1.0
+    turn_scope: str = "group"
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -110,6 +115,8 @@ class LearnerConfig:
         if not self.turn_advantage_coef >= 0.0 or not 0.0 < self.turn_discount <= 1.0:
             raise ValueError(f"turn_advantage_coef must be >= 0 and turn_discount in (0, 1], got "
                              f"{self.turn_advantage_coef}, {self.turn_discount}")
+        if self.turn_scope not in TURN_SCOPES:
+            raise ValueError(f"turn_scope must be one of {TURN_SCOPES}, got {self.turn_scope!r}")
         if not self.max_logp_shift >= 0.0 or self.shift_probe_groups < 1:
             raise ValueError(f"max_logp_shift must be >= 0 and shift_probe_groups >= 1, got {self.max_logp_shift}, "
                              f"{self.shift_probe_groups}")
@@ -217,7 +224,8 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
     def assemble(traj, step):
         advantages = losses.group_advantages(traj.reward, config.group_size, normalize_std=config.normalize_adv_std)
         if config.turn_advantage_coef:  # [B, L]: each turn's tokens also get their turn's credit
-            turn_adv = losses.turn_advantages(traj.turn_reward, traj.turn_key, config.group_size,
+            peers = traj.turn_reward.shape[0] if config.turn_scope == "batch" else config.group_size
+            turn_adv = losses.turn_advantages(traj.turn_reward, traj.turn_key, peers,
                                               config.turn_discount, normalize_std=config.normalize_adv_std)
             advantages = losses.token_advantages(advantages, turn_adv, traj.turn_id, traj.loss_mask,
                                                  config.turn_advantage_coef)

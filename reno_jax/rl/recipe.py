@@ -47,7 +47,8 @@ def learner_config(config, step_offset: int = 0) -> learner_lib.LearnerConfig:
         share_common_prefix=bool(r.get("share_common_prefix", False)), num_minibatches=int(r.num_minibatches),
         num_microbatches=int(r.num_microbatches), max_logp_shift=float(r.get("max_logp_shift", 0.0)),
         shift_probe_groups=int(r.get("shift_probe_groups", 8)), step_offset=int(step_offset),
-        turn_advantage_coef=float(r.get("turn_advantage_coef", 0.0)), turn_discount=float(r.get("turn_discount", 1.0)))
+        turn_advantage_coef=float(r.get("turn_advantage_coef", 0.0)), turn_discount=float(r.get("turn_discount", 1.0)),
+        turn_scope=str(r.get("turn_scope", "group")))
 
 
 def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:
