@@ -3,6 +3,7 @@
 legal square, the call format and no strategy); soft targets over the teacher's support."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -163,30 +164,83 @@ def test_game_transcripts_are_random_legal_games_as_the_rollout_renders_them(gam
 
 
 def test_soft_targets_are_the_expected_log_likelihood(game_world):
+    """One choice token (the square): the target at it is uniform over the legal squares, and the soft log-prob is
+    the mean log-prob of the legal squares' tokens; every other position keeps its hard target."""
     w = game_world
     cfg = ling3.tiny_test_config(vocab_size=len(w["tok"]), num_hidden_layers=2)
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     rows = slice(0, 2)
-    out = w["out"]
-    assert isinstance(out, sft.Transcripts)
+    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(4), w["starts"], w["env"],
+                                             registration.make_teacher(None, w["env"].env).policy, w["calls"],
+                                             max_turns=TURNS, length=w["out"].tokens.shape[1], soft_targets=True))
+    np.testing.assert_array_equal(out.tokens, w["out"].tokens)  # the same transcripts, with targets added
+    square_ids = w["ids"][:, w["offset"]]
+    choice = np.asarray(w["calls"].choice_tokens)
+    np.testing.assert_array_equal(choice, np.sort(square_ids))
+    legal = np.asarray(out.support[rows])
+    weights = np.asarray(out.target_weights[rows])
+    np.testing.assert_allclose(weights.sum(-1), legal.any(-1).astype(np.float32), rtol=1e-6)
     tokens = jnp.asarray(out.tokens[rows])
     batch = TrainBatch(tokens=tokens, valid=jnp.asarray(out.valid[rows]), loss_mask=jnp.asarray(out.loss_mask[rows]),
                        old_logp=jnp.zeros(tokens.shape, jnp.float32), advantages=jnp.zeros(tokens.shape[:1]))
-    legal = jnp.asarray(out.support[rows])
-    square_ids = w["ids"][:, w["offset"]]
-    soft = sft.uniform_soft_targets(legal, square_ids)
-    np.testing.assert_allclose(np.asarray(soft["soft_target_weights"].sum(-1)),
-                               np.asarray(legal.any(-1), np.float32), rtol=1e-6)
     logp_fn = jax.jit(policy.make_logp_fn(cfg, with_entropy=False))
     hard = logp_fn(params, batch).logp
-    got = logp_fn(params, batch.replace(**soft)).logp
+    got = logp_fn(params, batch.replace(soft_target_ids=jnp.broadcast_to(jnp.asarray(choice), (2, choice.size)),
+                                        soft_target_weights=jnp.asarray(weights))).logp
     logits, _ = jax.jit(lambda p, t, v: ling3.forward(p, cfg, t, valid=v))(params, batch.tokens, batch.valid)
     logprobs = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
-    where = np.argwhere(np.asarray(legal.any(-1)))
+    where = np.argwhere(legal.any(-1))
     assert len(where) >= 2
     for b, t in where:
-        lg = np.asarray(legal[b, t])
+        lg = legal[b, t]
+        np.testing.assert_allclose(weights[b, t][np.searchsorted(choice, square_ids[lg])], 1.0 / lg.sum(), rtol=1e-6)
         want = logprobs[b, t - 1, square_ids[lg]].mean()
         np.testing.assert_allclose(float(got[b, t]), want, rtol=1e-5, atol=1e-6)
-    other = ~np.asarray(legal.any(-1))
+    other = ~legal.any(-1)
     np.testing.assert_array_equal(np.asarray(got)[other], np.asarray(hard)[other])
+
+
+def test_soft_targets_of_a_choice_spelt_over_several_tokens():
+    """guess_number's numbers are written digit by digit: the first digit's target is the share of the allowed
+    numbers that start with it, the next token's the share of those that also share the first digit."""
+    from reno_jax.envs import guess_number as gn
+    tok = load_tokenizer(None)
+    env = R.compile_env(gn.GuessNumberEnv(), tok)
+    teacher = gn.make_teacher(None, env.env)
+    calls = _call_table(tok, env, teacher)
+    assert calls.choice_offset == -1  # "1" and "12" differ in more than one token
+    choice = list(calls.choice_tokens)
+    digit = {d: tok.encode(str(d), add_special_tokens=False)[0] for d in range(10)}
+    n = 16
+    starts = gn.Start(secret=jnp.arange(1, n + 1, dtype=jnp.int32))
+    length = R.conversation_length(env, R.RolloutConfig(max_new_tokens=20, max_turns=gn.MAX_GUESSES))
+    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(0), starts, env, teacher.policy, calls,
+                                             max_turns=gn.MAX_GUESSES, length=length, soft_targets=True))
+    text = [tok.decode(out.tokens[b][out.valid[b]].tolist(), skip_special_tokens=False) for b in range(n)]
+    checked = 0
+    for b in range(n):
+        low, high = 1, gn.MAX_NUMBER
+        mask = out.loss_mask[b]
+        starts_at = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
+        ranges = [(int(x), int(y)) for x, y in re.findall(r"It is (\d+) to (\d+)\.", text[b])]
+        for k, at in enumerate(starts_at):
+            call = out.tokens[b, at:at + int(mask[at:].argmin() or mask[at:].size)]
+            first = next(i for i, t in enumerate(call) if t in digit.values())  # the number's first digit
+            allowed = [str(v) for v in range(low, high + 1)]
+            w = out.target_weights[b, at + first]
+            for d in range(1, 10):
+                share = sum(a[0] == str(d) for a in allowed) / len(allowed)
+                np.testing.assert_allclose(w[choice.index(digit[d])], share, atol=1e-6)
+            written = tok.decode(call[first:first + 1].tolist())
+            ids = np.asarray(calls.ids)
+            going_on = [ids[int(a) - 1, first + 1] for a in allowed if a[0] == written]  # what follows the digit
+            w2 = out.target_weights[b, at + first + 1]
+            if len(set(going_on)) > 1:  # "1" closes or goes on as 10..16: each continuation its share
+                for t in set(going_on):
+                    np.testing.assert_allclose(w2[choice.index(t)], going_on.count(t) / len(going_on), atol=1e-6)
+                checked += 1
+            else:  # one way on: the written token is the target (weight 1 on it, or none)
+                assert w2.sum() in (0.0, 1.0)
+            if k < len(ranges):
+                low, high = ranges[k]
+    assert checked >= 1

@@ -94,10 +94,10 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     length = int(s.get("max_length", 0)) or transcript_length(env, calls, turns,
                                                               rollout_lib.conversation_length(env, rc))
     soft = bool(s.get("soft_targets", False))
-    if soft and calls.choice_offset < 0:
-        raise ConfigError("--config.sft.soft_targets=True needs teacher calls that differ in exactly one token "
-                          f"(env.name={entry.name!r}'s do not)")
-    choice_ids = np.asarray(calls.ids)[:, calls.choice_offset] if soft else None
+    if soft and not calls.choice_tokens:
+        raise ConfigError("--config.sft.soft_targets=True needs teacher calls that differ "
+                          f"(env.name={entry.name!r}'s teacher has one call)")
+    choice_ids = np.asarray(calls.choice_tokens, np.int32)
     sampler = entry.make_sampler(config)
     optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, s.num_steps),
                                        s.num_steps, weight_decay=0.0, clip_norm=1.0)
@@ -110,13 +110,14 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     for _ in bar:
         key, k_starts, k_play = jax.random.split(key, 3)
         out = sft.env_transcripts(k_play, sampler(k_starts, int(s.batch_size)), env, teacher.policy, calls,
-                                  max_turns=turns, length=length)
+                                  max_turns=turns, length=length, soft_targets=soft)
         tokens = out.tokens
         batch = TrainBatch(tokens=tokens, valid=out.valid, loss_mask=out.loss_mask,
                            old_logp=jnp.zeros(tokens.shape, jnp.float32),
                            advantages=jnp.zeros(tokens.shape[:1], jnp.float32))
         if soft:
-            batch = batch.replace(**sft.uniform_soft_targets(out.support, choice_ids))
+            batch = batch.replace(soft_target_ids=jnp.broadcast_to(choice_ids, (tokens.shape[0], choice_ids.size)),
+                                  soft_target_weights=out.target_weights)
         state, metrics = step_fn(state, place(batch))
         nll = float(metrics["nll"])
         infos.append(jax.device_get(out.info))

@@ -31,8 +31,8 @@ class TrainBatch:
       entropy_scale: ``float32 [B]`` the forking regulariser's scheduled scale, a loss input.
       ref_logp: ``float32 [B, L]`` a reference policy's log-probs (the forking KL's anchor), a loss input.
       soft_target_ids: ``int32 [B, K]`` and soft_target_weights: ``float32 [B, L, K]``: supervised soft targets
-        (`rl.sft.uniform_soft_targets`): where a position's weights sum to > 0 its log-prob is the expected
-        log-likelihood of those K tokens.
+        (`rl.sft.call_token_targets`, over the call table's `choice_tokens`): where a position's weights sum to
+        > 0 its log-prob is the expected log-likelihood of those K tokens.
       prefix_tokens: ``int32 [B, S - C]``, prefix_routing, common_tokens: ``int32 [B, C]``, common_routing: the
         shared-prefix cut (module docstring).
     """

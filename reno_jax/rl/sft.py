@@ -31,6 +31,8 @@ class CallTable:
       tool: `int32 [R]` tool index in the environment's schemas; args: `int32 [R, A]` its arguments.
       choice_offset: static; the one token position where the rows differ when they all have one length and
         differ in one token (e.g. the square of `choose_square`), else -1.
+      choice_tokens: static; every token id found in a column where the rows differ (a choice spelt over several
+        tokens, e.g. a number written digit by digit, puts each digit and what may follow it here), sorted.
     """
 
     ids: jax.Array
@@ -38,6 +40,7 @@ class CallTable:
     tool: jax.Array
     args: jax.Array
     choice_offset: int = flax.struct.field(pytree_node=False, default=-1)
+    choice_tokens: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
 
 def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names=None) -> CallTable:
@@ -56,12 +59,19 @@ def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names
         ids[k, :len(r)] = r
     differs = np.flatnonzero((ids != ids[:1]).any(axis=0))
     offset = int(differs[0]) if len({len(r) for r in rows}) == 1 and len(differs) == 1 else -1
+    lengths = np.asarray([len(r) for r in rows])
+    choice = set()
+    for j in range(width):
+        column = set(ids[lengths > j, j].tolist())
+        if len(column) > 1:
+            choice |= column
     n_args = max(1, max(len(a) for a in args))
     arg_arr = np.zeros((len(rows), n_args), np.int32)
     for k, a in enumerate(args):
         arg_arr[k, :len(a)] = a
     return CallTable(ids=jnp.asarray(ids), length=jnp.asarray([len(r) for r in rows], jnp.int32),
-                     tool=jnp.asarray(tools, jnp.int32), args=jnp.asarray(arg_arr), choice_offset=offset)
+                     tool=jnp.asarray(tools, jnp.int32), args=jnp.asarray(arg_arr), choice_offset=offset,
+                     choice_tokens=tuple(sorted(int(t) for t in choice)))
 
 
 @flax.struct.dataclass
@@ -74,6 +84,9 @@ class Transcripts:
       support: ``bool [B, L, R]`` the call rows the teacher could have chosen, at each call's choice token (all
         False unless the call table has a `choice_offset`).
       info: the environment's final info (after `env.finish`; truncated when out of turns or length).
+      target_weights: with ``soft_targets``, ``float32 [B, L, C]`` over the table's ``choice_tokens``: at each call
+        token, the share of the teacher's choices (uniform over its support) that agree with the call written so
+        far and continue with each choice token (`call_token_targets`); else None.
     """
 
     tokens: jax.Array
@@ -81,11 +94,30 @@ class Transcripts:
     loss_mask: jax.Array
     support: jax.Array
     info: Any
+    target_weights: jax.Array | None = None
 
 
-@functools.partial(jax.jit, static_argnames=("teacher", "max_turns", "length"))
+def call_token_targets(calls: CallTable, row: jax.Array, support: jax.Array) -> jax.Array:
+    """A teacher choosing uniformly among its ``support bool [B, R]`` rows, spelt token by token: ``float32
+    [B, W, C]``, at offset j of the written call ``row int [B]``, the share of supported rows that agree with it
+    before j and write ``calls.choice_tokens[c]`` at j (the chain rule of the uniform choice: the first digit of a
+    number gets the mass of every number that starts with it, the second that of those that also share the first).
+    All 0 where no supported row agrees or the token at j is not a choice token (the written token is then the
+    target)."""
+    ids, width = calls.ids, calls.ids.shape[1]
+    inside = jnp.arange(width)[None, :] < calls.length[:, None]  # [R, W]
+    same = (ids[:, None, :] == ids[None, :, :]) & inside[:, None, :] & inside[None, :, :]  # [R, R, W]
+    agree = jnp.cumprod(jnp.pad(same[..., :-1], ((0, 0), (0, 0), (1, 0)), constant_values=True), axis=-1)
+    spells = ids[:, :, None] == jnp.asarray(calls.choice_tokens, jnp.int32)[None, None, :]  # [R, W, C]
+    spells = spells & inside[:, :, None]
+    peers = agree[row].astype(bool) & support[:, :, None] & inside[None]  # [B, R, W]: supported, same prefix
+    mass = jnp.einsum("brw,rwc->bwc", peers.astype(jnp.float32), spells.astype(jnp.float32))
+    return mass / jnp.maximum(jnp.sum(mass, axis=-1, keepdims=True), 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("teacher", "max_turns", "length", "soft_targets"))
 def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, max_turns: int,
-                    length: int) -> Transcripts:
+                    length: int, soft_targets: bool = False) -> Transcripts:
     """Whole conversations of a scripted teacher playing an environment, by stepping the environment itself.
 
     The prompt, every tool response and assistant header are rendered by the same compiled tables the rollout
@@ -99,6 +131,7 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
         and the rows the teacher could have chosen (for soft targets).
       calls: `CallTable`.
       max_turns: agent turns at most; length: L, the padded length.
+      soft_targets: also fill ``Transcripts.target_weights`` (needs ``calls.choice_tokens``).
 
     Returns:
       `Transcripts`.
@@ -115,6 +148,9 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
                                       prompt, pos)
     loss_mask = jnp.zeros((b, length), jnp.bool_)
     support = jnp.zeros((b, length, r), jnp.bool_)
+    if soft_targets and not calls.choice_tokens:
+        raise ValueError("soft targets need call rows that differ (the call table has no choice tokens)")
+    weights = jnp.zeros((b, length, len(calls.choice_tokens)), jnp.float32) if soft_targets else None
     done = jnp.zeros((b,), jnp.bool_)
     truncated = jnp.zeros((b,), jnp.bool_)
     info = None
@@ -131,6 +167,8 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
         if calls.choice_offset >= 0:
             at = jnp.where(live, pos + calls.choice_offset, length)  # out of bounds -> dropped
             support = support.at[jnp.arange(b), at].set(sup, mode="drop")
+        if soft_targets:
+            weights = rollout_lib.scatter_rows(weights, pos, call_token_targets(calls, row, sup), n)
         pos = pos + n
         call = interface.ToolCall(kind=jnp.zeros((b,), jnp.int32), tool=calls.tool[row], args=calls.args[row])
         out = jax.vmap(tenv.step)(state, call)
@@ -149,22 +187,7 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
     info = jax.vmap(tenv.finish)(state, info, truncated)
     valid = jnp.arange(length)[None, :] < pos[:, None]
     return Transcripts(tokens=jnp.where(valid, tokens, env.pad_id), valid=valid, loss_mask=loss_mask,
-                       support=support, info=info)
-
-
-def uniform_soft_targets(support: jax.Array, choice_ids) -> dict:
-    """Soft targets of a teacher that picks uniformly among its support, from ``support bool [B, L, R]``
-    (`env_transcripts`'s, at each call's choice token) and ``choice_ids int [R]`` (each call row's choice token).
-
-    Returns the batch entries ``soft_target_ids int32 [B, R]`` and ``soft_target_weights float32 [B, L, R]``
-    (1/#support on the supported rows at choice positions, 0 elsewhere); `rl.policy.make_logp_fn` then scores
-    those positions by the expected log-likelihood under the target, so one transcript teaches every choice the
-    teacher could have made (e.g. every legal square) instead of the one it sampled.
-    """
-    support = jnp.asarray(support, jnp.float32)
-    weights = support / jnp.maximum(jnp.sum(support, axis=-1, keepdims=True), 1.0)
-    ids = jnp.broadcast_to(jnp.asarray(choice_ids, jnp.int32), (support.shape[0], support.shape[-1]))
-    return {"soft_target_ids": ids, "soft_target_weights": weights}
+                       support=support, info=info, target_weights=weights)
 
 
 def sft_loss(logp, old_logp, advantages, mask, **unused):

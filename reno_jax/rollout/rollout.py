@@ -273,8 +273,8 @@ def _chunk_for(text_len: int, chunk: int) -> int:
 
 
 def scatter_rows(buf: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array) -> jax.Array:
-    """buf[b, start[b] + j] = values[b, j] for j < count[b] (others dropped). buf [B, L], values [B, W]."""
-    b, w = values.shape
+    """buf[b, start[b] + j] = values[b, j] for j < count[b] (others dropped). buf [B, L, ...], values [B, W, ...]."""
+    b, w = values.shape[:2]
     j = jnp.arange(w, dtype=jnp.int32)[None, :]
     idx = jnp.where(j < count[:, None], start[:, None] + j, buf.shape[1])  # out of bounds -> dropped
     return buf.at[jnp.arange(b)[:, None], idx].set(values.astype(buf.dtype), mode="drop")
