@@ -10,7 +10,7 @@ from reno_jax.errors import ConfigError
 from reno_jax.loop import build
 from reno_jax.loop.build import QUANTIZE
 from reno_jax.models import lora
-from reno_jax.rl import curriculum, losses, recipe
+from reno_jax.rl import curriculum, learner, losses, recipe
 
 
 def _field(config, path: str):
@@ -121,7 +121,7 @@ def validate_config(config) -> None:
     if not 0.0 < discount <= 1.0:
         raise ConfigError(f"--config.rl.turn_discount must be in (0, 1], got {discount}")
     scope = str(config.rl.get("turn_scope", "group"))
-    if scope not in ("group", "batch"):
+    if scope not in learner.TURN_SCOPES:
         raise ConfigError(f"--config.rl.turn_scope must be 'group' or 'batch', got {scope!r}")
     probe = int(config.rl.get("shift_probe_groups", 8))
     if shift and probe < 1:

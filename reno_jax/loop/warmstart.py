@@ -97,7 +97,9 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     if soft and not calls.choice_tokens:
         raise ConfigError("--config.sft.soft_targets=True needs teacher calls that differ "
                           f"(env.name={entry.name!r}'s teacher has one call)")
-    choice_ids = np.asarray(calls.choice_tokens, np.int32)
+    # the same choice tokens for every row of every batch: placed once
+    soft_ids = jnp.broadcast_to(jnp.asarray(calls.choice_tokens, jnp.int32),
+                                (int(s.batch_size), len(calls.choice_tokens))) if soft else None
     sampler = entry.make_sampler(config)
     optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, s.num_steps),
                                        s.num_steps, weight_decay=0.0, clip_norm=1.0)
@@ -116,8 +118,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
                            old_logp=jnp.zeros(tokens.shape, jnp.float32),
                            advantages=jnp.zeros(tokens.shape[:1], jnp.float32))
         if soft:
-            batch = batch.replace(soft_target_ids=jnp.broadcast_to(choice_ids, (tokens.shape[0], choice_ids.size)),
-                                  soft_target_weights=out.target_weights)
+            batch = batch.replace(soft_target_ids=soft_ids, soft_target_weights=out.target_weights)
         state, metrics = step_fn(state, place(batch))
         nll = float(metrics["nll"])
         infos.append(jax.device_get(out.info))
