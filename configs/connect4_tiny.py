@@ -2,7 +2,7 @@
 
 Warm start on transcripts of a scripted centre-first player (wins, blocks, else the most central column),
 written by stepping the environment against the random, greedy and negamax opponents, then GSPO against the
-random opponent. Everything not set here
+three in turn. Everything not set here
 is `tictactoe_tiny`'s (model, RL loss, optimiser, mesh, bookkeeping).
 
 Token budget with the shipped 512-token tokenizer (slot by slot, as the compiler renders):
@@ -11,8 +11,10 @@ Token budget with the shipped 512-token tokenizer (slot by slot, as the compiler
                  (the tiny tokenizer spells "drop_piece" and "column" in 14 tokens; a think block would add more)
   tool response  68 tokens:  "\n<|im_start|>tool\n" 4 + "Opponent played k.\n" 4 + header 8 + board 47
                  + "<|im_end|>\n<|im_start|>assistant\n" 5 (final-step templates are not rendered by the rollout)
-  per turn      ~96 tokens with max_new_tokens = 28, so a full 21-turn game is ~2.2k tokens; games against the
-                 random opponent end after ~8-12 agent moves (~1.2k tokens).
+  per turn      ~96 tokens with max_new_tokens = 24, so a whole game fits 2,170 tokens (21 agent turns); the
+                 scripted teacher's games end after ~6 agent moves against the random opponent (~800 tokens), ~12
+                 against the greedy one (~1.4k). Train steps see each batch up to its longest game
+                 (rl.length_bucket), and attention over a whole game runs in query blocks (models/mla.py).
 
   python -m experiments.train --config=configs/connect4_tiny.py --workdir=workdir/c4
   python -m experiments.evaluate --workdir=workdir/c4
@@ -26,14 +28,20 @@ from configs import tictactoe_tiny
 def get_config():
   c = tictactoe_tiny.get_config()
   c.num_steps = 20
-  c.rl.share_common_prefix = False  # the recorded curves were made without these two
+  # A 226-token prompt before up to ~1.9k tokens of game: encoding it once per group saves little, and the
+  # continuation would then attend through a cache (every query against every position) instead of block by block.
+  c.rl.share_prompt_prefix = False
+  c.rl.share_common_prefix = False
   c.rl.max_logp_shift = 0.0
+  c.rl.length_bucket = 256
 
   # --- environment (reno_jax.envs.connect4.env.Connect4Env / sample_starts) --------------------------------
   c.env = ml_collections.ConfigDict()
   c.env.module = ""  # none of tic-tac-toe's board-dataset fields apply
   c.env.name = "connect4"
-  c.env.opponent = "random"        # "random", "greedy", "negamax" or "mixed" (the three in turn by group)
+  # RL opponents: "random", "greedy", "negamax" or "mixed" (the three in turn by group). Against the random one
+  # alone nearly every group wins all its games (no reward spread, nothing to learn from).
+  c.env.opponent = "mixed"
   c.env.agent_player = "alternate" # 1 (X, moves first), 2 (O) or "alternate" (X in even groups)
   c.env.negamax_depth = 3          # plies; only compiled in when the opponent is "negamax" or "mixed"
   c.env.max_agent_turns = 21       # every agent move of a full game
@@ -50,9 +58,9 @@ def get_config():
   # --- rollout ------------------------------------------------------------------------------------------------
   c.rollout.boards_per_step = 4    # groups (start records) per step
   c.rollout.group_size = 8
-  c.rollout.max_new_tokens = 28    # a call is 23 tokens with the turn end
-  c.rollout.max_turns = 9
-  c.rollout.max_length = 1024      # fits 9 agent moves; a longer game ends as truncated (reward -1)
+  c.rollout.max_new_tokens = 24    # a call is 23 tokens with the turn end
+  c.rollout.max_turns = 21         # every agent move of a game
+  c.rollout.max_length = 0         # 0: room for every turn (2,170 tokens), so no game is cut off
   c.rollout.stop_at_tool_call = True
 
   # --- RL: the forking-token bonus was tuned for the one-token square of tic-tac-toe; off until measured here ---

@@ -148,6 +148,9 @@ def get_config() -> ml_collections.ConfigDict:
   # 15% of this step.
   c.rl.share_common_prefix = True
   c.rl.train_groups = 0          # 0: train on every group; N: only the N groups with the largest reward spread
+  # > 0: every train step (warm start and RL) sees the batch's columns up to its last real token, rounded up to a
+  # multiple of this, not the whole conversation length (exact; one compile per width). For episodes of varying length.
+  c.rl.length_bucket = 0
   c.rl.optimizer_state_dtype = "float32"  # "float32", "bfloat16" or "int8"
   c.rl.routing_replay = False    # R3: the train forward replays the rollout's MoE expert choices (arXiv:2510.11370)
   c.rl.routing_metrics = False   # record the rollout's routing for train/routing_agreement even without replay

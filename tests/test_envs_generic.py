@@ -284,3 +284,32 @@ def test_logp_fn_scores_the_tempered_policy(params):
     plain = policy.make_logp_fn(MC)(params, batch).logp
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(policy.make_logp_fn(MC, temperature=1.0)(
         params, batch).logp))
+
+
+def test_warm_start_trimmed_to_the_longest_transcript_trains_the_same(monkeypatch):
+    """rl.length_bucket in the warm start: each batch cut after its longest transcript (rounded up to the bucket),
+    the same nll and weights as at the full transcript length."""
+    from reno_jax.loop import build as loop_build
+    from reno_jax.loop import warmstart
+    widths, trim = [], warmstart.trim_length
+
+    def spy(batch, width):
+        widths.append((width, batch.tokens.shape[1]))
+        return trim(batch, width)
+
+    monkeypatch.setattr(warmstart, "trim_length", spy)
+    out = {}
+    for bucket in (0, 8):
+        c = _guess_config()
+        c.rollout.max_turns = 5
+        c.sft.batch_size = 2
+        c.rl.length_bucket = bucket
+        tokenizer = loop_build.build_tokenizer(c)
+        model_config, params = loop_build.build_model(c, jax.random.PRNGKey(0), tokenizer)
+        out[bucket] = warmstart.warm_start(c, model_config, params, tokenizer, jax.random.PRNGKey(1))
+    assert len(widths) == 2  # one cut per step, with the bucket only
+    assert all(w % 8 == 0 and w <= full for w, full in widths) and any(w < full for w, full in widths)
+    np.testing.assert_allclose(out[8].final_nll, out[0].final_nll, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(out[0].params), jax.tree.leaves(out[8].params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+

@@ -186,11 +186,11 @@ def toy_trajectory(params, seed):
                          prompt_length=jnp.asarray(prompt_len), group_id=jnp.asarray(np.arange(N * G) // G))
 
 
-def toy_learner(share_prefix, anchored, train_groups, share_common=False):
+def toy_learner(share_prefix, anchored, train_groups, share_common=False, length_bucket=0):
     cfg = learner.LearnerConfig(group_size=G, train_groups=train_groups, forking_schedule=True, num_steps=4,
                                 forking_entropy_hold=0.25, forking_entropy_end=0.9,
                                 share_prompt_prefix=share_prefix, share_common_prefix=share_common,
-                                num_microbatches=2)
+                                num_microbatches=2, length_bucket=length_bucket)
     loss = functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4)
     if anchored:
         loss, ref = losses.with_forking_kl(loss, 0.1), dict(ref_logp_fn=toy_logp_fn, ref_params=toy_params(1))
@@ -272,11 +272,12 @@ def host_reads_only_through_host_sync(monkeypatch):
         yield names
 
 
-@pytest.mark.parametrize("share_prefix, anchored, train_groups, share_common",
-                         [(True, True, 2, False), (False, False, 0, False), (True, False, 0, True)])
-def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, train_groups, share_common,
+@pytest.mark.parametrize("share_prefix, anchored, train_groups, share_common, bucket",
+                         [(True, True, 2, False, 0), (False, False, 0, False, 0), (True, False, 0, True, 0),
+                          (False, False, 0, False, 3), (True, False, 2, True, 4)])
+def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, train_groups, share_common, bucket,
                                                       monkeypatch):
-    _, opt, lrn = toy_learner(share_prefix, anchored, train_groups, share_common)
+    _, opt, lrn = toy_learner(share_prefix, anchored, train_groups, share_common, bucket)
     params = toy_params()
     state = jax.device_put(trainer.create_train_state(params, opt, 0))
     trajs = [jax.device_put(toy_trajectory(params, seed)) for seed in range(3)]
@@ -289,7 +290,7 @@ def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, tr
             jax.jit(lambda x: x)(np.ones(2, np.float32))
         with pytest.raises(ImplicitHostRead):
             float(metrics["train/loss"])
-    assert syncs == [learner.SHORTEST_PROMPT_SYNC] * 3 if share_prefix else syncs == []
+    assert syncs == ([learner.LENGTHS_SYNC] * 3 if share_prefix or bucket else [])
     metrics = jax.device_get(metrics)
     assert int(state.step) == 3
     for k in ("train/loss", "train/policy_loss", "train/grad_norm", "train/rollout_k3_kl",
@@ -315,6 +316,55 @@ def test_learner_step_with_a_common_prefix_equals_the_step_without():
     np.testing.assert_allclose(out[1][1], out[0][1], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+
+
+def ending_before(traj, last: int):
+    """`traj` with every row cut to at most `last` real columns (the rest padding in every row)."""
+    keep = np.arange(L)[None, :] < last
+    return dataclasses.replace(traj, valid=traj.valid & keep, loss_mask=traj.loss_mask & keep,
+                               behaviour_logp=jnp.where(keep, traj.behaviour_logp, 0.0))
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_trimmed_batch_gives_the_same_update(share_prefix):
+    """length_bucket: the train step sees the columns up to the last real one (rounded up to the bucket) and makes
+    the update of the whole-width batch; the width actually trained is the bucketed one."""
+    params = toy_params()
+    traj = ending_before(toy_trajectory(params, seed=3), 7)
+    widths, out = [], []
+    for bucket in (0, 2, 4):
+        _, opt, lrn = toy_learner(share_prefix, False, 0, share_common=share_prefix, length_bucket=bucket)
+        step = lrn.train_step
+        lrn.train_step = lambda st, b, *a, step=step: (widths.append(b.tokens.shape[1] + (
+            b.prefix_tokens.shape[1] + b.common_tokens.shape[1] if b.shared_prefix else 0)), step(st, b, *a))[1]
+        state, metrics = lrn.learner_step(trainer.create_train_state(toy_params(), opt, 0), traj)
+        out.append((state.params, float(metrics["train/loss"])))
+    assert widths == [L, 8, 8]  # the last real column is 7: 7 rounds up to 8 with buckets of 2 and of 4
+    for params_b, loss_b in out[1:]:
+        np.testing.assert_allclose(loss_b, out[0][1], rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(params_b)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+    with pytest.raises(ValueError, match="length_bucket"):
+        learner.LearnerConfig(group_size=G, length_bucket=-1)
+
+
+def test_trim_length_and_bucketed_length():
+    from reno_jax.rl import batch as batch_lib
+    valid = jnp.asarray(np.arange(6)[None, :] < np.array([[2], [4], [0]]))
+    assert int(batch_lib.used_length(valid)) == 4
+    assert int(batch_lib.used_length(jnp.zeros((2, 5), bool))) == 0
+    assert [batch_lib.bucketed_length(u, 10, 4) for u in (0, 1, 4, 5, 9, 10)] == [1, 4, 4, 8, 10, 10]
+    with pytest.raises(ValueError, match="bucket"):
+        batch_lib.bucketed_length(3, 10, 0)
+    b = TrainBatch(tokens=jnp.zeros((3, 6), jnp.int32), loss_mask=valid, old_logp=jnp.zeros((3, 6)),
+                   advantages=jnp.ones((3, 6)), valid=valid, soft_target_weights=jnp.ones((3, 6, 2)),
+                   soft_target_ids=jnp.zeros((3, 2), jnp.int32))
+    t = batch_lib.trim_length(b, 4)
+    assert t.tokens.shape == (3, 4) and t.advantages.shape == (3, 4) and t.soft_target_weights.shape == (3, 4, 2)
+    assert t.soft_target_ids.shape == (3, 2)  # not per token
+    assert batch_lib.trim_length(b, 6) is b
+    with pytest.raises(ValueError, match="length must be in 1..6"):
+        batch_lib.trim_length(b, 7)
 
 
 def with_two_turns(traj, seed):

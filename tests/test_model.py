@@ -469,3 +469,29 @@ def test_remat_forward_and_gradients_unchanged():
     # The checkpointed program keeps less: XLA's temp allocation of the backward pass shrinks.
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
     assert temp(checkpointed) <= temp(plain)
+
+
+def test_long_sequences_attend_block_by_block_with_the_same_values(monkeypatch):
+    """An uncached sequence longer than 2 * QUERY_BLOCK runs MLA's causal attention in query blocks, each against
+    the keys before its end (padding at the end of some rows included): logits and gradients equal the one-block
+    computation."""
+    from reno_jax.models import mla
+    config = tiny_test_config()
+    params = ling3.init_params(config, jax.random.PRNGKey(0))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 45), 0, config.vocab_size)
+    valid = jnp.arange(45)[None, :] < jnp.array([[45], [31]])
+
+    def loss(p):
+        logits, _ = ling3.forward(p, config, ids, valid=valid)
+        return jnp.mean(jnp.where(valid[..., None], jax.nn.log_softmax(logits), 0.0)[..., 3]), logits
+
+    out = {}
+    for block in (10**6, 8, 16):  # one block, then blocks of 8 (the last one short) and of 16
+        monkeypatch.setattr(mla, "QUERY_BLOCK", block)
+        (l, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        out[block] = (float(l), np.asarray(logits), grads)
+    for block in (8, 16):
+        np.testing.assert_allclose(out[block][0], out[10**6][0], rtol=1e-6)
+        np.testing.assert_allclose(out[block][1][valid], out[10**6][1][valid], atol=2e-5)
+        for a, b in zip(jax.tree.leaves(out[10**6][2]), jax.tree.leaves(out[block][2])):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)

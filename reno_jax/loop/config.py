@@ -58,6 +58,7 @@ _CHECKS = (
     ("rl.num_microbatches", lambda v: v >= 1, "an integer >= 1"),
     ("rl.logits_chunk", lambda v: v >= 0, "an integer >= 0 (0: all positions at once)"),
     ("rl.train_groups", lambda v: v >= 0, "an integer >= 0 (0: every group)"),
+    ("rl.length_bucket", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: train at the full length)"),
     ("rl.optimizer_state_dtype", lambda v: v in ("float32", "bfloat16", "int8"),
      "one of ['float32', 'bfloat16', 'int8']"),
     ("rl.forking_top_k", lambda v: v >= 1, "an integer >= 1"),

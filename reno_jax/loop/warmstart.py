@@ -25,7 +25,7 @@ from reno_jax.envs import interface
 from reno_jax.errors import ConfigError
 from reno_jax.loop import build, hosts
 from reno_jax.rl import curriculum, policy, sft, trainer
-from reno_jax.rl.batch import TrainBatch
+from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import rollout as rollout_lib
 
 CACHE_SUBDIR = "warmstart"
@@ -107,6 +107,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     state = state if layout is None else layout.place_state(state)
     step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
     place = (lambda batch: batch) if layout is None else layout.place_batch
+    bucket = int(config.rl.get("length_bucket", 0))
     t0, nll, infos = time.time(), float("nan"), []
     bar = hosts.progress(int(s.num_steps), desc="warm start")
     for _ in bar:
@@ -119,6 +120,9 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
                            advantages=jnp.zeros(tokens.shape[:1], jnp.float32))
         if soft:
             batch = batch.replace(soft_target_ids=soft_ids, soft_target_weights=out.target_weights)
+        if bucket:  # a host read per step, as the loss below is
+            width = bucketed_length(int(used_length(out.valid)), length, bucket)
+            batch = trim_length(batch, width)
         state, metrics = step_fn(state, place(batch))
         nll = float(metrics["nll"])
         infos.append(jax.device_get(out.info))

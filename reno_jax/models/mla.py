@@ -24,6 +24,7 @@ from reno_jax.models.layers import einsum_f32, linear, rms_norm
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use 1e-6 whatever rms_norm_eps says
 _MASKED = -1e30  # finite, so a row with no visible key gives garbage, never NaN
+QUERY_BLOCK = 256  # uncached sequences longer than twice this attend block by block (see mla_attention)
 
 
 def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -91,11 +92,22 @@ def mla_attention(p: dict, x: jax.Array, config: Ling3Config, valid: jax.Array, 
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
     keys_c = keys_c.astype(dtype)
     keys_r = keys_r.astype(dtype)
-    scores = einsum_f32("bthr,bsr->bhts", q_lat, keys_c) + einsum_f32("bthd,bsd->bhts", q_rope, keys_r)
-    scores = scores * ((dn + dr) ** -0.5)
-    scores = jnp.where(mask[:, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    o_lat = einsum_f32("bhts,bsr->bthr", probs.astype(dtype), keys_c)
+    # A long sequence without a cache (training on whole conversations) in query blocks, each against the keys
+    # before its end only: about half the scores of the [T, T] square, one block's at a time. With a cache the
+    # keys a query sees depend on the traced `length`, so every query scores every cached position.
+    block = QUERY_BLOCK if layer_cache is None and t > 2 * QUERY_BLOCK else t
+    o_lat = []
+    for start in range(0, t, block):
+        end = min(t, start + block)
+        seen = end if layer_cache is None else keys_c.shape[1]
+        kc, kr = keys_c[:, :seen], keys_r[:, :seen]
+        scores = (einsum_f32("bthr,bsr->bhts", q_lat[:, start:end], kc)
+                  + einsum_f32("bthd,bsd->bhts", q_rope[:, start:end], kr))
+        scores = scores * ((dn + dr) ** -0.5)
+        scores = jnp.where(mask[:, None, start:end, :seen], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1)
+        o_lat.append(einsum_f32("bhts,bsr->bthr", probs.astype(dtype), kc))
+    o_lat = o_lat[0] if len(o_lat) == 1 else jnp.concatenate(o_lat, axis=1)
     o = einsum_f32("bthr,rhv->bthv", o_lat.astype(dtype), w_uv)  # [B, T, H, dv] f32
 
     gate = jax.nn.sigmoid(linear(x, p["g_proj"]["kernel"]).astype(jnp.float32))

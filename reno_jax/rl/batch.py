@@ -15,6 +15,7 @@ import dataclasses
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 
 @flax.struct.dataclass
@@ -67,3 +68,34 @@ class TrainBatch:
 
 # Per-token fields: the shared-prefix cut splits these along L.
 TOKEN_FIELDS = ("tokens", "valid", "loss_mask", "old_logp", "ref_logp", "routing", "soft_target_weights")
+
+
+def used_length(valid: jax.Array) -> jax.Array:
+    """``int32 []``: one past the last column of ``valid [B, L]`` that is real in any row (0 when none is)."""
+    columns = jnp.arange(1, valid.shape[1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(valid, columns[None, :], 0))
+
+
+def bucketed_length(used: int, full: int, bucket: int) -> int:
+    """``used`` rounded up to a multiple of ``bucket``, at most ``full`` (host ints): the width a batch is trimmed
+    to, from a handful of widths so that the train step compiles once per width, not once per batch."""
+    if bucket < 1:
+        raise ValueError(f"bucket must be >= 1, got {bucket}")
+    return max(1, min(full, -(-int(used) // bucket) * bucket))
+
+
+def trim_length(batch: TrainBatch, length: int) -> TrainBatch:
+    """Keeps the first ``length`` columns of every per-token field (and of ``[B, L]`` advantages), a row-wise batch
+    only. Exact when the columns cut are padding in every row: every layer is causal and the experts are routed
+    per token, so the kept positions' log-probs do not depend on what follows them."""
+    if batch.shared_prefix:
+        raise ValueError("trim_length takes a row-wise batch: trim before the shared-prefix cut")
+    full = batch.tokens.shape[1]
+    if not 0 < length <= full:
+        raise ValueError(f"length must be in 1..{full}, got {length}")
+    if length == full:
+        return batch
+    cut = {name: getattr(batch, name)[:, :length] for name in TOKEN_FIELDS if getattr(batch, name) is not None}
+    if batch.advantages.ndim == 2:
+        cut["advantages"] = batch.advantages[:, :length]
+    return batch.replace(**cut)

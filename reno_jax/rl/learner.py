@@ -8,7 +8,7 @@ One step of agentic RL post-training is
   DAPO-style dynamic sampling (``select_groups``: train on the groups whose rewards vary most) and the
   forking-regulariser coefficient of this step (``forking_entropy_schedule`` evaluated on the device step
   counter), compiled as one program. ``stats`` (`BatchStats`) holds device scalars:
-  ``informative_group_rate`` and, for shared-prefix training, ``shortest_prompt``.
+  ``informative_group_rate`` and, for shared-prefix training and trimming, the lengths below.
 * ``Learner.learner_step(state, traj) -> (state, metrics)``: the composition, with ``metrics`` device arrays
   named like the experiments log them (``train/<loss metric>``, ``rollout/informative_group_rate``).
 * ``Learner.run_step(state, starts_fn) -> StepOutput``: draws the step's keys from ``state.rng``, rolls out and
@@ -18,10 +18,12 @@ Host syncs inside a step (everything else stays on the device; ``tests/test_lear
 ``jax.transfer_guard("disallow")`` with every other host read of a device value trapped), each read through
 ``host_sync(name, x)``:
 
-* ``SHORTEST_PROMPT_SYNC`` (only with ``share_prompt_prefix``): one int32 scalar, the batch's shortest prompt
-  (two with ``share_common_prefix``: also how many leading tokens every row shares, read in the same transfer).
-  The shared-prefix cut is an array *shape* (``prefix_tokens [B, S]``), so S must be a Python int; it is the
-  running minimum over the run, so the train step recompiles only when a shorter prompt than any before shows up.
+* ``LENGTHS_SYNC`` (only with ``share_prompt_prefix`` or ``length_bucket``): int32 scalars read in one transfer:
+  the batch's shortest prompt (with ``share_prompt_prefix``), how many leading tokens every row shares (with
+  ``share_common_prefix``) and one past its last real column (with ``length_bucket``). The shared-prefix cut and
+  the trimmed width are array *shapes* (``prefix_tokens [B, S]``), so they must be Python ints. S is the running
+  minimum over the run, so the train step recompiles only when a shorter prompt than any before shows up; the
+  width is rounded up to a multiple of ``length_bucket``, so it takes a few values.
 * ``ROLLOUT_WAIT`` (only ``run_step(time_rollout=True)``; a ``jax.block_until_ready``, not a read): waits for the
   rollout to finish so that its wall time can be reported apart from the train step's.
 
@@ -46,11 +48,11 @@ import jax.numpy as jnp
 import optax
 
 from reno_jax.rl import losses, shared_prefix, trainer
-from reno_jax.rl.batch import TrainBatch
+from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 
 Array = jax.Array
 
-SHORTEST_PROMPT_SYNC = "shortest_prompt"
+LENGTHS_SYNC = "batch_lengths"
 ROLLOUT_WAIT = "rollout_wait"
 TURN_SCOPES = ("group", "batch")
 
@@ -82,6 +84,9 @@ class LearnerConfig:
     turn_scope: "group": a turn is compared with its group's turns from the same state key; "batch": with every
       turn of the batch from that key (for keys that name what the agent knows, so that groups whose starts differ
       meet at the same decision; see ``TextEnv.state_key``).
+    length_bucket: > 0: train on the batch's columns up to its last real token, rounded up to a multiple of this
+      (`batch.trim_length`; exact), instead of the whole conversation length: for multi-turn episodes whose length
+      varies (a game won in 6 moves or drawn in 21). Each width compiles the train step once. 0: off.
     """
     group_size: int
     train_groups: int = 0
@@ -100,6 +105,7 @@ class LearnerConfig:
     turn_advantage_coef: float = 0.0
     turn_discount: float = 1.0
     turn_scope: str = "group"
+    length_bucket: int = 0
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -117,6 +123,8 @@ class LearnerConfig:
                              f"{self.turn_advantage_coef}, {self.turn_discount}")
         if self.turn_scope not in TURN_SCOPES:
             raise ValueError(f"turn_scope must be one of {TURN_SCOPES}, got {self.turn_scope!r}")
+        if self.length_bucket < 0:
+            raise ValueError(f"length_bucket must be >= 0 (0: off), got {self.length_bucket}")
         if not self.max_logp_shift >= 0.0 or self.shift_probe_groups < 1:
             raise ValueError(f"max_logp_shift must be >= 0 and shift_probe_groups >= 1, got {self.max_logp_shift}, "
                              f"{self.shift_probe_groups}")
@@ -198,10 +206,12 @@ def select_groups(batch: TrainBatch, reward: Array, group_size: int, train_group
 
 class BatchStats(NamedTuple):
     """What `prepare_batch` reports beside the batch (device scalars): the share of groups whose rewards differ,
-    and for the shared-prefix cut the shortest prompt and the length every row shares (None unless needed)."""
+    for the shared-prefix cut the shortest prompt and the length every row shares, and for `length_bucket` one
+    past the batch's last real column (None unless needed)."""
     informative_group_rate: Array
     shortest_prompt: Array | None = None
     common_prefix: Array | None = None
+    used_length: Array | None = None
 
 
 def common_prefix_length(tokens: Array) -> Array:
@@ -239,7 +249,8 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
         # over every rolled-out row, selected or not, as the cut always was
         shortest = jnp.min(traj.prompt_length) if config.share_prompt_prefix else None
         common = common_prefix_length(traj.tokens) if config.share_common_prefix else None
-        return batch, BatchStats(informative, shortest, common)
+        used = used_length(batch.valid) if config.length_bucket else None
+        return batch, BatchStats(informative, shortest, common, used)
 
     def prepare_batch(traj, step):
         # The figures of the trajectory stay out of the program: it reads the token fields and rewards only.
@@ -312,6 +323,7 @@ class Learner:
             shift_probe_rows=probe_groups * config.group_size, combine=combine)
         self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b).logp)
         self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=(1, 2))
+        self._trim = jax.jit(trim_length, static_argnums=1)
         self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far
         self.common_len: int | None = None  # batch-wide common part: the shortest seen so far
 
@@ -320,29 +332,36 @@ class Learner:
         frozen base."""
         return trained if self.combine is None else self.combine(trained, self.frozen)
 
-    def shared_prefix_len(self, stats: BatchStats) -> tuple[int, int]:
-        """SHORTEST_PROMPT_SYNC: reads this batch's shortest prompt (and, with ``share_common_prefix``, the length
-        of the prefix every row shares) to the host; returns the running minima `(prefix_len, common_len)`,
-        `common_len < prefix_len` (0 without ``share_common_prefix``)."""
-        if self.config.share_common_prefix:
-            shortest, common = (int(x) for x in host_sync(
-                SHORTEST_PROMPT_SYNC, (stats.shortest_prompt, stats.common_prefix)))
-        else:
-            shortest, common = int(host_sync(SHORTEST_PROMPT_SYNC, stats.shortest_prompt)), 0
+    def batch_lengths(self, stats: BatchStats) -> tuple[int, int, int | None]:
+        """LENGTHS_SYNC: reads this batch's lengths to the host (one transfer); returns `(prefix_len, common_len,
+        used)`: the running minima of the shortest prompt and of the prefix every row shares (`common_len <
+        prefix_len`; 0 without ``share_common_prefix``; both 0 without ``share_prompt_prefix``) and one past the
+        batch's last real column (None without ``length_bucket``)."""
+        wanted = {"shortest": stats.shortest_prompt, "common": stats.common_prefix, "used": stats.used_length}
+        read = host_sync(LENGTHS_SYNC, {k: v for k, v in wanted.items() if v is not None})
+        used = int(read["used"]) if "used" in read else None
+        if not self.config.share_prompt_prefix:
+            return 0, 0, used
+        shortest, common = int(read["shortest"]), int(read.get("common", 0))
         self.prefix_len = shortest if self.prefix_len is None else min(self.prefix_len, shortest)
         common = min(common, self.prefix_len - 1)
         self.common_len = common if self.common_len is None else min(self.common_len, common)
-        return self.prefix_len, self.common_len
+        return self.prefix_len, self.common_len, used
 
     def learner_step(self, state: trainer.TrainState, traj) -> tuple[trainer.TrainState, dict]:
         """Trains on one trajectory; returns the new state and the step's metrics (device float32 scalars).
 
         `state` is donated to the train step. Metrics: `train/<k>` for every train-step metric `k` and
-        `rollout/informative_group_rate`. The only host sync is SHORTEST_PROMPT_SYNC (shared prefix only).
+        `rollout/informative_group_rate`. The only host sync is LENGTHS_SYNC (shared prefix or trimming only).
         """
         batch, stats = self.prepare_batch(traj, state.step)
-        if self.config.share_prompt_prefix:
-            batch = self._split(batch, *self.shared_prefix_len(stats))
+        if self.config.share_prompt_prefix or self.config.length_bucket:
+            prefix_len, common_len, used = self.batch_lengths(stats)
+            if used is not None:
+                width = bucketed_length(max(used, prefix_len + 1), batch.tokens.shape[1], self.config.length_bucket)
+                batch = self._trim(batch, width)
+            if self.config.share_prompt_prefix:
+                batch = self._split(batch, prefix_len, common_len)
         if self._ref_logp is not None:
             batch = batch.replace(ref_logp=self._ref_logp(self.ref_params, batch))
         frozen = () if self.combine is None else (self.frozen,)

@@ -48,7 +48,7 @@ def learner_config(config, step_offset: int = 0) -> learner_lib.LearnerConfig:
         num_microbatches=int(r.num_microbatches), max_logp_shift=float(r.get("max_logp_shift", 0.0)),
         shift_probe_groups=int(r.get("shift_probe_groups", 8)), step_offset=int(step_offset),
         turn_advantage_coef=float(r.get("turn_advantage_coef", 0.0)), turn_discount=float(r.get("turn_discount", 1.0)),
-        turn_scope=str(r.get("turn_scope", "group")))
+        turn_scope=str(r.get("turn_scope", "group")), length_bucket=int(r.get("length_bucket", 0)))
 
 
 def mismatch_corrections(config) -> tuple[float, tuple[float, float] | None]:
