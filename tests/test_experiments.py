@@ -279,6 +279,7 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
     ("env.board_sides", "o", "--config.env.board_sides must be one of ['x', 'both'], got 'o'"),
     ("env.board_style", "fancy", "--config.env.board_style must be one of ['grid', 'labeled'], got 'fancy'"),
     ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
+    ("rl.length_bucket", -1, "--config.rl.length_bucket must be an integer >= 0 (0: train at the full length), got -1"),
     ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
     ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
     ("model.quantize", "int8", "--config.model.quantize=int8 needs --config.lora.rank > 0"),
