@@ -123,7 +123,7 @@ def plot(curves: dict[int, list[dict]], path: str, title: str, rows: list[dict] 
     for seed, metrics in curves.items():
         steps = [r["step"] for r in metrics if REWARD in r]
         rewards = np.array([r[REWARD] for r in metrics if REWARD in r])
-        window = min(20, len(rewards))
+        window = max(1, min(20, len(rewards) // 5))  # a short run still shows its smoothed line
         smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
         line, = ax.plot(steps, rewards, alpha=0.25)
         ax.plot(steps[window - 1:], smooth, color=line.get_color(), label=f"seed {seed} ({window}-step mean)")
