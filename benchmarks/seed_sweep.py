@@ -5,7 +5,7 @@ wall-clock, then one `python -m experiments.evaluate` per evaluation spec. The r
 curve figures; each evaluation's last output line (its JSON figures, `<suite>/<figure>`) gives the rest, as
 `<eval name>/<suite>/<figure>` (e.g. `greedy/positions/optimal_move_rate`). Prints one Markdown row per
 seed and the mean / min / max over seeds, writes every seed's reward curve into one PNG, and ends with one JSON
-line of figures.
+line of figures (also written to ROOT/sweep.json).
 
 Each evaluation also runs on the run's warm start (`experiments.evaluate --warm_start`, what GSPO started from):
 `warm_start/<eval name>/<suite>/<figure>` beside the post-RL figure, and the PNG's second panel puts the two side
@@ -228,8 +228,10 @@ def main(argv=None) -> None:
     headlines = [h for h in args.headline.split(",") if h] or default_headlines(rows[0])
     plot(curves, plot_path, f"{os.path.basename(args.config)}: {len(seeds)} seeds", rows, headlines)
     print(f"curves: {plot_path}")
-    print(json.dumps({"config": args.config, "seeds": seeds, "overrides": overrides, "per_seed": rows,
-                      "summary": summary}))
+    figures = {"config": args.config, "seeds": seeds, "overrides": overrides, "per_seed": rows, "summary": summary}
+    with open(os.path.join(args.root, "sweep.json"), "w") as f:  # benchmarks/environments_sweep.py --collect
+        json.dump(figures, f, indent=1)
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":
