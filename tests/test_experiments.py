@@ -452,3 +452,21 @@ def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_pa
         from reno_jax.models import hf_native
         figures = hf_native.compare_logits(tmp_path / "hf", np.asarray(ids))  # transformers' own class
         assert figures["schedule_matches"] and figures["max_abs_logit_diff"] <= 1e-4, figures
+
+
+def test_compilation_cache_flag(tmp_path, monkeypatch):
+    from experiments import cli
+    before = jax.config.jax_compilation_cache_dir
+    assert cli.use_compilation_cache("") is None
+    assert cli.use_compilation_cache(str(tmp_path)) is None  # the test session names its own cache: that one wins
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    try:
+        directory = cli.use_compilation_cache(str(tmp_path / "cache"))
+        assert directory == str(tmp_path / "cache" / cli.host_fingerprint()) and os.path.isdir(directory)
+        assert jax.config.jax_compilation_cache_dir == directory
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert len(cli.host_fingerprint()) == 12 and cli.host_fingerprint() == cli.host_fingerprint()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(cli.UserError, match="--compilation_cache=.*--compilation_cache= to compile without"):
+        cli.use_compilation_cache(str(tmp_path / "file"))
