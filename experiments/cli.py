@@ -24,8 +24,9 @@ class UserError(app.UsageError):
 _CACHE = flags.DEFINE_string(
     "compilation_cache", os.path.join("~", ".cache", "reno_jax", "xla"),
     "JAX's persistent compilation cache: a later run with the same shapes (another seed, a resumed run, the "
-    "evaluation of a run) loads its compiled programs instead of compiling them again (tens of seconds of a CPU run's start). "
-    "Kept per machine type under this directory; empty: off. JAX_COMPILATION_CACHE_DIR, when set, is used instead.")
+    "evaluation of a run) loads its compiled programs instead of compiling them again (tens of seconds of a CPU "
+    "run's start). Kept per machine type under this directory; empty: off. JAX_COMPILATION_CACHE_DIR, when set, is "
+    "used instead.")
 
 
 def host_fingerprint() -> str:
