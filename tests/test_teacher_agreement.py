@@ -1,0 +1,51 @@
+"""benchmarks/teacher_agreement.py counts a decision as agreed exactly when the policy's most likely token at the
+teacher's choice token is that token (checked with an oracle and an anti-oracle in place of the model)."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import teacher_agreement as ta  # noqa: E402
+
+from configs import connect4_tiny  # noqa: E402
+from reno_jax.loop import build  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def connect4():
+    config = connect4_tiny.get_config()
+    config.env.opponent = "random"
+    tokenizer = build.build_tokenizer(config)
+    model_config, params = build.build_model(config, jax.random.PRNGKey(0), tokenizer)
+    return config, tokenizer, model_config, params
+
+
+def _scripted(shift):
+    """A stand-in forward whose most likely token at t is the token at t + 1 (shift 0) or another one."""
+    def forward(params, config, tokens, valid=None, **unused):
+        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+        return jax.nn.one_hot((nxt + shift) % config.vocab_size, config.vocab_size) * 10.0, None
+    return forward
+
+
+@pytest.mark.parametrize("shift, expected", [(0, 1.0), (1, 0.0)])
+def test_agreement_reads_the_prediction_of_each_choice_token(connect4, monkeypatch, shift, expected):
+    config, tokenizer, model_config, params = connect4
+    monkeypatch.setattr(ta.ling3, "forward", _scripted(shift))
+    figures = ta.agreement(params, model_config, tokenizer, config, games=3, batch=2, seed=0)
+    assert figures["games"] == 3 and figures["decisions"] >= 3 * 4  # a Connect Four game has at least 4 moves
+    assert figures["agreement"] == expected and figures["games_all_agreed"] == expected
+
+
+def test_an_untrained_model_agrees_sometimes_and_the_cli_checks_its_flags(connect4, tmp_path):
+    config, tokenizer, model_config, params = connect4
+    figures = ta.agreement(params, model_config, tokenizer, config, games=2, batch=2, seed=0)
+    assert 0.0 <= figures["agreement"] <= 1.0 and figures["env"] == "connect4" and figures["opponent"] == "random"
+    with pytest.raises(SystemExit):
+        ta.main([f"--workdir={tmp_path}", "--warm_start", "--step=3"])
+    with pytest.raises(SystemExit):
+        ta.main([f"--workdir={tmp_path}", "--env", "opponent"])
