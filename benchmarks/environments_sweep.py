@@ -109,7 +109,7 @@ def sweep_command(env: Environment, seeds: str, root: str) -> list[str]:
     return cmd + [f"--eval={spec}" for spec in env.evals] + list(env.overrides)
 
 
-def summarize(name: str, env: Environment, sweep: dict) -> dict:
+def summarize(env: Environment, sweep: dict) -> dict:
     """One environment's entry of the JSON line from its seed sweep's figures."""
     rows = sweep["per_seed"]
     per_seed = [{"seed": r["seed"], "train_wall_s": r["train_wall_s"],
@@ -179,7 +179,7 @@ def main(argv=None) -> None:
         if not os.path.exists(path):
             raise SystemExit(f"{path} does not exist: run the {name} sweep first (without --collect)")
         with open(path) as f:
-            results[name] = summarize(name, env, json.load(f))
+            results[name] = summarize(env, json.load(f))
         print(f"   {name}: targets {'met' if results[name]['met'] else 'not met'} (curves: "
               f"{os.path.join(root, 'seed_sweep.png')})", flush=True)
     print("\n" + table(results))
