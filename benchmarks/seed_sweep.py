@@ -17,7 +17,8 @@ figure, evaluated during training). `--no-warm-start` skips it.
         --eval="greedy:--suites=minimax,random --num_episodes=1024" --eval="sampled:--suites=minimax --sampled"
 
 Runs run one after another: on a small machine two trainings at once would each take twice as long and the times
-would mean nothing. `--config_override` flags (e.g. `--config.num_steps=100`) are passed to every training.
+would mean nothing. The CLIs' compilation cache (`--compilation_cache`) lets later seeds load the programs the first
+one compiled, so their times leave out most of the ~40 s of compiles. `--config_override` flags (e.g. `--config.num_steps=100`) are passed to every training.
 """
 
 from __future__ import annotations
