@@ -18,7 +18,8 @@ figure, evaluated during training). `--no-warm-start` skips it.
 
 Runs run one after another: on a small machine two trainings at once would each take twice as long and the times
 would mean nothing. The CLIs' compilation cache (`--compilation_cache`) lets later seeds load the programs the first
-one compiled, so their times leave out most of the ~40 s of compiles. `--config_override` flags (e.g. `--config.num_steps=100`) are passed to every training.
+one compiled, so their times leave out most of the ~40 s of compiles. `--config.*` flags (e.g.
+`--config.num_steps=100`) are passed to every training.
 """
 
 from __future__ import annotations
