@@ -16,6 +16,7 @@ from configs import tictactoe_tiny
 def get_config():
   c = tictactoe_tiny.get_config()
   c.env.max_random_moves = 6  # AReno's boards
+  c.env.num_boards = 2048  # AReno's dataset
   c.num_steps = 400
   c.rl.share_common_prefix = False  # the recorded curves were made without these two
   c.rl.max_logp_shift = 0.0

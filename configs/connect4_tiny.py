@@ -27,6 +27,7 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
+  c.model.tiny.num_hidden_layers = 3  # measured with three layers (the move task's default has two)
   c.num_steps = 20
   # A 226-token prompt before up to ~1.9k tokens of game: encoding it once per group saves little, and the
   # continuation would then attend through a cache (every query against every position) instead of block by block.

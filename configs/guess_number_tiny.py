@@ -29,6 +29,7 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
+  c.model.tiny.num_hidden_layers = 3  # measured with three layers (the move task's default has two)
   c.num_steps = 300
   c.eval_every = 0                 # --config.eval_every=20: every secret played greedily (eval/secrets/...)
   c.env = ml_collections.ConfigDict()

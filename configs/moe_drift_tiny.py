@@ -17,7 +17,9 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
+  c.model.tiny.num_hidden_layers = 3  # measured with three layers (the move task's default has two)
   c.env.max_random_moves = 6  # AReno's boards
+  c.env.num_boards = 2048  # AReno's dataset
   c.num_steps = 25
   c.rl.share_common_prefix = False  # the recorded curves were made without these three
   c.rl.max_logp_shift = 0.0

@@ -16,6 +16,8 @@ from configs import tictactoe_tiny
 
 def get_config():
   c = tictactoe_tiny.get_config()
+  c.model.tiny.num_hidden_layers = 3  # measured with three layers (the move task's default has two)
+  c.env.num_boards = 2048
   c.env.task = "game"
   c.env.agent_player = "alternate"
   c.env.o_share = 0.75             # O is the harder side: it has to answer X's first move with the right reply
