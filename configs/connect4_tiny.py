@@ -46,6 +46,7 @@ def get_config():
   c.env.agent_player = "alternate" # 1 (X, moves first), 2 (O) or "alternate" (X in even groups)
   c.env.negamax_depth = 3          # plies; only compiled in when the opponent is "negamax" or "mixed"
   c.env.max_agent_turns = 21       # every agent move of a full game
+  c.env.mark_playable = False      # print each column's landing cell as "*" (reno_jax.envs.connect4.wording)
 
   # --- supervised warm start: transcripts of the env's greedy teacher (Connect4Env.teacher_call) ---------------
   c.sft.num_steps = 100
@@ -55,6 +56,9 @@ def get_config():
   # Transcripts against all three opponents (by group): the random opponent alone rarely lets a column fill up,
   # so a model warm-started on those games never sees the centre column full and keeps playing it (illegal).
   c.sft.env = ml_collections.ConfigDict(dict(opponent="mixed"))
+  # > 0 (with sft.soft_targets): that share of the teacher's moves is a random legal column, still labelled with the
+  # teacher's column, so the transcripts also hold positions off the teacher's own path
+  c.sft.explore = 0.0
 
   # --- rollout ------------------------------------------------------------------------------------------------
   c.rollout.boards_per_step = 4    # groups (start records) per step

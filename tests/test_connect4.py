@@ -436,3 +436,30 @@ def test_token_budget_with_the_shipped_tokenizer():
     assert user <= 64, user
     system = len(tok.encode(text.split("<|im_start|>user")[0]))
     assert system <= 160, system
+
+
+def test_marked_board_prints_each_columns_landing_cell():
+    board = board_of(["..X...."] + ["..O...."] + ["..X...."] + ["..OO..."] + ["..XX..."] + [".OXX.O."])
+    assert wording.render_board(board, mark_playable=True) == (
+        "..X....\n..O....\n..X*...\n..OO...\n.*XX.*.\n*OXX*O*\n12-4567")
+    assert wording.render_board(board) == "..X....\n..O....\n..X....\n..OO...\n..XX...\n.OXX.O.\n12-4567"
+    for marked in (False, True):  # the jit values vector equals the host one
+        np.testing.assert_array_equal(
+            np.asarray(wording.message_values(jnp.asarray(board), 2, 4, 0, mark_playable=marked)),
+            wording.host_values(board, agent_player=2, opponent_column=4, mark_playable=marked))
+    # one "*" per open column, on its lowest empty cell, through a whole random game
+    env = c4env.Connect4Env(opponent="random", mark_playable=True)
+    state, message = env.reset(jax.tree.map(lambda a: a[0], c4env.sample_starts(jax.random.PRNGKey(3), 1, "random", 1)))
+    for k in range(21):
+        cells = np.asarray(message.values)[:42].reshape(6, 7)
+        b = np.asarray(state.game.board)
+        assert ((cells == wording.PLAYABLE).sum(0) == (b[0] == 0)).all()
+        heights = (b != 0).sum(0)
+        for c in np.flatnonzero(b[0] == 0):
+            assert cells[5 - heights[c], c] == wording.PLAYABLE
+        legal = np.flatnonzero(b[0] == 0)
+        out = env.step(state, interface.ToolCall(kind=jnp.int32(0), tool=jnp.int32(0),
+                                                 args=jnp.asarray([legal[k % len(legal)] + 1])))
+        state, message = out.state, out.message
+        if bool(out.done):
+            break

@@ -272,6 +272,26 @@ def test_center_greedy_teacher_wins_blocks_and_prefers_the_centre():
     assert int(c4reg.center_greedy_column(state)) == 3  # the win comes first
 
 
+def test_exploring_center_greedy_teacher_plays_off_path_but_targets_its_own_column():
+    e = c4env.Connect4Env()
+    start = jax.tree.map(lambda a: a[0], c4env.sample_starts(jax.random.PRNGKey(0), 1, "random", 1))
+    state, _ = e.reset(start)  # empty board: the teacher's column is the centre (3, 0-based)
+    config = ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy", explore=0.5, soft_targets=True)))
+    teacher = c4reg.make_teacher(config, e)
+    cols, targets = jax.vmap(lambda k: teacher.policy(state, k))(jax.random.split(jax.random.PRNGKey(1), 400))
+    cols, targets = np.asarray(cols), np.asarray(targets)
+    assert (targets == (np.arange(7) == 3)).all()  # the target is the teacher's column whatever is played
+    off = np.mean(cols != 3)  # a uniform legal column half the time, the centre in 1/7 of those
+    assert 0.5 * 6 / 7 - 0.08 < off < 0.5 * 6 / 7 + 0.08
+    assert set(np.unique(cols)) == set(range(7))
+    plain = c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy"))), e)
+    assert int(plain.policy(state, jax.random.PRNGKey(2))[0]) == 3
+    for bad in (dict(explore=0.5), dict(explore=0.5, soft_targets=True, teacher="greedy"),
+                dict(explore=1.0, soft_targets=True)):
+        with pytest.raises(errors.ConfigError, match="sft.explore"):
+            c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
+
+
 def test_logp_fn_scores_the_tempered_policy(params):
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 12), 0, MC.vocab_size)
     logits, _ = ling3.forward(params, MC, tokens)

@@ -152,12 +152,14 @@ class Connect4Env(TextEnv):
       max_agent_turns: agent turns per episode (21 = every agent move of a full game).
       single_move: the episode is the agent's one move: the opponent does not reply and the episode ends after it
         (reward +1 for a win, 0 for any other legal move): the play page asks the model for a move this way.
+      mark_playable: the board text prints the cell each column's next piece lands on as ``*`` (`wording`).
     """
 
     opponent: str = flax.struct.field(pytree_node=False, default="random")
     negamax_depth: int = flax.struct.field(pytree_node=False, default=3)
     max_agent_turns: int = flax.struct.field(pytree_node=False, default=21)
     single_move: bool = flax.struct.field(pytree_node=False, default=False)
+    mark_playable: bool = flax.struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         if self.opponent not in OPPONENT_SETTINGS:
@@ -239,7 +241,8 @@ class Connect4Env(TextEnv):
             outcome=jnp.int32(OUTCOME_ONGOING),
             opponent_column=opening,
         )
-        values = wording.message_values(game.board, state.agent_player, opening)
+        values = wording.message_values(game.board, state.agent_player, opening,
+                                        mark_playable=bool(self.mark_playable))
         return state, Message(template=jnp.int32(wording.USER_GAME), values=values)
 
     def step(self, state: Connect4State, call: ToolCall) -> Step:
@@ -277,7 +280,8 @@ class Connect4Env(TextEnv):
             opponent_column=jnp.where(live, opponent_column, state.opponent_column),
         )
         template = jnp.clip(outcome, 0, wording.NUM_TOOL_TEMPLATES - 1)  # TOOL_* == OUTCOME_* for 0..5
-        values = wording.message_values(game2.board, agent, new_state.opponent_column, column)
+        values = wording.message_values(game2.board, agent, new_state.opponent_column, column,
+                                        mark_playable=bool(self.mark_playable))
         return Step(
             state=new_state,
             message=Message(template=template.astype(jnp.int32), values=values),

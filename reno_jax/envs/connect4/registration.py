@@ -2,7 +2,10 @@
 teacher, the evaluation suites and the play page's board (`board_view`).
 
 Teachers (`sft.teacher`): "center_greedy" (default: win, else block, else the most central legal column), or one
-of the opponents' policies ("greedy", "negamax", "random"). Suites: whole games against each opponent ("random",
+of the opponents' policies ("greedy", "negamax", "random"). `sft.explore` (with `sft.soft_targets`): the share
+of the center-greedy teacher's moves played as a uniform legal column instead, while the target of that call stays
+the teacher's column, so the warm start also sees, and learns to answer, positions off the teacher's own path
+(those a model that imitates it imperfectly reaches). Suites: whole games against each opponent ("random",
 "greedy", "negamax", all three by default), the agent moving first in even episodes and second in odd ones.
 """
 
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.envs import interface, registry
+from reno_jax.errors import ConfigError
 from reno_jax.envs.connect4 import board_view
 from reno_jax.envs.connect4 import env as c4_env
 from reno_jax.envs.connect4 import opponents, rules
@@ -26,7 +30,8 @@ def make_env(env_config, **overrides) -> c4_env.Connect4Env:
     get = lambda name, default: overrides.get(name, env_config.get(name, default))  # noqa: E731
     return c4_env.Connect4Env(opponent=str(get("opponent", "random")), negamax_depth=int(get("negamax_depth", 3)),
                               max_agent_turns=int(get("max_agent_turns", 21)),
-                              single_move=bool(get("single_move", False)))
+                              single_move=bool(get("single_move", False)),
+                              mark_playable=bool(get("mark_playable", False)))
 
 
 def make_sampler(config):
@@ -50,18 +55,30 @@ def center_greedy_column(state: c4_env.Connect4State) -> jax.Array:
 
 
 def make_teacher(config, env: c4_env.Connect4Env) -> interface.Teacher:
-    """`config.sft.teacher` (default "center_greedy"); call row k is `drop_piece(column=k + 1)`."""
+    """`config.sft.teacher` (default "center_greedy"); call row k is `drop_piece(column=k + 1)`. The support
+    (the soft target) is the teacher's own column for "center_greedy" (it is deterministic), the legal columns for
+    the opponents' policies (they choose among ties at random)."""
     policy = str(config.sft.get("teacher", "center_greedy"))
     if policy not in TEACHERS:
         raise ValueError(f"sft.teacher must be one of {list(TEACHERS)}, got {policy!r}")
+    explore = float(config.sft.get("explore", 0.0))
+    if not 0.0 <= explore < 1.0:
+        raise ConfigError(f"--config.sft.explore must be in [0, 1), got {explore}")
+    if explore and (policy != "center_greedy" or not config.sft.get("soft_targets", False)):
+        raise ConfigError(f"--config.sft.explore={explore} needs --config.sft.teacher=center_greedy and "
+                          "--config.sft.soft_targets=True (the explored move is played, the teacher's is the target)")
 
     def teacher(state, key):
         legal = rules.legal_columns(state.game)
-        if policy == "center_greedy":
-            col = center_greedy_column(state)
-        else:
-            col = jnp.maximum(env.teacher_column(state, key, policy) - 1, 0)
-        return col, legal
+        if policy != "center_greedy":
+            return jnp.maximum(env.teacher_column(state, key, policy) - 1, 0), legal
+        col = center_greedy_column(state)
+        target = jnp.arange(rules.COLS) == col
+        if explore:
+            k_coin, k_col = jax.random.split(key)
+            wander = jax.random.uniform(k_coin) < explore
+            col = jnp.where(wander & legal.any(), opponents.random_column(k_col, state.game), col)
+        return col, target
 
     return interface.Teacher(teacher, tuple(("drop_piece", {"column": k}) for k in range(1, rules.COLS + 1)))
 

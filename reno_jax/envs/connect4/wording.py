@@ -11,6 +11,21 @@ Board text: the six rows top to bottom, one character per cell with no separator
     .OXX.O.
     12-4567
 
+With ``mark_playable`` (`Connect4Env.mark_playable`) the empty cell each column's next piece lands on is printed
+``*``; the board above then reads::
+
+    ..X....
+    ..O....
+    ..X*...
+    ..OO...
+    .*XX.*.
+    *OXX*O*
+    12-4567
+
+Where a drop lands is written on the board instead of being worked out from the column's stack, so "this drop
+makes four" is a pattern around a ``*`` (``OOO*`` in a row, ``*`` over ``OOO`` eight tokens apart, ...). It is what a
+person sees on a physical board, not advice: no threat is named.
+
 The number line names the columns that can still be played; a full column's number is replaced by ``-``. The
 policy answers with a column number, and this line, the last thing before its turn, holds exactly the legal
 numbers, in line with their columns. With a plain ``1234567`` header above the rows, knowing whether a column was
@@ -62,7 +77,7 @@ TOOL_NAMES = ("ongoing", "win", "draw", "loss", "invalid", "illegal")
 USER_GAME = 0  # the only user template
 
 # Values vector layout (int32 [NUM_VALUES]).
-V_CELL0 = 0  # 0..41: cells row-major from the top left (0 empty, 1 X, 2 O)
+V_CELL0 = 0  # 0..41: cells row-major from the top left (0 empty, 1 X, 2 O, 3 empty and playable when marked)
 V_SIDE = rules.NUM_CELLS  # 42: the agent's side (0 X, 1 O)
 V_OPPONENT = V_SIDE + 1  # 43: the opponent's latest column 1..7, 0 when it did not move
 V_COLUMN = V_SIDE + 2  # 44: the agent's column 1..7 (the illegal-move message names it)
@@ -73,7 +88,8 @@ SYSTEM_PROMPT = (
     "You play Connect Four. Columns are numbered 1-7 from the left; a piece falls to the lowest empty square. "
     "Four in a row, column or diagonal wins. Use drop_piece on a column that is not full."
 )
-CELL_OPTIONS = (".", "X", "O")
+CELL_OPTIONS = (".", "X", "O", "*")  # "*": an empty cell a piece would land on (`mark_playable`)
+PLAYABLE = 3  # the value of a marked cell
 SIDE_OPTIONS = ("X", "O")
 FULL_COLUMN_MARK = "-"
 OPPONENT_OPTIONS = ("",) + tuple(f"Opponent played {c + 1}.\n" for c in range(rules.COLS))
@@ -144,7 +160,16 @@ def chat_spec() -> ChatSpec:
     )
 
 
-def message_values(board, agent_player=1, opponent_column=0, agent_column=0) -> jax.Array:
+def playable_cells(board):
+    """``bool [6, 7]``: the empty cells a piece dropped in their column lands on (the bottom row, or above a piece);
+    works on numpy and jax arrays alike."""
+    xp = jnp if isinstance(board, jax.Array) else np
+    empty = board == rules.EMPTY
+    below = xp.concatenate([board[1:] != rules.EMPTY, xp.ones((1, rules.COLS), bool)], axis=0)
+    return empty & below
+
+
+def message_values(board, agent_player=1, opponent_column=0, agent_column=0, mark_playable=False) -> jax.Array:
     """``int32 [NUM_VALUES]`` (traceable, per episode).
 
     Args:
@@ -152,6 +177,7 @@ def message_values(board, agent_player=1, opponent_column=0, agent_column=0) -> 
       agent_player: ``[]`` 1 (X) or 2 (O).
       opponent_column: ``[]`` the opponent's latest column 1..7, 0 for none.
       agent_column: ``[]`` the agent's column 1..7 (shown by the illegal-move message), 0 for none.
+      mark_playable: static; print the cell each column's next piece lands on as ``*`` instead of ``.``.
     """
     board = jnp.asarray(board)
     if board.shape != (rules.ROWS, rules.COLS):
@@ -164,7 +190,10 @@ def message_values(board, agent_player=1, opponent_column=0, agent_column=0) -> 
         ]
     )
     open_columns = (board[0] == 0).astype(jnp.int32)
-    return jnp.concatenate([board.reshape(-1).astype(jnp.int32), tail, open_columns])
+    cells = board.astype(jnp.int32)
+    if mark_playable:
+        cells = jnp.where(playable_cells(board), PLAYABLE, cells)
+    return jnp.concatenate([cells.reshape(-1), tail, open_columns])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,7 +201,8 @@ def message_values(board, agent_player=1, opponent_column=0, agent_column=0) -> 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def host_values(board=None, agent_player: int = 1, opponent_column: int = 0, agent_column: int = 0) -> list[int]:
+def host_values(board=None, agent_player: int = 1, opponent_column: int = 0, agent_column: int = 0,
+                mark_playable: bool = False) -> list[int]:
     b = np.zeros((rules.ROWS, rules.COLS), np.int64) if board is None else np.asarray(board)
     if b.shape != (rules.ROWS, rules.COLS) or not np.isin(b, (0, 1, 2)).all():
         raise ValueError(f"board must be int [6, 7] with values 0 (empty), 1 (X), 2 (O); got {b!r}")
@@ -181,13 +211,14 @@ def host_values(board=None, agent_player: int = 1, opponent_column: int = 0, age
     for name, col in (("opponent_column", opponent_column), ("agent_column", agent_column)):
         if not 0 <= int(col) <= rules.COLS:
             raise ValueError(f"{name} must be 0 (none) or 1..7, got {col}")
-    return ([int(v) for v in b.reshape(-1)] + [int(agent_player) - 1, int(opponent_column), int(agent_column)]
+    cells = np.where(playable_cells(b), PLAYABLE, b) if mark_playable else b
+    return ([int(v) for v in cells.reshape(-1)] + [int(agent_player) - 1, int(opponent_column), int(agent_column)]
             + [int(v == 0) for v in b[0]])
 
 
-def render_board(board) -> str:
+def render_board(board, mark_playable: bool = False) -> str:
     """The board text (six rows and the number line) of an ``int [6, 7]`` board."""
-    return resolve(board_parts(), host_values(board))
+    return resolve(board_parts(), host_values(board, mark_playable=mark_playable))
 
 
 def user_text(values: Sequence[int], template: int = USER_GAME) -> str:
