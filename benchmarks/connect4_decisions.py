@@ -1,0 +1,133 @@
+"""Which Connect Four decisions a run's policy gets right: the teacher's agreement split by what the position asks.
+
+Plays the centre-first teacher's own games (`sft.env_transcripts`, against `--opponent`), scores them with the
+policy in one forward pass and sorts every decision by its position: "win" (the side to move can make four at
+once), "block" (it cannot, but the other side could: one column stops it), "other" (neither). For each kind it
+counts the decisions, the share where the policy's most likely column is the teacher's, and the share where that
+column is also what the teacher's centre order alone would have played (no win or block looked for): a policy
+that agrees on "win" / "block" decisions only where the centre order happens to coincide has not learned to see
+fours.
+
+    python benchmarks/connect4_decisions.py --workdir=W --warm_start
+    python benchmarks/connect4_decisions.py --workdir=W --step=20 --opponent=random
+
+Ends with one JSON line: per kind the decisions, the agreement and the centre-order agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from reno_jax import loop  # noqa: E402
+from reno_jax.envs.connect4 import registration, rules  # noqa: E402
+from reno_jax.loop import build, warmstart  # noqa: E402
+from reno_jax.models import ling3  # noqa: E402
+from reno_jax.rl import sft  # noqa: E402
+from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
+
+KINDS = ("win", "block", "other")
+
+
+def centre_order_column(board: np.ndarray) -> int:
+    legal = rules.np_legal(board)
+    return next(c for c in registration.CENTER_ORDER if legal[c])
+
+
+def decision_kind(board: np.ndarray) -> str:
+    me = rules.np_to_move(board)
+    legal = np.flatnonzero(rules.np_legal(board))
+    if any(rules.np_winner(rules.np_drop(board, c, me)) == me for c in legal):
+        return "win"
+    if any(rules.np_winner(rules.np_drop(board, c, 3 - me)) == 3 - me for c in legal):
+        return "block"
+    return "other"
+
+
+def split(params, model_config, tokenizer, config, *, games: int, batch: int, seed: int) -> dict:
+    entry = build.env_entry(config)
+    if entry.name != "connect4":
+        raise SystemExit(f"this benchmark reads Connect Four runs; the run's env.name is {entry.name!r}")
+    env = build.make_compiled_env(config, tokenizer, model_config)
+    teacher = entry.make_teacher(config, env.env)
+    tool_names = [t["function"]["name"] for t in env.env.chat().tools]
+    calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names)
+    column_of = {int(calls.ids[k, calls.choice_offset]): k for k in range(rules.COLS)}  # choice token -> column
+    rc = build.rollout_config(config)
+    turns = rollout_lib.num_turns(env, rc)
+    length = warmstart.transcript_length(env, calls, turns, rollout_lib.conversation_length(env, rc))
+    sampler = entry.make_sampler(config)
+    logits_fn = jax.jit(lambda p, tokens, valid: ling3.forward(p, model_config, tokens, valid=valid)[0])
+    counts = {k: np.zeros(3, np.int64) for k in KINDS}  # decisions, agreed, agreed with the centre order
+    key = jax.random.PRNGKey(seed)
+    for first in range(0, games, batch):
+        k_starts, k_play = jax.random.split(jax.random.fold_in(key, first))
+        out = sft.env_transcripts(k_play, sampler(k_starts, batch), env, teacher.policy, calls, max_turns=turns,
+                                  length=length)
+        tokens = np.asarray(out.tokens)
+        at = np.asarray(out.support).any(-1)
+        predicted = np.asarray(logits_fn(params, out.tokens, out.valid)).argmax(-1)
+        for b in range(min(batch, games - first)):
+            for t in np.flatnonzero(at[b]):
+                board = _board_before(tokenizer, tokens[b, :t])  # the board this decision answers
+                kind = decision_kind(board)
+                teacher_col = column_of[int(tokens[b, t])]
+                guess = column_of.get(int(predicted[b, t - 1]), -1)
+                counts[kind] += (1, guess == teacher_col, guess == centre_order_column(board))
+    return {k: {"decisions": int(n), "agreement": round(a / max(n, 1), 3), "centre_order": round(c / max(n, 1), 3)}
+            for k, (n, a, c) in counts.items()}
+
+
+def _board_before(tokenizer, prefix: np.ndarray) -> np.ndarray:
+    """The last board printed in a conversation prefix (six rows of ``.XO`` cells; ``*`` marks an empty cell)."""
+    text = tokenizer.decode(prefix.tolist())
+    rows = [line for line in text.split("\n") if len(line) == rules.COLS and set(line) <= set(".XO*")][-rules.ROWS:]
+    if len(rows) != rules.ROWS:
+        raise RuntimeError("no board text before a decision: is this the Connect Four wording?")
+    return np.array([[".XO*".index(ch) % 3 for ch in row] for row in rows], np.int8)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--warm_start", action="store_true", help="score the run's warm start (default: its newest "
+                    "checkpoint)")
+    ap.add_argument("--step", type=int, default=None)
+    ap.add_argument("--opponent", default="greedy", choices=("random", "greedy", "negamax", "mixed"))
+    ap.add_argument("--games", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=100)
+    args = ap.parse_args(argv)
+    if args.warm_start and args.step is not None:
+        ap.error("--warm_start and --step name two different parameter sets; pass one")
+    if args.games < 1 or args.batch < 1:
+        ap.error("--games and --batch must be >= 1")
+    if args.warm_start:
+        run = loop.load_warm_start(args.workdir)
+        config, tokenizer, model_config, params, step = run.config, run.tokenizer, run.model_config, run.params, 0
+    else:
+        config, tokenizer, model_config, params, step = loop.load_run(args.workdir, args.step)
+    config = ml_collections.ConfigDict(warmstart.env_config_for_warm_start(config).to_dict())
+    config.env.opponent = args.opponent
+    config.sft.teacher, config.sft.soft_targets = "center_greedy", False
+    if "explore" in config.sft:
+        config.sft.explore = 0.0  # the teacher's own path
+    figures = split(params, model_config, tokenizer, config, games=args.games, batch=args.batch, seed=args.seed)
+    for kind in KINDS:
+        f = figures[kind]
+        print(f"{kind:>6}: {f['decisions']:4d} decisions, the teacher's column {f['agreement']:.3f}, "
+              f"the centre order's column {f['centre_order']:.3f}")
+    figures.update(checkpoint="warm_start" if args.warm_start else step, opponent=args.opponent, games=args.games)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
