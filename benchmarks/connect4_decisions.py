@@ -22,12 +22,13 @@ import os
 import sys
 
 import jax
-import ml_collections
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from reno_jax import loop  # noqa: E402
+import teacher_agreement as ta  # noqa: E402
+
 from reno_jax.envs.connect4 import registration, rules  # noqa: E402
 from reno_jax.loop import build, warmstart  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
@@ -97,25 +98,11 @@ def _board_before(tokenizer, prefix: np.ndarray) -> np.ndarray:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--warm_start", action="store_true", help="score the run's warm start (default: its newest "
-                    "checkpoint)")
-    ap.add_argument("--step", type=int, default=None)
+    ta.add_run_flags(ap)
     ap.add_argument("--opponent", default="greedy", choices=("random", "greedy", "negamax", "mixed"))
-    ap.add_argument("--games", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=100)
     args = ap.parse_args(argv)
-    if args.warm_start and args.step is not None:
-        ap.error("--warm_start and --step name two different parameter sets; pass one")
-    if args.games < 1 or args.batch < 1:
-        ap.error("--games and --batch must be >= 1")
-    if args.warm_start:
-        run = loop.load_warm_start(args.workdir)
-        config, tokenizer, model_config, params, step = run.config, run.tokenizer, run.model_config, run.params, 0
-    else:
-        config, tokenizer, model_config, params, step = loop.load_run(args.workdir, args.step)
-    config = ml_collections.ConfigDict(warmstart.env_config_for_warm_start(config).to_dict())
+    ta.check_run_flags(ap, args)
+    config, tokenizer, model_config, params, step = ta.load_scored_run(args)
     config.env.opponent = args.opponent
     config.sft.teacher, config.sft.soft_targets = "center_greedy", False
     if "explore" in config.sft:

@@ -72,22 +72,43 @@ def agreement(params, model_config, tokenizer, config, *, games: int, batch: int
             "games_all_agreed": float(np.mean(whole))}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags that name a run's parameters and the games to play (shared with `connect4_decisions.py`)."""
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--warm_start", action="store_true", help="score the run's warm start (default: its newest "
                     "checkpoint)")
     ap.add_argument("--step", type=int, default=None)
-    ap.add_argument("--env", action="append", default=[], metavar="FIELD=VALUE",
-                    help="override a field of the env section the warm start plays, e.g. opponent=greedy (repeatable)")
     ap.add_argument("--games", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=100)
-    args = ap.parse_args(argv)
+
+
+def check_run_flags(ap: argparse.ArgumentParser, args) -> None:
     if args.warm_start and args.step is not None:
         ap.error("--warm_start and --step name two different parameter sets; pass one")
     if args.games < 1 or args.batch < 1:
         ap.error("--games and --batch must be >= 1")
+
+
+def load_scored_run(args):
+    """(config, tokenizer, model_config, params, step) of the run's warm start (step 0) or checkpoint, its config
+    with the warm start's env section."""
+    if args.warm_start:
+        run = loop.load_warm_start(args.workdir)
+        config, tokenizer, model_config, params, step = run.config, run.tokenizer, run.model_config, run.params, 0
+    else:
+        config, tokenizer, model_config, params, step = loop.load_run(args.workdir, args.step)
+    config = ml_collections.ConfigDict(warmstart.env_config_for_warm_start(config).to_dict())
+    return config, tokenizer, model_config, params, step
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_flags(ap)
+    ap.add_argument("--env", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a field of the env section the warm start plays, e.g. opponent=greedy (repeatable)")
+    args = ap.parse_args(argv)
+    check_run_flags(ap, args)
     overrides = {}
     for item in args.env:
         name, sep, value = item.partition("=")
@@ -97,13 +118,7 @@ def main(argv=None) -> None:
             overrides[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             overrides[name] = value  # a bare word: a string
-    if args.warm_start:
-        run = loop.load_warm_start(args.workdir)
-        config, tokenizer, model_config, params, step = run.config, run.tokenizer, run.model_config, run.params, 0
-    else:
-        config, tokenizer, model_config, params, step = loop.load_run(args.workdir, args.step)
-    config = warmstart.env_config_for_warm_start(config)
-    config = ml_collections.ConfigDict(config.to_dict())
+    config, tokenizer, model_config, params, step = load_scored_run(args)
     config.env.update(overrides)
     figures = agreement(params, model_config, tokenizer, config, games=args.games, batch=args.batch, seed=args.seed)
     figures["checkpoint"] = "warm_start" if args.warm_start else step

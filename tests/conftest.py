@@ -87,3 +87,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("[", 1)[0] in SLOW:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def scripted_forward():
+    """A factory of stand-ins for `ling3.forward` whose most likely token at t is the token at t + 1 (shift 0: an
+    oracle of the conversation it reads) or another one (shift != 0), for benchmarks that score agreement."""
+    import jax
+    import jax.numpy as jnp
+
+    def make(shift):
+        def forward(params, config, tokens, valid=None, **unused):
+            nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+            return jax.nn.one_hot((nxt + shift) % config.vocab_size, config.vocab_size) * 10.0, None
+        return forward
+
+    return make

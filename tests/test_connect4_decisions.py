@@ -6,7 +6,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -54,17 +53,10 @@ def connect4():
     return config, tokenizer, model_config, params
 
 
-def _scripted(shift):
-    def forward(params, config, tokens, valid=None, **unused):
-        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-        return jax.nn.one_hot((nxt + shift) % config.vocab_size, config.vocab_size) * 10.0, None
-    return forward
-
-
 @pytest.mark.parametrize("shift, expected", [(0, 1.0), (1, 0.0)])
-def test_agreement_per_kind(connect4, monkeypatch, shift, expected):
+def test_agreement_per_kind(connect4, monkeypatch, scripted_forward, shift, expected):
     config, tokenizer, model_config, params = connect4
-    monkeypatch.setattr(cd.ling3, "forward", _scripted(shift))
+    monkeypatch.setattr(cd.ling3, "forward", scripted_forward(shift))
     figures = cd.split(params, model_config, tokenizer, config, games=4, batch=2, seed=0)
     assert sum(figures[k]["decisions"] for k in cd.KINDS) >= 4 * 4
     for kind in cd.KINDS:

@@ -5,7 +5,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -24,18 +23,10 @@ def connect4():
     return config, tokenizer, model_config, params
 
 
-def _scripted(shift):
-    """A stand-in forward whose most likely token at t is the token at t + 1 (shift 0) or another one."""
-    def forward(params, config, tokens, valid=None, **unused):
-        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-        return jax.nn.one_hot((nxt + shift) % config.vocab_size, config.vocab_size) * 10.0, None
-    return forward
-
-
 @pytest.mark.parametrize("shift, expected", [(0, 1.0), (1, 0.0)])
-def test_agreement_reads_the_prediction_of_each_choice_token(connect4, monkeypatch, shift, expected):
+def test_agreement_reads_the_prediction_of_each_choice_token(connect4, monkeypatch, scripted_forward, shift, expected):
     config, tokenizer, model_config, params = connect4
-    monkeypatch.setattr(ta.ling3, "forward", _scripted(shift))
+    monkeypatch.setattr(ta.ling3, "forward", scripted_forward(shift))
     figures = ta.agreement(params, model_config, tokenizer, config, games=3, batch=2, seed=0)
     assert figures["games"] == 3 and figures["decisions"] >= 3 * 4  # a Connect Four game has at least 4 moves
     assert figures["agreement"] == expected and figures["games_all_agreed"] == expected
