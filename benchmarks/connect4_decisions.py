@@ -105,8 +105,9 @@ def main(argv=None) -> None:
     config, tokenizer, model_config, params, step = ta.load_scored_run(args)
     config.env.opponent = args.opponent
     config.sft.teacher, config.sft.soft_targets = "center_greedy", False
-    if "explore" in config.sft:
-        config.sft.explore = 0.0  # the teacher's own path
+    for field, plain in (("explore", 0.0), ("forced_weight", 1.0)):  # the teacher's own path, unweighted
+        if field in config.sft:
+            config.sft[field] = plain
     figures = split(params, model_config, tokenizer, config, games=args.games, batch=args.batch, seed=args.seed)
     for kind in KINDS:
         f = figures[kind]

@@ -59,6 +59,9 @@ def get_config():
   # > 0 (with sft.soft_targets): that share of the teacher's moves is a random legal column, still labelled with the
   # teacher's column, so the transcripts also hold positions off the teacher's own path
   c.sft.explore = 0.0
+  # != 1 (with sft.soft_targets): the loss weight of the teacher's decisions where it wins or blocks (the few moves
+  # that decide a game) relative to the others
+  c.sft.forced_weight = 1.0
 
   # --- rollout ------------------------------------------------------------------------------------------------
   c.rollout.boards_per_step = 4    # groups (start records) per step

@@ -292,6 +292,28 @@ def test_exploring_center_greedy_teacher_plays_off_path_but_targets_its_own_colu
             c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
 
 
+def test_center_greedy_teacher_weighs_the_positions_with_a_four_to_make_or_stop():
+    """`sft.forced_weight`: the teacher's decision weight is that where a legal column wins or blocks, else 1."""
+    e = c4env.Connect4Env()
+    empty = np.zeros((6, 7), np.int8)
+    win = empty.copy()
+    win[5, :3], win[4, :3] = 1, 2  # X to move (3 each) with a four to make at column 4 (1-based) of the bottom row
+    block = empty.copy()
+    block[5, :2], block[4, 0], block[5, 4:] = 1, 1, 2  # X to move; O's three on the bottom row ends at column 4
+    states = jax.vmap(e.reset)(c4env.position_starts(np.stack([empty, win, block])))[0]
+    config = ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy", soft_targets=True, forced_weight=6.0)))
+    teacher = c4reg.make_teacher(config, e)
+    cols, _, weights = jax.vmap(teacher.policy)(states, jax.random.split(jax.random.PRNGKey(0), 3))
+    np.testing.assert_array_equal(np.asarray(cols), [3, 3, 3])  # centre; X's four at 0-based 3; O's four stopped
+    np.testing.assert_allclose(np.asarray(weights), [1.0, 6.0, 6.0])
+    np.testing.assert_array_equal(np.asarray(jax.vmap(c4reg.forced_position)(states)), [False, True, True])
+    plain = c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy"))), e)
+    assert len(plain.policy(jax.tree.map(lambda a: a[0], states), jax.random.PRNGKey(0))) == 2
+    for bad in (dict(forced_weight=6.0), dict(forced_weight=0.0, soft_targets=True)):
+        with pytest.raises(errors.ConfigError, match="sft.forced_weight"):
+            c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
+
+
 def test_logp_fn_scores_the_tempered_policy(params):
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 12), 0, MC.vocab_size)
     logits, _ = ling3.forward(params, MC, tokens)

@@ -244,3 +244,28 @@ def test_soft_targets_of_a_choice_spelt_over_several_tokens():
             if k < len(ranges):
                 low, high = ranges[k]
     assert checked >= 1
+
+
+def test_a_teachers_decision_weight_scales_its_soft_targets(game_world):
+    """A teacher returning `(row, support, weight)`: each call's soft targets sum to that decision's weight (here
+    3 where the teacher plays the centre square, else 1); the transcripts are those of the unweighted teacher."""
+    w = game_world
+    plain = registration.make_teacher(None, w["env"].env).policy
+
+    def weighted(state, key):
+        row, support = plain(state, key)
+        return row, support, jnp.where(row == 4, 3.0, 1.0)
+
+    kw = dict(max_turns=TURNS, length=w["length"], soft_targets=True)
+    base = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(4), w["starts"], w["env"], plain, w["calls"], **kw))
+    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(4), w["starts"], w["env"], weighted, w["calls"],
+                                             **kw))
+    np.testing.assert_array_equal(out.tokens, base.tokens)
+    at = np.asarray(out.support).any(-1)  # the square's position of every call
+    centre = at & (out.tokens == w["ids"][4, w["offset"]])
+    assert centre.any() and (at & ~centre).any()
+    total = np.asarray(out.target_weights).sum(-1)
+    np.testing.assert_allclose(total[centre], 3.0, rtol=1e-6)
+    np.testing.assert_allclose(total[at & ~centre], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out.target_weights)[centre] / 3.0, np.asarray(base.target_weights)[centre],
+                               rtol=1e-6)

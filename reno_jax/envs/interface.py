@@ -182,7 +182,9 @@ class Teacher:
 
     Attributes:
       policy: traceable per episode ``(state, key) -> (row int32 [], support bool [R])``: the row of `calls` to
-        play and the rows it could have played (the soft targets of ``sft.soft_targets``).
+        play and the rows it could have played (the soft targets of ``sft.soft_targets``); it may also return a
+        third value, ``weight float32 []``: how much this decision counts in the soft-target loss (1: as any
+        other; e.g. more for the rare positions that decide a game).
       calls: the R calls as ``(tool_name, {argument: value})``, written out as the policy would write them.
     """
 

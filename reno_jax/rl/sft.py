@@ -128,7 +128,8 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
       starts: the environment's start records, one per transcript (leading [B]).
       env: `rollout.CompiledEnv`.
       teacher: static `(state, key) -> (row int32 [], support bool [R])` per episode: the call-table row to play,
-        and the rows the teacher could have chosen (for soft targets).
+        and the rows the teacher could have chosen (for soft targets); or `(row, support, weight float32 [])`:
+        with soft targets, this decision's soft targets are scaled by `weight` (how much it counts in the loss).
       calls: `CallTable`.
       max_turns: agent turns at most; length: L, the padded length.
       soft_targets: also fill ``Transcripts.target_weights`` (needs ``calls.choice_tokens``).
@@ -156,7 +157,9 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
     info = None
     for turn in range(max_turns):
         live = ~done
-        row, sup = jax.vmap(teacher)(state, jax.random.split(jax.random.fold_in(key, turn), b))
+        out_t = jax.vmap(teacher)(state, jax.random.split(jax.random.fold_in(key, turn), b))
+        row, sup = out_t[0], out_t[1]
+        weight = out_t[2] if len(out_t) > 2 else None
         ids, n = calls.ids[row], jnp.where(live, calls.length[row], 0)
         fits = pos + n <= length
         n = jnp.where(fits, n, 0)
@@ -168,7 +171,10 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
             at = jnp.where(live, pos + calls.choice_offset, length)  # out of bounds -> dropped
             support = support.at[jnp.arange(b), at].set(sup, mode="drop")
         if soft_targets:
-            weights = rollout_lib.scatter_rows(weights, pos, call_token_targets(calls, row, sup), n)
+            targets = call_token_targets(calls, row, sup)
+            if weight is not None:
+                targets = targets * weight.astype(jnp.float32)[:, None, None]
+            weights = rollout_lib.scatter_rows(weights, pos, targets, n)
         pos = pos + n
         call = interface.ToolCall(kind=jnp.zeros((b,), jnp.int32), tool=calls.tool[row], args=calls.args[row])
         out = jax.vmap(tenv.step)(state, call)
