@@ -103,3 +103,26 @@ def scripted_forward():
         return forward
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_connect4():
+    """A factory of Connect Four runs as the benchmarks load them: ``opponent -> (config, tokenizer, model_config,
+    params)`` of `configs/connect4_tiny.py` with that opponent, built once per opponent."""
+    import jax
+
+    from configs import connect4_tiny
+    from reno_jax.loop import build
+
+    built = {}
+
+    def make(opponent):
+        if opponent not in built:
+            config = connect4_tiny.get_config()
+            config.env.opponent = opponent
+            tokenizer = build.build_tokenizer(config)
+            model_config, params = build.build_model(config, jax.random.PRNGKey(0), tokenizer)
+            built[opponent] = (config, tokenizer, model_config, params)
+        return built[opponent]
+
+    return make

@@ -5,7 +5,6 @@ read back from the conversation text (plain or with landing cells marked), and t
 import os
 import sys
 
-import jax
 import numpy as np
 import pytest
 
@@ -45,12 +44,8 @@ def test_board_is_read_back_from_the_last_board_text(marked):
 
 
 @pytest.fixture(scope="module")
-def connect4():
-    config = connect4_tiny.get_config()
-    config.env.opponent = "greedy"
-    tokenizer = build.build_tokenizer(config)
-    model_config, params = build.build_model(config, jax.random.PRNGKey(0), tokenizer)
-    return config, tokenizer, model_config, params
+def connect4(tiny_connect4):
+    return tiny_connect4("greedy")
 
 
 @pytest.mark.parametrize("shift, expected", [(0, 1.0), (1, 0.0)])

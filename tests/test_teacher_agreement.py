@@ -4,23 +4,15 @@ teacher's choice token is that token (checked with an oracle and an anti-oracle 
 import os
 import sys
 
-import jax
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import teacher_agreement as ta  # noqa: E402
 
-from configs import connect4_tiny  # noqa: E402
-from reno_jax.loop import build  # noqa: E402
-
 
 @pytest.fixture(scope="module")
-def connect4():
-    config = connect4_tiny.get_config()
-    config.env.opponent = "random"
-    tokenizer = build.build_tokenizer(config)
-    model_config, params = build.build_model(config, jax.random.PRNGKey(0), tokenizer)
-    return config, tokenizer, model_config, params
+def connect4(tiny_connect4):
+    return tiny_connect4("random")
 
 
 @pytest.mark.parametrize("shift, expected", [(0, 1.0), (1, 0.0)])
