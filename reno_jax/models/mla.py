@@ -7,11 +7,13 @@ interleaved pairs (x0, x1), (x2, x3), ... (kept in that interleaved layout: q an
 products are the reference's). Scale (nope + rope)^-0.5, causal softmax in float32, then the head outputs are
 multiplied by sigmoid(g_proj(x)) (per head or per channel) before `dense`.
 
-The attention runs in the "absorbed" form: kv_b's key half is folded into the query
+With a cache the attention runs in the "absorbed" form: kv_b's key half is folded into the query
 (q_lat = q_nope W_uk, scores = q_lat . c + q_rope . k_rope) and its value half is applied after the softmax
 (out = (p c) W_uv). So the cache holds only the normed latent c [B, S, kv_lora_rank] and the rotated k_rope
 [B, S, dr] per position, and a decode step costs O(S * H * (kv_lora_rank + dr)) instead of re-expanding every
-cached latent through kv_b. Full forward and cached decode use the same code.
+cached latent through kv_b. Without a cache (a train step's whole sequences) the latents are expanded through kv_b
+once and the [T, T] products run over (dn + dr) and dv channels per head, fewer than the absorbed form's
+(kv_lora_rank + dr) and kv_lora_rank (Ling-3.0: 192 + 128 against 576 + 512).
 """
 
 from __future__ import annotations
@@ -89,26 +91,39 @@ def mla_attention(p: dict, x: jax.Array, config: Ling3Config, valid: jax.Array, 
 
     kv_b = p["kv_b_proj"]["kernel"].astype(dtype).reshape(r, h, dn + dv)
     w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]  # [r, H, dn], [r, H, dv]
-    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
-    keys_c = keys_c.astype(dtype)
     keys_r = keys_r.astype(dtype)
+    if layer_cache is None:
+        # Expanded form: every key is scored once per query, so expanding the T latents through kv_b first makes
+        # the [T, S] products run over dn + dr and dv channels instead of (kv_lora_rank + dr) and kv_lora_rank.
+        k_nope = jnp.einsum("bsr,rhn->bshn", keys_c.astype(dtype), w_uk)  # [B, S, H, dn]
+        values = jnp.einsum("bsr,rhv->bshv", keys_c.astype(dtype), w_uv)  # [B, S, H, dv]
+        q_main, k_main, v_main = q_nope, k_nope, values
+        score_spec, out_spec = "bthn,bshn->bhts", "bhts,bshv->bthv"
+    else:
+        # Absorbed form: a decode step scores the whole cache, so the cache keeps latents and kv_b's key half is
+        # folded into the query (and its value half applied after the softmax).
+        q_main = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
+        k_main = v_main = keys_c.astype(dtype)
+        score_spec, out_spec = "bthr,bsr->bhts", "bhts,bsr->bthr"
     # A long sequence without a cache (training on whole conversations) in query blocks, each against the keys
     # before its end only: about half the scores of the [T, T] square, one block's at a time. With a cache the
     # keys a query sees depend on the traced `length`, so every query scores every cached position.
     block = QUERY_BLOCK if layer_cache is None and t > 2 * QUERY_BLOCK else t
-    o_lat = []
+    outs = []
     for start in range(0, t, block):
         end = min(t, start + block)
-        seen = end if layer_cache is None else keys_c.shape[1]
-        kc, kr = keys_c[:, :seen], keys_r[:, :seen]
-        scores = (einsum_f32("bthr,bsr->bhts", q_lat[:, start:end], kc)
-                  + einsum_f32("bthd,bsd->bhts", q_rope[:, start:end], kr))
+        seen = end if layer_cache is None else k_main.shape[1]
+        scores = (einsum_f32(score_spec, q_main[:, start:end], k_main[:, :seen])
+                  + einsum_f32("bthd,bsd->bhts", q_rope[:, start:end], keys_r[:, :seen]))
         scores = scores * ((dn + dr) ** -0.5)
         scores = jnp.where(mask[:, None, start:end, :seen], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1)
-        o_lat.append(einsum_f32("bhts,bsr->bthr", probs.astype(dtype), kc))
-    o_lat = o_lat[0] if len(o_lat) == 1 else jnp.concatenate(o_lat, axis=1)
-    o = einsum_f32("bthr,rhv->bthv", o_lat.astype(dtype), w_uv)  # [B, T, H, dv] f32
+        outs.append(einsum_f32(out_spec, probs.astype(dtype), v_main[:, :seen]))
+    out_heads = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    if layer_cache is None:
+        o = out_heads  # [B, T, H, dv] f32
+    else:
+        o = einsum_f32("bthr,rhv->bthv", out_heads.astype(dtype), w_uv)  # [B, T, H, dv] f32
 
     gate = jax.nn.sigmoid(linear(x, p["g_proj"]["kernel"]).astype(jnp.float32))
     if config.gated_attention_proj_granularity_type == "head_wise":
