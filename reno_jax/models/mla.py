@@ -26,7 +26,7 @@ from reno_jax.models.layers import einsum_f32, linear, rms_norm
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use 1e-6 whatever rms_norm_eps says
 _MASKED = -1e30  # finite, so a row with no visible key gives garbage, never NaN
-QUERY_BLOCK = 256  # uncached sequences longer than twice this attend block by block (see mla_attention)
+QUERY_BLOCK = 128  # uncached sequences longer than twice this attend block by block (see mla_attention)
 
 
 def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
