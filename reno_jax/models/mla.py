@@ -91,19 +91,19 @@ def mla_attention(p: dict, x: jax.Array, config: Ling3Config, valid: jax.Array, 
 
     kv_b = p["kv_b_proj"]["kernel"].astype(dtype).reshape(r, h, dn + dv)
     w_uk, w_uv = kv_b[..., :dn], kv_b[..., dn:]  # [r, H, dn], [r, H, dv]
-    keys_r = keys_r.astype(dtype)
+    keys_c, keys_r = keys_c.astype(dtype), keys_r.astype(dtype)
     if layer_cache is None:
         # Expanded form: every key is scored once per query, so expanding the T latents through kv_b first makes
         # the [T, S] products run over dn + dr and dv channels instead of (kv_lora_rank + dr) and kv_lora_rank.
-        k_nope = jnp.einsum("bsr,rhn->bshn", keys_c.astype(dtype), w_uk)  # [B, S, H, dn]
-        values = jnp.einsum("bsr,rhv->bshv", keys_c.astype(dtype), w_uv)  # [B, S, H, dv]
+        k_nope = jnp.einsum("bsr,rhn->bshn", keys_c, w_uk)  # [B, S, H, dn]
+        values = jnp.einsum("bsr,rhv->bshv", keys_c, w_uv)  # [B, S, H, dv]
         q_main, k_main, v_main = q_nope, k_nope, values
         score_spec, out_spec = "bthn,bshn->bhts", "bhts,bshv->bthv"
     else:
         # Absorbed form: a decode step scores the whole cache, so the cache keeps latents and kv_b's key half is
         # folded into the query (and its value half applied after the softmax).
         q_main = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk)
-        k_main = v_main = keys_c.astype(dtype)
+        k_main = v_main = keys_c
         score_spec, out_spec = "bthr,bsr->bhts", "bhts,bsr->bthr"
     # A long sequence without a cache (training on whole conversations) in query blocks, each against the keys
     # before its end only: about half the scores of the [T, T] square, one block's at a time. With a cache the
