@@ -47,6 +47,7 @@ def get_config():
   c.env.negamax_depth = 3          # plies; only compiled in when the opponent is "negamax" or "mixed"
   c.env.max_agent_turns = 21       # every agent move of a full game
   c.env.mark_playable = False      # print each column's landing cell as "*" (reno_jax.envs.connect4.wording)
+  c.env.opening_plies = 0          # > 0: games start after up to that many random plies (Connect4Env)
 
   # --- supervised warm start: transcripts of the env's greedy teacher (Connect4Env.teacher_call) ---------------
   c.sft.num_steps = 100
@@ -55,7 +56,8 @@ def get_config():
   c.sft.learning_rate = 3e-3
   # Transcripts against all three opponents (by group): the random opponent alone rarely lets a column fill up,
   # so a model warm-started on those games never sees the centre column full and keeps playing it (illegal).
-  c.sft.env = ml_collections.ConfigDict(dict(opponent="mixed"))
+  # opening_plies (> 0): the warm start's games begin mid-game, where fours to make or stop are common
+  c.sft.env = ml_collections.ConfigDict(dict(opponent="mixed", opening_plies=0))
   # > 0 (with sft.soft_targets): that share of the teacher's moves is a random legal column, still labelled with the
   # teacher's column, so the transcripts also hold positions off the teacher's own path
   c.sft.explore = 0.0

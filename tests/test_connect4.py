@@ -321,6 +321,30 @@ def test_reset_agent_second_sees_the_opening():
     chex.assert_trees_all_equal(again, state)
 
 
+@pytest.mark.parametrize("plies", [1, 6, 15])
+def test_random_opening_leaves_the_agent_to_move_in_a_live_game(plies):
+    env = c4env.Connect4Env(opponent="mixed", opening_plies=plies)
+    starts = env.sample_starts(jax.random.PRNGKey(7), 96)
+    state, message = jax.jit(jax.vmap(env.reset))(starts)
+    boards = np.asarray(state.game.board)
+    counts = (boards != rules.EMPTY).sum(axis=(1, 2))
+    agent = np.asarray(state.agent_player)
+    np.testing.assert_array_equal(np.asarray(state.game.to_move), agent)
+    assert (counts <= plies).all() and ((counts % 2) == (agent == rules.O)).all()
+    assert len(set(counts.tolist())) == plies + 1  # every length of either parity is drawn
+    assert not np.asarray(state.done).any() and not np.asarray(state.game.done).any()
+    for board, n, last, values in zip(boards, counts, np.asarray(state.opponent_column), np.asarray(message.values)):
+        assert rules.np_winner(board) == 0 and rules.np_to_move(board) != 0
+        assert (last == 0) == (n == 0) and values[wording.V_OPPONENT] == last
+        if last:  # the last opening ply is the opponent's piece on top of its column
+            top = int(np.argmax(board[:, last - 1] != rules.EMPTY))
+            assert board[top, last - 1] == 3 - rules.np_to_move(board)
+    again, _ = jax.jit(jax.vmap(env.reset))(starts)  # a function of the start's key
+    chex.assert_trees_all_equal(again, state)
+    with pytest.raises(ValueError, match="opening_plies"):
+        c4env.Connect4Env(opening_plies=c4env.MAX_OPENING_PLIES + 1)
+
+
 def test_sample_starts_mixed_covers_every_opponent_and_side():
     starts = c4env.sample_starts(jax.random.PRNGKey(0), 6, "mixed", "alternate")
     pairs = set(zip(np.asarray(starts.opponent).tolist(), np.asarray(starts.agent_player).tolist()))

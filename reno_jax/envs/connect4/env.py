@@ -17,6 +17,12 @@ The play page asks for one move at a given position instead: a start record with
 The opponent's randomness comes from the start record's key only: ``fold_in(key, 0)`` for the opening when the
 agent is O, ``fold_in(key, k)`` for the reply to the agent's k-th move. So a group of samples sharing a start meets
 the same opponent (the same reply to the same position), and replays are exact.
+
+``opening_plies`` > 0 starts games from random positions instead of the empty board: ``reset`` plays an even
+(agent X) or odd (agent O) number of uniform legal plies, at most ``opening_plies``, none of which makes four, drawn
+from ``fold_in(key, OPENING_STREAM)``. Late-game positions hold far more fours to make or stop than the opening
+moves do, so a warm start on such games sees the decisions that lose games to a greedy opponent more often, in
+shorter transcripts.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ OUTCOME_TRUNCATED = 6  # the rollout ran out of turns or length (set by `finish`
 OUTCOME_NAMES = ("ongoing", "win", "draw", "loss", "invalid", "illegal", "truncated")
 
 OPPONENT_SETTINGS = ("random", "greedy", "negamax", "mixed")
+OPENING_STREAM = 0x7FFFFFFF  # fold_in data of the random opening's key (the replies use 0, 1, 2, ...)
+MAX_OPENING_PLIES = 30
 AGENT_PLAYER_SETTINGS = ("alternate", 1, 2)
 
 
@@ -153,6 +161,9 @@ class Connect4Env(TextEnv):
       single_move: the episode is the agent's one move: the opponent does not reply and the episode ends after it
         (reward +1 for a win, 0 for any other legal move): the play page asks the model for a move this way.
       mark_playable: the board text prints the cell each column's next piece lands on as ``*`` (`wording`).
+      opening_plies: games start after a random number (0..opening_plies, of the parity that leaves the agent to
+        move) of uniform legal plies that make no four; 0: from the empty board. Start records with a ``board``
+        ignore it.
     """
 
     opponent: str = flax.struct.field(pytree_node=False, default="random")
@@ -160,6 +171,7 @@ class Connect4Env(TextEnv):
     max_agent_turns: int = flax.struct.field(pytree_node=False, default=21)
     single_move: bool = flax.struct.field(pytree_node=False, default=False)
     mark_playable: bool = flax.struct.field(pytree_node=False, default=False)
+    opening_plies: int = flax.struct.field(pytree_node=False, default=0)
 
     def __post_init__(self):
         if self.opponent not in OPPONENT_SETTINGS:
@@ -168,6 +180,8 @@ class Connect4Env(TextEnv):
             raise ValueError(f"negamax_depth must be >= 1, got {self.negamax_depth}")
         if int(self.max_agent_turns) < 1:
             raise ValueError(f"max_agent_turns must be >= 1, got {self.max_agent_turns}")
+        if not 0 <= int(self.opening_plies) <= MAX_OPENING_PLIES:
+            raise ValueError(f"opening_plies must be in 0..{MAX_OPENING_PLIES}, got {self.opening_plies}")
 
     # ------------------------------------------------------------------------------------------------ host
 
@@ -217,6 +231,24 @@ class Connect4Env(TextEnv):
             opponent=state.opponent,
         )
 
+    def _random_opening(self, key: jax.Array, agent_is_o: jax.Array) -> tuple[rules.GameState, jax.Array]:
+        """The position after a random opening (see the module docstring) and its last column, 1-based (0: none)."""
+        key = jax.random.fold_in(key, OPENING_STREAM)
+        k_len, k_plies = jax.random.split(key)
+        is_o = agent_is_o.astype(jnp.int32)
+        pairs = jax.random.randint(k_len, (), 0, (int(self.opening_plies) - is_o) // 2 + 1)
+        plies = 2 * pairs + is_o  # even for agent X, odd for agent O: the agent is to move after them
+
+        def ply(i, carry):
+            game, last = carry
+            legal = rules.legal_columns(game)
+            quiet = legal & ~opponents.winning_columns(game)
+            col = opponents.uniform_choice(jax.random.fold_in(k_plies, i), jnp.where(quiet.any(), quiet, legal))
+            col = jnp.where(i < plies, col, -1)
+            return rules.drop(game, col), jnp.where(col >= 0, col + 1, last)
+
+        return jax.lax.fori_loop(0, int(self.opening_plies), ply, (rules.reset(), jnp.int32(0)))
+
     def reset(self, start: Connect4Start) -> tuple[Connect4State, Message]:
         agent = jnp.asarray(start.agent_player, jnp.int32)
         opponent = jnp.asarray(start.opponent, jnp.int32)
@@ -225,6 +257,9 @@ class Connect4Env(TextEnv):
             game = rules.state_from_board(start.board)
             agent_is_o = game.to_move == rules.O
             opening = jnp.int32(0)
+        elif int(self.opening_plies):
+            agent_is_o = agent == rules.O
+            game, opening = self._random_opening(key, agent_is_o)
         else:
             agent_is_o = agent == rules.O
             empty = rules.reset()

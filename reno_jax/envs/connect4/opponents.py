@@ -58,7 +58,7 @@ def kind_id(name: str) -> int:
         raise ValueError(f"unknown opponent {name!r}; expected one of {list(KINDS)}") from None
 
 
-def _choose(key: jax.Array, mask: jax.Array) -> jax.Array:
+def uniform_choice(key: jax.Array, mask: jax.Array) -> jax.Array:
     """Uniform column among ``mask`` (``bool [7]``), -1 when it is empty: argmax of i.i.d. uniforms restricted to
     the mask is a uniform choice, and needs one PRNG call and no control flow."""
     u = jax.random.uniform(key, (rules.COLS,))
@@ -100,7 +100,7 @@ def blocking_columns(state: rules.GameState) -> jax.Array:
 
 
 def random_column(key: jax.Array, state: rules.GameState) -> jax.Array:
-    return _choose(key, rules.legal_columns(state))
+    return uniform_choice(key, rules.legal_columns(state))
 
 
 def greedy_column(key: jax.Array, state: rules.GameState) -> jax.Array:
@@ -108,7 +108,7 @@ def greedy_column(key: jax.Array, state: rules.GameState) -> jax.Array:
     wins = winning_columns(state)
     blocks = blocking_columns(state)
     mask = jnp.where(wins.any(), wins, jnp.where(blocks.any(), blocks, legal))
-    return _choose(key, mask)
+    return uniform_choice(key, mask)
 
 
 def heuristic(mine: jax.Array, theirs: jax.Array) -> jax.Array:
@@ -164,7 +164,7 @@ def negamax_column(key: jax.Array, state: rules.GameState, depth: int) -> jax.Ar
     # the immediate threat; blocking anyway keeps the opponent from looking blind to an agent that then misses
     # its own win. (Wins always score above everything, so they need no preference.)
     forced = best & blocking_columns(state)
-    return _choose(key, jnp.where(forced.any(), forced, best))
+    return uniform_choice(key, jnp.where(forced.any(), forced, best))
 
 
 def opponent_column(

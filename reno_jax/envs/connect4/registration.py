@@ -33,7 +33,8 @@ def make_env(env_config, **overrides) -> c4_env.Connect4Env:
     return c4_env.Connect4Env(opponent=str(get("opponent", "random")), negamax_depth=int(get("negamax_depth", 3)),
                               max_agent_turns=int(get("max_agent_turns", 21)),
                               single_move=bool(get("single_move", False)),
-                              mark_playable=bool(get("mark_playable", False)))
+                              mark_playable=bool(get("mark_playable", False)),
+                              opening_plies=int(get("opening_plies", 0)))
 
 
 def make_sampler(config):
