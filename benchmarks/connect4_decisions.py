@@ -104,6 +104,8 @@ def main(argv=None) -> None:
     ta.check_run_flags(ap, args)
     config, tokenizer, model_config, params, step = ta.load_scored_run(args)
     config.env.opponent = args.opponent
+    if "opening_plies" in config.env:  # whole games from the empty board, whatever the warm start played
+        config.env.opening_plies = 0
     config.sft.teacher, config.sft.soft_targets = "center_greedy", False
     for field, plain in (("explore", 0.0), ("forced_weight", 1.0)):  # the teacher's own path, unweighted
         if field in config.sft:
