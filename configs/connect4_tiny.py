@@ -48,6 +48,7 @@ def get_config():
   c.env.max_agent_turns = 21       # every agent move of a full game
   c.env.mark_playable = False      # print each column's landing cell as "*" (reno_jax.envs.connect4.wording)
   c.env.opening_plies = 0          # > 0: games start after up to that many random plies (Connect4Env)
+  c.env.echo_board = False         # print every board's rows twice (48 tokens more per board; wording)
 
   # --- supervised warm start: transcripts of the env's greedy teacher (Connect4Env.teacher_call) ---------------
   c.sft.num_steps = 100

@@ -487,3 +487,19 @@ def test_marked_board_prints_each_columns_landing_cell():
         state, message = out.state, out.message
         if bool(out.done):
             break
+
+
+def test_echoed_board_prints_its_rows_twice_in_every_board_message():
+    from reno_jax.protocol.tokenizer import load_tokenizer
+
+    board = board_of(["......."] * 4 + ["...O..."] + ["..XX..."])
+    values = wording.host_values(board, agent_player=1, opponent_column=4, mark_playable=True)
+    rows = "".join(row + "\n" for row in wording.render_board(board, mark_playable=True).split("\n")[:-1])
+    plain, echoed = c4env.Connect4Env().chat(), c4env.Connect4Env(echo_board=True).chat()
+    assert resolve(echoed.tool[0], values) == "Opponent played 4.\n" + rows + rows + "1234567"
+    assert resolve(echoed.user[0], values) == "You are X.\nOpponent played 4.\n" + rows + rows + "1234567"
+    for template in range(wording.NUM_TOOL_TEMPLATES):  # the board's texts change, nothing else does
+        assert resolve(echoed.tool[template], values).replace(rows, "", 1) == resolve(plain.tool[template], values)
+    tok = load_tokenizer(None)
+    extra = _piece_tokens(tok, echoed.tool[0], values) - _piece_tokens(tok, plain.tool[0], values)
+    assert extra == rules.ROWS * (rules.COLS + 1)  # one token per cell and per line break

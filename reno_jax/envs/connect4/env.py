@@ -164,6 +164,8 @@ class Connect4Env(TextEnv):
       opening_plies: games start after a random number (0..opening_plies, of the parity that leaves the agent to
         move) of uniform legal plies that make no four; 0: from the empty board. Start records with a ``board``
         ignore it.
+      echo_board: every board prints its rows twice, so each cell's every neighbour is in view somewhere before
+        the second copy's cells (`wording`).
     """
 
     opponent: str = flax.struct.field(pytree_node=False, default="random")
@@ -172,6 +174,7 @@ class Connect4Env(TextEnv):
     single_move: bool = flax.struct.field(pytree_node=False, default=False)
     mark_playable: bool = flax.struct.field(pytree_node=False, default=False)
     opening_plies: int = flax.struct.field(pytree_node=False, default=0)
+    echo_board: bool = flax.struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         if self.opponent not in OPPONENT_SETTINGS:
@@ -186,7 +189,7 @@ class Connect4Env(TextEnv):
     # ------------------------------------------------------------------------------------------------ host
 
     def chat(self):
-        return wording.chat_spec()
+        return wording.chat_spec(bool(self.echo_board))
 
     def max_turns(self) -> int:
         return 1 if self.single_move else int(self.max_agent_turns)

@@ -34,7 +34,8 @@ def make_env(env_config, **overrides) -> c4_env.Connect4Env:
                               max_agent_turns=int(get("max_agent_turns", 21)),
                               single_move=bool(get("single_move", False)),
                               mark_playable=bool(get("mark_playable", False)),
-                              opening_plies=int(get("opening_plies", 0)))
+                              opening_plies=int(get("opening_plies", 0)),
+                              echo_board=bool(get("echo_board", False)))
 
 
 def make_sampler(config):

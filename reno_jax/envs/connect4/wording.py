@@ -38,6 +38,11 @@ a column's number and its cells line up by position. Separating the cells with s
 the usual ``". X O . . . ."`` but costs a token per separator (84 instead of 48 board tokens): the tool response
 would be ~100 tokens instead of ~68, every turn, for 21 turns.
 
+With ``echo`` (`Connect4Env.echo_board`) every board prints its six rows twice before the number line. A causal
+model reads a cell with only the cells above and to its left in view, so at a landing cell the pieces below it
+and to its right (half of the lines a four runs along) are not yet there; in the second copy every neighbour of a
+cell is in the first copy, at a fixed distance back. It costs 48 tokens per board.
+
 Caveat for host-side tokenization: tokenizing a whole board text at once merges runs of dots (``".."`` is a token
 of the shipped tokenizer), so ``apply_chat_template(..., tokenize=True)`` gives FEWER ids than the in-jit renderer,
 which tokenizes slot by slot; the decoded text is identical. Transcripts and rollouts both go through the renderer,
@@ -117,9 +122,10 @@ def tool_schema() -> dict:
     }
 
 
-def board_parts() -> Parts:
+def board_parts(echo: bool = False) -> Parts:
+    """The rows top to bottom, then the number line; ``echo``: the rows twice (see the module docstring)."""
     parts: list = []
-    for r in range(rules.ROWS):
+    for r in list(range(rules.ROWS)) * (2 if echo else 1):
         for c in range(rules.COLS):
             parts.append(Slot(V_CELL0 + r * rules.COLS + c, CELL_OPTIONS))
         parts.append("\n")
@@ -127,20 +133,20 @@ def board_parts() -> Parts:
     return tuple(parts)
 
 
-def user_parts() -> Parts:
-    return ("You are ", Slot(V_SIDE, SIDE_OPTIONS), ".\n", Slot(V_OPPONENT, OPPONENT_OPTIONS), *board_parts())
+def user_parts(echo: bool = False) -> Parts:
+    return ("You are ", Slot(V_SIDE, SIDE_OPTIONS), ".\n", Slot(V_OPPONENT, OPPONENT_OPTIONS), *board_parts(echo))
 
 
-def tool_parts(template: int) -> Parts:
+def tool_parts(template: int, echo: bool = False) -> Parts:
     opponent = Slot(V_OPPONENT, OPPONENT_OPTIONS)
     if template == TOOL_ONGOING:
-        return (opponent, *board_parts())
+        return (opponent, *board_parts(echo))
     if template == TOOL_WIN:
-        return (*board_parts(), WIN_TEXT)
+        return (*board_parts(echo), WIN_TEXT)
     if template == TOOL_DRAW:  # after the agent's move (no opponent line) or after the opponent's reply
-        return (opponent, *board_parts(), DRAW_TEXT)
+        return (opponent, *board_parts(echo), DRAW_TEXT)
     if template == TOOL_LOSS:
-        return (opponent, *board_parts(), LOSS_TEXT)
+        return (opponent, *board_parts(echo), LOSS_TEXT)
     if template == TOOL_INVALID:
         return (INVALID_TEXT,)
     if template == TOOL_ILLEGAL:
@@ -148,12 +154,13 @@ def tool_parts(template: int) -> Parts:
     raise ValueError(f"tool template must be in 0..{NUM_TOOL_TEMPLATES - 1} ({TOOL_NAMES}), got {template}")
 
 
-def chat_spec() -> ChatSpec:
+def chat_spec(echo: bool = False) -> ChatSpec:
+    """The game's texts; ``echo`` (`Connect4Env.echo_board`): every board prints its rows twice."""
     return ChatSpec(
         system=SYSTEM_PROMPT,
         tools=(tool_schema(),),
-        user=(user_parts(),),
-        tool=tuple(tool_parts(t) for t in range(NUM_TOOL_TEMPLATES)),
+        user=(user_parts(echo),),
+        tool=tuple(tool_parts(t, echo) for t in range(NUM_TOOL_TEMPLATES)),
         tool_continues=tuple(t == TOOL_ONGOING for t in range(NUM_TOOL_TEMPLATES)),
         num_values=NUM_VALUES,
         tool_name=TOOL_NAME,
