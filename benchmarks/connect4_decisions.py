@@ -10,6 +10,7 @@ fours.
 
     python benchmarks/connect4_decisions.py --workdir=W --warm_start
     python benchmarks/connect4_decisions.py --workdir=W --step=20 --opponent=random
+    python benchmarks/connect4_decisions.py --workdir=W --warm_start --opening_plies=16   # off the teacher's path
 
 Ends with one JSON line: per kind the decisions, the agreement and the centre-order agreement.
 """
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import teacher_agreement as ta  # noqa: E402
 
+from reno_jax.envs.connect4 import env as c4_env  # noqa: E402
 from reno_jax.envs.connect4 import registration, rules  # noqa: E402
 from reno_jax.loop import build, warmstart  # noqa: E402
 from reno_jax.models import ling3  # noqa: E402
@@ -100,12 +102,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ta.add_run_flags(ap)
     ap.add_argument("--opponent", default="greedy", choices=("random", "greedy", "negamax", "mixed"))
+    ap.add_argument("--opening_plies", type=int, default=0,
+                    help="start the games after up to that many random plies (positions off the teacher's usual path)")
     args = ap.parse_args(argv)
     ta.check_run_flags(ap, args)
+    if not 0 <= args.opening_plies <= c4_env.MAX_OPENING_PLIES:
+        ap.error(f"--opening_plies must be in 0..{c4_env.MAX_OPENING_PLIES}, got {args.opening_plies}")
     config, tokenizer, model_config, params, step = ta.load_scored_run(args)
     config.env.opponent = args.opponent
-    if "opening_plies" in config.env:  # whole games from the empty board, whatever the warm start played
-        config.env.opening_plies = 0
+    config.env.opening_plies = args.opening_plies  # not the warm start's: the board the games start from is a flag
     config.sft.teacher, config.sft.soft_targets = "center_greedy", False
     for field, plain in (("explore", 0.0), ("forced_weight", 1.0)):  # the teacher's own path, unweighted
         if field in config.sft:
@@ -115,7 +120,8 @@ def main(argv=None) -> None:
         f = figures[kind]
         print(f"{kind:>6}: {f['decisions']:4d} decisions, the teacher's column {f['agreement']:.3f}, "
               f"the centre order's column {f['centre_order']:.3f}")
-    figures.update(checkpoint="warm_start" if args.warm_start else step, opponent=args.opponent, games=args.games)
+    figures.update(checkpoint="warm_start" if args.warm_start else step, opponent=args.opponent, games=args.games,
+                   opening_plies=args.opening_plies)
     print(json.dumps(figures))
 
 

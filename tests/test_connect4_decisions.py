@@ -66,3 +66,5 @@ def test_cli_checks_its_flags(tmp_path):
         cd.main([f"--workdir={tmp_path}", "--warm_start", "--step=3"])
     with pytest.raises(SystemExit):
         cd.main([f"--workdir={tmp_path}", "--games=0"])
+    with pytest.raises(SystemExit):
+        cd.main([f"--workdir={tmp_path}", "--warm_start", "--opening_plies=31"])
