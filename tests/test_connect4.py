@@ -500,6 +500,8 @@ def test_echoed_board_prints_its_rows_twice_in_every_board_message():
     assert resolve(echoed.user[0], values) == "You are X.\nOpponent played 4.\n" + rows + rows + "1234567"
     for template in range(wording.NUM_TOOL_TEMPLATES):  # the board's texts change, nothing else does
         assert resolve(echoed.tool[template], values).replace(rows, "", 1) == resolve(plain.tool[template], values)
+        assert wording.tool_text(values, template, echo=True) == resolve(echoed.tool[template], values)
+    assert wording.messages(values, echo=True)[1]["content"] == resolve(echoed.user[0], values)
     tok = load_tokenizer(None)
     extra = _piece_tokens(tok, echoed.tool[0], values) - _piece_tokens(tok, plain.tool[0], values)
     assert extra == rules.ROWS * (rules.COLS + 1)  # one token per cell and per line break

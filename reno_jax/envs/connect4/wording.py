@@ -228,21 +228,21 @@ def render_board(board, mark_playable: bool = False) -> str:
     return resolve(board_parts(), host_values(board, mark_playable=mark_playable))
 
 
-def user_text(values: Sequence[int], template: int = USER_GAME) -> str:
-    return resolve(chat_spec().user[template], values)
+def user_text(values: Sequence[int], template: int = USER_GAME, echo: bool = False) -> str:
+    return resolve(chat_spec(echo).user[template], values)
 
 
-def tool_text(values: Sequence[int], template: int) -> str:
-    return resolve(chat_spec().tool[template], values)
+def tool_text(values: Sequence[int], template: int, echo: bool = False) -> str:
+    return resolve(chat_spec(echo).tool[template], values)
 
 
-def messages(values: Sequence[int]) -> list[dict]:
+def messages(values: Sequence[int], echo: bool = False) -> list[dict]:
     """System + first user message as chat dicts (``values`` from ``reset``'s message)."""
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_text(values)}]
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user_text(values, echo=echo)}]
 
 
-def tool_message(values: Sequence[int], template: int) -> dict:
-    return {"role": "tool", "name": TOOL_NAME, "content": tool_text(values, template)}
+def tool_message(values: Sequence[int], template: int, echo: bool = False) -> dict:
+    return {"role": "tool", "name": TOOL_NAME, "content": tool_text(values, template, echo)}
 
 
 def assistant_call(column: int, content: str = "") -> dict:
