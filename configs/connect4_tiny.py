@@ -49,6 +49,8 @@ def get_config():
   c.env.mark_playable = False      # print each column's landing cell as "*" (reno_jax.envs.connect4.wording)
   c.env.opening_plies = 0          # > 0: games start after up to that many random plies (Connect4Env)
   c.env.echo_board = False         # print every board's rows twice (48 tokens more per board; wording)
+  c.env.illegal_reward = -1.0      # an invalid or illegal call's reward (< -1: worse than any loss)
+  c.env.move_cost = 0.0            # > 0: a win on move m is worth 1 - cost*m, a loss after move m -1 + cost*m
 
   # --- supervised warm start: transcripts of the env's greedy teacher (Connect4Env.teacher_call) ---------------
   c.sft.num_steps = 100

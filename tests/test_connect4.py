@@ -287,6 +287,31 @@ def test_step_cases_under_jit_and_vmap():
     assert wording.tool_text(np.asarray(out.message.values[i]), 5) == "Column 1 is full. You lost."
 
 
+def test_shaped_rewards_follow_the_moves_played_and_price_a_dropped_move():
+    """illegal_reward and move_cost change the reward only: a win on the agent's m-th move is 1 - c*m, a loss
+    after its m-th move -1 + c*m, every invalid or illegal call illegal_reward; outcomes stay the same."""
+    shaped = c4env.Connect4Env(opponent="greedy", negamax_depth=1, illegal_reward=-2.0, move_cost=0.03)
+    cases = [  # (state, call, reward): the agent's moves before this one are its pieces on the board
+        (env_state(np.zeros((6, 7)), 1), call(0, kind=1), -2.0),
+        (env_state(board_of(["X......", "O......", "X......", "O......", "X......", "O......"]), 1), call(1), -2.0),
+        (env_state(board_of(["......."] * 4 + ["OO....."] + ["XXX...O"]), 1), call(4), 1.0 - 0.03 * 4),
+        (env_state(board_of(["......."] * 4 + ["X.X..O."] + ["OOO.XX."]), 1), call(7), -1.0 + 0.03 * 5),
+        (env_state(np.zeros((6, 7)), 1), call(4), 0.0),
+    ]
+    states, calls = _stack([c[0] for c in cases]), _stack([c[1] for c in cases])
+    out = jax.jit(jax.vmap(shaped.step))(states, calls)
+    plain = jax.jit(jax.vmap(c4env.Connect4Env(opponent="greedy", negamax_depth=1).step))(states, calls)
+    np.testing.assert_allclose(np.asarray(out.reward), [c[2] for c in cases], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.info["outcome"]), np.asarray(plain.info["outcome"]))
+    np.testing.assert_array_equal(np.asarray(plain.reward), [-1.0, -1.0, 1.0, -1.0, 0.0])
+    with pytest.raises(ValueError, match="illegal_reward"):
+        c4env.Connect4Env(illegal_reward=0.5)
+    with pytest.raises(ValueError, match="move_cost"):
+        c4env.Connect4Env(move_cost=0.05)  # 21 moves would make a win worth less than 0
+    with pytest.raises(ValueError, match="move_cost"):
+        c4env.Connect4Env(move_cost=-0.01)
+
+
 def test_step_after_done_changes_nothing():
     state = env_state(board_of(["......."] * 4 + ["OO....."] + ["XXX...O"]), 1)
     first = _step(state, call(4))

@@ -11,6 +11,13 @@ drops the agent's piece and, unless that ends the game, the opponent replies ins
   the board is full after the reply                -> reward  0, done (draw)
   otherwise                                        -> reward  0, the tool response shows the reply and the board
 
+Two static settings shape those rewards for RL (both off by default, so the table above is the default):
+``illegal_reward`` replaces the -1 of an invalid or illegal call (below -1, a dropped move is worse than any loss,
+so a policy that is losing anyway still gains by keeping its calls legal), and ``move_cost`` c makes a win on the
+agent's m-th move worth 1 - c*m and a loss after its m-th move -1 + c*m: a quicker win and a later loss are better,
+so a group whose games all end the same way (every game won against the random opponent, every game lost against a
+stronger one) still has a reward spread, led by taking a four at once and stopping the opponent's.
+
 The play page asks for one move at a given position instead: a start record with a ``board``
 (`position_starts`) and ``single_move=True`` (no reply; the episode ends after the agent's move).
 
@@ -166,6 +173,9 @@ class Connect4Env(TextEnv):
         ignore it.
       echo_board: every board prints its rows twice, so each cell's every neighbour is in view somewhere before
         the second copy's cells (`wording`).
+      illegal_reward: the reward of an invalid or illegal call (<= 0; default -1, a loss's).
+      move_cost: c in a win's 1 - c*m and a loss's -1 + c*m after the agent's m-th move (0 <= c*max_agent_turns
+        < 1, so every win stays above 0 and every loss below).
     """
 
     opponent: str = flax.struct.field(pytree_node=False, default="random")
@@ -175,6 +185,8 @@ class Connect4Env(TextEnv):
     mark_playable: bool = flax.struct.field(pytree_node=False, default=False)
     opening_plies: int = flax.struct.field(pytree_node=False, default=0)
     echo_board: bool = flax.struct.field(pytree_node=False, default=False)
+    illegal_reward: float = flax.struct.field(pytree_node=False, default=-1.0)
+    move_cost: float = flax.struct.field(pytree_node=False, default=0.0)
 
     def __post_init__(self):
         if self.opponent not in OPPONENT_SETTINGS:
@@ -185,6 +197,11 @@ class Connect4Env(TextEnv):
             raise ValueError(f"max_agent_turns must be >= 1, got {self.max_agent_turns}")
         if not 0 <= int(self.opening_plies) <= MAX_OPENING_PLIES:
             raise ValueError(f"opening_plies must be in 0..{MAX_OPENING_PLIES}, got {self.opening_plies}")
+        if not float(self.illegal_reward) <= 0.0:
+            raise ValueError(f"illegal_reward must be <= 0 (a dropped move is never a gain), got {self.illegal_reward}")
+        if not (float(self.move_cost) >= 0.0 and float(self.move_cost) * int(self.max_agent_turns) < 1.0):
+            raise ValueError(f"move_cost must be >= 0 with move_cost * max_agent_turns < 1 (every win above 0, "
+                             f"every loss below), got {self.move_cost} with max_agent_turns={self.max_agent_turns}")
 
     # ------------------------------------------------------------------------------------------------ host
 
@@ -309,11 +326,15 @@ class Connect4Env(TextEnv):
             [OUTCOME_WIN, OUTCOME_DRAW, OUTCOME_LOSS, OUTCOME_INVALID, OUTCOME_ILLEGAL],
             default=state.outcome,
         ).astype(jnp.int32)
-        reward = jnp.where(won, 1.0, jnp.where(lost | invalid | illegal, -1.0, 0.0)).astype(jnp.float32)
+        moves = state.agent_moves + played.astype(jnp.int32)
+        lasted = float(self.move_cost) * moves.astype(jnp.float32)
+        reward = jnp.select([won, lost, invalid | illegal], [1.0 - lasted, -1.0 + lasted,
+                                                             jnp.float32(self.illegal_reward)], 0.0)
+        reward = reward.astype(jnp.float32)
         opponent_column = jnp.where(reply, reply_column + 1, 0).astype(jnp.int32)
         new_state = state.replace(
             game=game2,
-            agent_moves=state.agent_moves + played.astype(jnp.int32),
+            agent_moves=moves,
             outcome=outcome,
             opponent_column=jnp.where(live, opponent_column, state.opponent_column),
         )

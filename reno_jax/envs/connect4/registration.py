@@ -35,7 +35,9 @@ def make_env(env_config, **overrides) -> c4_env.Connect4Env:
                               single_move=bool(get("single_move", False)),
                               mark_playable=bool(get("mark_playable", False)),
                               opening_plies=int(get("opening_plies", 0)),
-                              echo_board=bool(get("echo_board", False)))
+                              echo_board=bool(get("echo_board", False)),
+                              illegal_reward=float(get("illegal_reward", -1.0)),
+                              move_cost=float(get("move_cost", 0.0)))
 
 
 def make_sampler(config):
