@@ -67,6 +67,7 @@ def get_config():
   # != 1 (with sft.soft_targets): the loss weight of the teacher's decisions where it wins or blocks (the few moves
   # that decide a game) relative to the others
   c.sft.forced_weight = 1.0
+  c.eval_suites = "random,greedy"  # in-run evaluations (eval_every, sft.eval_every): the targets' two opponents
 
   # --- rollout ------------------------------------------------------------------------------------------------
   c.rollout.boards_per_step = 4    # groups (start records) per step

@@ -83,6 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.learning_rate = 3e-3
   c.sft.warmup_steps = 10
   c.sft.soft_targets = False     # game task: learn from the random legal policy's whole distribution (see sft.py)
+  c.sft.eval_every = 0           # > 0: the run's evaluation suites every that many warm-start steps (warmstart_log/)
 
   # --- rollout ----------------------------------------------------------------------------------
   c.rollout = ml_collections.ConfigDict()
@@ -184,4 +185,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 0         # 0: every checkpoint (2.4 MB each for the tiny model), all on the play page's slider
   c.plot_every = 25
   c.eval_every = 0
+  c.eval_suites = ""             # in-run evaluations' suites, "a,b" (empty: the environment's defaults)
   return c

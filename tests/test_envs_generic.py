@@ -156,6 +156,15 @@ def test_registry_and_config_validation():
     c.env.opponent = "minimax"  # tic-tac-toe's, not Connect Four's
     with pytest.raises(errors.ConfigError, match="opponent"):
         loop_config.validate_config(c)
+    c = connect4_tiny.get_config()
+    c.eval_suites = "random,chess"
+    loop_config.validate_config(c)  # no in-run evaluation: the suites are not played
+    c.sft.eval_every = 50
+    with pytest.raises(errors.ConfigError, match=r"unknown evaluation suite\(s\) \['chess'\]"):
+        loop_config.validate_config(c)
+    c.sft.eval_every = -1
+    with pytest.raises(errors.ConfigError, match=r"--config\.sft\.eval_every must be an integer >= 0"):
+        loop_config.validate_config(c)
 
 
 def _guess_config(tmp_steps=1):
@@ -187,7 +196,13 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     c = _guess_config(2)
     c.eval_every = 2  # the default suite (every secret, greedy) at step 2, logged as eval/<suite>/<figure>;
     # the same program as the evaluate CLI's below (16 episodes in one batch): compiled once per session
+    c.sft.eval_every = 2  # and at the warm start's last step, into warmstart_log/ with every step's NLL
+    c.plot_every = 2
     rows = loop.train(c, str(tmp_path))
+    warm_rows = [json.loads(line) for line in open(tmp_path / "warmstart_log" / "metrics.jsonl")]
+    assert [r["step"] for r in warm_rows] == [1, 2] and all(np.isfinite(r["sft/nll"]) for r in warm_rows)
+    assert "eval/secrets/found_rate" not in warm_rows[0] and warm_rows[1]["perf/eval_seconds"] > 0
+    assert (tmp_path / "warmstart_log" / "learning_curves.png").stat().st_size > 0
     assert [r["step"] for r in rows] == [1, 2]
     assert not any(k.startswith("eval/") for k in rows[0])
     assert rows[1]["eval/secrets/num_episodes"] == guess_number.MAX_NUMBER
@@ -214,6 +229,8 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     figures = loop.flat_figures(loop.evaluate(warm.params, warm.model_config, warm.tokenizer, warm.config,
                                               key=jax.random.PRNGKey(0), show_progress=False))
     assert figures["secrets/num_episodes"] == guess_number.MAX_NUMBER and 0.0 <= figures["secrets/found_rate"] <= 1
+    for figure in ("found_rate", "guesses_mean", "mean_reward"):  # the warm start's own in-run evaluation agrees
+        assert figures[f"secrets/{figure}"] == warm_rows[1][f"eval/secrets/{figure}"], figure
 
 
 def test_summarize_reduces_infos_by_the_declared_metrics():

@@ -7,7 +7,7 @@ import os
 
 from reno_jax import parallel
 from reno_jax.errors import ConfigError
-from reno_jax.loop import build
+from reno_jax.loop import build, evaluation
 from reno_jax.loop.build import QUANTIZE
 from reno_jax.models import lora
 from reno_jax.rl import curriculum, learner, losses, recipe
@@ -30,6 +30,8 @@ _CHECKS = (
     ("checkpoint_every", lambda v: v >= 1, "an integer >= 1"),
     ("keep_checkpoints", lambda v: v >= 0, "an integer >= 0 (0: keep every checkpoint)"),
     ("plot_every", lambda v: v >= 0, "an integer >= 0 (0: never)"),
+    ("eval_every", lambda v: v >= 0, "an integer >= 0 (0: never)"),
+    ("sft.eval_every", lambda v: v >= 0, "an integer >= 0 (0: never)"),
     ("model.dtype", lambda v: v in build.DTYPES, f"one of {sorted(build.DTYPES)}"),
     ("sft.num_steps", lambda v: v >= 0, "an integer >= 0 (0: no warm start)"),
     ("sft.batch_size", lambda v: v >= 1, "an integer >= 1"),
@@ -134,6 +136,8 @@ def validate_config(config) -> None:
                           f"{config.rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
                           f"--config.rl.num_microbatches = {splits}")
     check_env(config)
+    if int(config.get("eval_every", 0) or 0) or ("sft" in config and int(config.sft.get("eval_every", 0) or 0)):
+        evaluation.resolve_suites(config, evaluation.in_run_suite_names(config))  # ConfigError naming the suites
     recipe.make_loss_fn(config)  # the loss's own cross-field rules (corrections, regularisers), before anything is written
     if "mesh" in config:
         mesh_config = parallel.MeshConfig.from_config(config.mesh)

@@ -45,6 +45,13 @@ def default_suite_names(config) -> list[str]:
     return [name for name, suite in suites_of(config).items() if suite.default]
 
 
+def in_run_suite_names(config) -> list[str] | None:
+    """The suites an evaluation inside a run plays (`eval_every`, `sft.eval_every`): `config.eval_suites`
+    ("a,b"), or None (empty: the environment's defaults)."""
+    names = [n.strip() for n in str(config.get("eval_suites", "") or "").split(",") if n.strip()]
+    return names or None
+
+
 def resolve_suites(config, names: Sequence[str] | None) -> dict[str, interface.EvalSuite]:
     """`names` (None or empty: the defaults) as suites; ConfigError naming the unknown ones and the choices."""
     available = suites_of(config)

@@ -178,7 +178,8 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
             if eval_every and (step % eval_every == 0 or step == total):
                 t_eval = time.time()
                 results = evaluation.evaluate(runner.learner.policy_params(state.params), model_config, tokenizer,
-                                              stage.config, key=eval_key, show_progress=False)
+                                              stage.config, evaluation.in_run_suite_names(stage.config),
+                                              key=eval_key, show_progress=False)
                 row.update(evaluation.flat_figures(results, prefix="eval/"))
                 row["perf/eval_seconds"] = time.time() - t_eval
             rows.append(writer.write(step, row) if writer is not None else {"step": step, **row})

@@ -2,6 +2,11 @@
 environment's scripted teacher (`registry` entry's `make_teacher`), written by stepping the environment itself
 (`rl.sft.env_transcripts`), so the token sequences are exactly those a rollout of the same calls would hold.
 
+`sft.eval_every` > 0 plays the run's evaluation suites (`config.eval_suites`, else the environment's defaults) on
+the warm-starting parameters every that many steps and at the end, so one long warm start shows how far more of
+it goes; every step's NLL and those figures go to `<workdir>/warmstart_log/` (metrics.jsonl, TensorBoard and
+learning_curves.png).
+
 A warm start that should teach the call format and nothing more uses a teacher with no strategy (tic-tac-toe:
 a uniformly random legal square); `sft.soft_targets` then scores every call against the teacher's whole choice
 (uniform over its support) instead of the one sampled.
@@ -12,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +25,18 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError
-from reno_jax.loop import build, hosts
+from reno_jax.loop import build, evaluation, hosts
 from reno_jax.rl import curriculum, policy, sft, trainer
 from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import rollout as rollout_lib
+from reno_jax.rollout import summary as summary_lib
 
 CACHE_SUBDIR = "warmstart"
+LOG_SUBDIR = "warmstart_log"  # beside the cache, not in it: the cache directory is Orbax's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +47,11 @@ class WarmStartResult:
     final_nll: float = float("nan")
     seconds: float = 0.0
     teacher: dict = dataclasses.field(default_factory=dict)  # the teacher's own figures on its transcripts
+    evaluated: dict = dataclasses.field(default_factory=dict)  # the last in-run evaluation (`sft.eval_every`)
 
     def summary(self) -> dict:
         return {"cached": self.cached, "final_nll": self.final_nll, "seconds": self.seconds,
-                **{f"teacher/{k}": v for k, v in self.teacher.items()}}
+                **{f"teacher/{k}": v for k, v in self.teacher.items()}, **self.evaluated}
 
 
 def runs_warm_start(config) -> bool:
@@ -69,12 +78,25 @@ def env_config_for_warm_start(config):
     return config
 
 
-def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layout=None) -> WarmStartResult:
+def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layout=None,
+               log: Callable[[int, dict], Any] | None = None) -> WarmStartResult:
     """`config.sft.num_steps` supervised steps on teacher transcripts; returns the trained parameters.
 
     `layout` (`parallel.Layout`): where the train state and the batches live (default: as given, one device).
+    `log(step, row)`: called after every step with ``{"sft/nll": ...}`` and, every `sft.eval_every` steps and at the
+    last, the evaluation's figures (``eval/<suite>/<figure>``), played in the run's environment (`config.env`,
+    not the warm start's `sft.env`).
     """
     s = config.sft
+    run_config = config
+    eval_every = int(s.get("eval_every", 0) or 0)
+    if eval_every < 0:
+        raise ConfigError(f"--config.sft.eval_every must be >= 0, got {eval_every}")
+    suite_names = evaluation.in_run_suite_names(config)
+    if eval_every:  # a bad suite name fails here, not after the first eval_every steps
+        evaluation.resolve_suites(config, suite_names)
+    eval_key = jax.random.PRNGKey(int(config.get("seed", 0)) + 1)  # the RL loop's eval key: comparable figures
+    evaluated = {}
     config = env_config_for_warm_start(config)
     entry = build.env_entry(config)
     if entry.make_teacher is None:
@@ -126,13 +148,23 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
         state, metrics = step_fn(state, place(batch))
         nll = float(metrics["nll"])
         infos.append(jax.device_get(out.info))
+        step = int(state.step)
+        row = {"sft/nll": nll}
+        if eval_every and (step % eval_every == 0 or step == int(s.num_steps)):
+            t_eval = time.time()
+            results = evaluation.evaluate(state.params, model_config, tokenizer, run_config, suite_names,
+                                          key=eval_key, show_progress=False)
+            evaluated = evaluation.flat_figures(results, prefix="eval/")
+            row.update(evaluated, **{"perf/eval_seconds": time.time() - t_eval})
+        if log is not None:
+            log(step, row)
         bar.set_postfix(nll=f"{nll:.3f}")
     teacher_figures = {}
     if infos:
         info = jax.tree.map(lambda *xs: np.concatenate(xs), *infos)
         teacher_figures = interface.summarize(env.env, info)
     return WarmStartResult(params=state.params, cached=False, final_nll=nll, seconds=time.time() - t0,
-                           teacher=teacher_figures)
+                           teacher=teacher_figures, evaluated=evaluated)
 
 
 def cached_warm_start(workdir: str, config, model_config, params, tokenizer, key: jax.Array, *,
@@ -143,10 +175,32 @@ def cached_warm_start(workdir: str, config, model_config, params, tokenizer, key
         restored = ckpt_lib.restore_item(path, {"params": params})
         hosts.say(f"Reusing the cached warm start in {path}")
         return WarmStartResult(params=restored["params"], cached=True)
-    result = warm_start(config, model_config, params, tokenizer, key, layout=layout)
+    writer = None
+    if hosts.is_main_process():
+        writer = metrics_lib.MetricsWriter(os.path.join(os.path.abspath(workdir), LOG_SUBDIR))
+    try:
+        result = warm_start(config, model_config, params, tokenizer, key, layout=layout,
+                            log=None if writer is None else writer.write)
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is not None and config.get("plot_every", 0):
+        plot_warm_start(writer.path, build.make_env(config))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path, {"params": result.params})
     checkpointer.wait_until_finished()
     checkpointer.close()
     hosts.say(f"Warm start done: {result.summary()}")
     return result
+
+
+def plot_warm_start(jsonl_path: str, env) -> str:
+    """learning_curves.png beside the warm start's metrics.jsonl: its NLL and the environment's plotted figures of
+    each evaluated suite (`eval/<suite>/<figure>`)."""
+    rows = metrics_lib.read_metrics(jsonl_path)
+    plotted = {name.split("/", 1)[1] for name in summary_lib.plotted_metrics(env)}
+    seen = dict.fromkeys(k for row in rows for k in row)
+    keys = ["sft/nll"] + [k for k in seen if k.startswith("eval/") and k.rsplit("/", 1)[-1] in plotted]
+    return metrics_lib.plot_learning_curves(jsonl_path, os.path.join(os.path.dirname(jsonl_path),
+                                                                     "learning_curves.png"), keys,
+                                            title="warm start")
