@@ -47,7 +47,8 @@ class WarmStartResult:
     final_nll: float = float("nan")
     seconds: float = 0.0
     teacher: dict = dataclasses.field(default_factory=dict)  # the teacher's own figures on its transcripts
-    evaluated: dict = dataclasses.field(default_factory=dict)  # the last in-run evaluation (`sft.eval_every`)
+    # the last in-run evaluation (`sft.eval_every`) and the time all of them took (not in `seconds`)
+    evaluated: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict:
         return {"cached": self.cached, "final_nll": self.final_nll, "seconds": self.seconds,
@@ -96,7 +97,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     if eval_every:  # a bad suite name fails here, not after the first eval_every steps
         evaluation.resolve_suites(config, suite_names)
     eval_key = jax.random.PRNGKey(int(config.get("seed", 0)) + 1)  # the RL loop's eval key: comparable figures
-    evaluated = {}
+    evaluated, eval_seconds = {}, 0.0
     config = env_config_for_warm_start(config)
     entry = build.env_entry(config)
     if entry.make_teacher is None:
@@ -156,6 +157,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
                                           key=eval_key, show_progress=False)
             evaluated = evaluation.flat_figures(results, prefix="eval/")
             row.update(evaluated, **{"perf/eval_seconds": time.time() - t_eval})
+            eval_seconds += row["perf/eval_seconds"]
         if log is not None:
             log(step, row)
         bar.set_postfix(nll=f"{nll:.3f}")
@@ -163,8 +165,9 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     if infos:
         info = jax.tree.map(lambda *xs: np.concatenate(xs), *infos)
         teacher_figures = interface.summarize(env.env, info)
-    return WarmStartResult(params=state.params, cached=False, final_nll=nll, seconds=time.time() - t0,
-                           teacher=teacher_figures, evaluated=evaluated)
+    return WarmStartResult(params=state.params, cached=False, final_nll=nll,
+                           seconds=time.time() - t0 - eval_seconds, teacher=teacher_figures,
+                           evaluated=dict(evaluated, **({"eval_seconds": eval_seconds} if eval_every else {})))
 
 
 def cached_warm_start(workdir: str, config, model_config, params, tokenizer, key: jax.Array, *,
