@@ -90,12 +90,8 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     """
     s = config.sft
     run_config = config
-    eval_every = int(s.get("eval_every", 0) or 0)
-    if eval_every < 0:
-        raise ConfigError(f"--config.sft.eval_every must be >= 0, got {eval_every}")
+    eval_every = int(s.get("eval_every", 0) or 0)  # its range and the suite names: `validate_config`
     suite_names = evaluation.in_run_suite_names(config)
-    if eval_every:  # a bad suite name fails here, not after the first eval_every steps
-        evaluation.resolve_suites(config, suite_names)
     eval_key = jax.random.PRNGKey(int(config.get("seed", 0)) + 1)  # the RL loop's eval key: comparable figures
     evaluated, eval_seconds = {}, 0.0
     config = env_config_for_warm_start(config)
@@ -133,7 +129,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     bucket = int(config.rl.get("length_bucket", 0))
     t0, nll, infos = time.time(), float("nan"), []
     bar = hosts.progress(int(s.num_steps), desc="warm start")
-    for _ in bar:
+    for index in bar:
         key, k_starts, k_play = jax.random.split(key, 3)
         out = sft.env_transcripts(k_play, sampler(k_starts, int(s.batch_size)), env, teacher.policy, calls,
                                   max_turns=turns, length=length, soft_targets=soft)
@@ -149,7 +145,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
         state, metrics = step_fn(state, place(batch))
         nll = float(metrics["nll"])
         infos.append(jax.device_get(out.info))
-        step = int(state.step)
+        step = index + 1
         row = {"sft/nll": nll}
         if eval_every and (step % eval_every == 0 or step == int(s.num_steps)):
             t_eval = time.time()
