@@ -6,13 +6,14 @@ once), "block" (it cannot, but the other side could: one column stops it), "othe
 counts the decisions, the share where the policy's most likely column is the teacher's, and the share where that
 column is also what the teacher's centre order alone would have played (no win or block looked for): a policy
 that agrees on "win" / "block" decisions only where the centre order happens to coincide has not learned to see
-fours.
+fours. It also counts the share where that column is full (the move a game would end on as illegal).
 
     python benchmarks/connect4_decisions.py --workdir=W --warm_start
     python benchmarks/connect4_decisions.py --workdir=W --step=20 --opponent=random
     python benchmarks/connect4_decisions.py --workdir=W --warm_start --opening_plies=16   # off the teacher's path
 
-Ends with one JSON line: per kind the decisions, the agreement and the centre-order agreement.
+Ends with one JSON line: per kind the decisions, the agreement, the centre-order agreement and the full-column
+share.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def split(params, model_config, tokenizer, config, *, games: int, batch: int, se
     length = warmstart.transcript_length(env, calls, turns, rollout_lib.conversation_length(env, rc))
     sampler = entry.make_sampler(config)
     logits_fn = jax.jit(lambda p, tokens, valid: ling3.forward(p, model_config, tokens, valid=valid)[0])
-    counts = {k: np.zeros(3, np.int64) for k in KINDS}  # decisions, agreed, agreed with the centre order
+    # decisions, agreed, agreed with the centre order, a full column chosen
+    counts = {k: np.zeros(4, np.int64) for k in KINDS}
     key = jax.random.PRNGKey(seed)
     for first in range(0, games, batch):
         k_starts, k_play = jax.random.split(jax.random.fold_in(key, first))
@@ -84,9 +86,11 @@ def split(params, model_config, tokenizer, config, *, games: int, batch: int, se
                 kind = decision_kind(board)
                 teacher_col = column_of[int(tokens[b, t])]
                 guess = column_of.get(int(predicted[b, t - 1]), -1)
-                counts[kind] += (1, guess == teacher_col, guess == centre_order_column(board))
-    return {k: {"decisions": int(n), "agreement": round(a / max(n, 1), 3), "centre_order": round(c / max(n, 1), 3)}
-            for k, (n, a, c) in counts.items()}
+                full = guess >= 0 and not rules.np_legal(board)[guess]
+                counts[kind] += (1, guess == teacher_col, guess == centre_order_column(board), full)
+    return {k: {"decisions": int(n), "agreement": round(a / max(n, 1), 3), "centre_order": round(c / max(n, 1), 3),
+                "full_column": round(f / max(n, 1), 4)}
+            for k, (n, a, c, f) in counts.items()}
 
 
 def _board_before(tokenizer, prefix: np.ndarray) -> np.ndarray:
@@ -119,7 +123,7 @@ def main(argv=None) -> None:
     for kind in KINDS:
         f = figures[kind]
         print(f"{kind:>6}: {f['decisions']:4d} decisions, the teacher's column {f['agreement']:.3f}, "
-              f"the centre order's column {f['centre_order']:.3f}")
+              f"the centre order's column {f['centre_order']:.3f}, a full column {f['full_column']:.4f}")
     figures.update(checkpoint="warm_start" if args.warm_start else step, opponent=args.opponent, games=args.games,
                    opening_plies=args.opening_plies)
     print(json.dumps(figures))

@@ -82,6 +82,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.sft.batch_size = 64
   c.sft.learning_rate = 3e-3
   c.sft.warmup_steps = 10
+  # > 1: draw that many batches of transcripts at once and train on them as batches of similar lengths (each padded
+  # to its own longest conversation; rl.sft.length_sorted_batches): cheaper steps where lengths differ a lot
+  c.sft.length_pool = 1
   c.sft.soft_targets = False     # game task: learn from the random legal policy's whole distribution (see sft.py)
   c.sft.eval_every = 0           # > 0: the run's evaluation suites every that many warm-start steps (warmstart_log/)
 

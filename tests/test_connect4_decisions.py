@@ -59,6 +59,8 @@ def test_agreement_per_kind(connect4, monkeypatch, scripted_forward, shift, expe
             assert figures[kind]["agreement"] == expected
     # the teacher plays the centre order on every "other" decision, so an oracle agrees with that order there
     assert figures["other"]["centre_order"] == expected
+    if shift == 0:  # the teacher never drops into a full column, nor does its oracle
+        assert all(figures[k]["full_column"] == 0.0 for k in cd.KINDS)
 
 
 def test_cli_checks_its_flags(tmp_path):

@@ -372,3 +372,40 @@ def test_warm_start_trimmed_to_the_longest_transcript_trains_the_same(monkeypatc
     for a, b in zip(jax.tree.leaves(out[0].params), jax.tree.leaves(out[8].params)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
+
+
+def test_warm_start_from_a_length_sorted_pool(monkeypatch):
+    """sft.length_pool: one draw of that many batches, trained as batches of neighbours in length (each cut after
+    its own longest transcript), drawn again when the pool is used up; 0 is refused."""
+    from reno_jax.loop import build as loop_build
+    from reno_jax.loop import warmstart
+    pools, widths = [], []
+    split, trim = sft.length_sorted_batches, warmstart.trim_length
+
+    def spy_split(transcripts, batch_size, key):
+        pools.append(np.asarray(transcripts.valid).sum(axis=1))
+        return split(transcripts, batch_size, key)
+
+    def spy_trim(batch, width):
+        widths.append((width, int(np.asarray(batch.valid).sum(axis=1).max())))
+        return trim(batch, width)
+
+    monkeypatch.setattr(sft, "length_sorted_batches", spy_split)
+    monkeypatch.setattr(warmstart, "trim_length", spy_trim)
+    c = _guess_config()
+    c.rollout.max_turns = 5
+    c.sft.batch_size = 2
+    c.sft.num_steps = 3
+    c.sft.length_pool = 2
+    c.rl.length_bucket = 1
+    tokenizer = loop_build.build_tokenizer(c)
+    model_config, params = loop_build.build_model(c, jax.random.PRNGKey(0), tokenizer)
+    result = warmstart.warm_start(c, model_config, params, tokenizer, jax.random.PRNGKey(1))
+    assert [len(p) for p in pools] == [4, 4]  # a pool of two batches, drawn again at the third step
+    assert all(w == longest for w, longest in widths) and len(widths) == 3
+    first = sorted(pools[0])  # the first two steps' batches: the pool's two shorter and two longer transcripts
+    assert sorted([widths[0][0], widths[1][0]]) == [first[1], first[3]]
+    assert np.isfinite(result.final_nll) and result.teacher
+    c.sft.length_pool = 0
+    with pytest.raises(errors.ConfigError, match=r"--config\.sft\.length_pool must be an integer >= 1"):
+        loop_config.validate_config(c)

@@ -5,10 +5,13 @@ legal square, the call format and no strategy); soft targets over the teacher's 
 import json
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reno_jax.envs.tictactoe import env as E
 from reno_jax.envs.tictactoe import registration
@@ -269,3 +272,36 @@ def test_a_teachers_decision_weight_scales_its_soft_targets(game_world):
     np.testing.assert_allclose(total[at & ~centre], 1.0, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(out.target_weights)[centre] / 3.0, np.asarray(base.target_weights)[centre],
                                rtol=1e-6)
+
+
+def _pool(lengths, width=12):
+    rows = len(lengths)
+    valid = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
+    tokens = np.where(valid, np.arange(1, rows + 1)[:, None], 0).astype(np.int32)
+    return sft.Transcripts(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(valid),
+                           support=jnp.zeros((rows, width, 2), jnp.bool_), info={"row": jnp.arange(rows)})
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.data())
+def test_length_sorted_batches_split_a_pool_into_batches_of_neighbours_in_length(batch, batches, data):
+    lengths = data.draw(st.lists(st.integers(1, 12), min_size=batch * batches, max_size=batch * batches))
+    out = sft.length_sorted_batches(_pool(lengths), batch, jax.random.PRNGKey(data.draw(st.integers(0, 99))))
+    assert len(out) == batches
+    seen = []
+    for part in out:
+        chex.assert_shape(part.tokens, (batch, 12))
+        rows = np.asarray(part.info["row"])
+        # every field of a row moved together, and each batch holds whole rows of the pool
+        np.testing.assert_array_equal(np.asarray(part.tokens).max(axis=1), rows + 1)
+        np.testing.assert_array_equal(np.asarray(part.valid).sum(axis=1), np.asarray(lengths)[rows])
+        seen.append(sorted(np.asarray(lengths)[rows]))
+    assert sorted(int(r) for part in out for r in np.asarray(part.info["row"])) == list(range(batch * batches))
+    # the batches are consecutive runs of the sorted lengths: no batch spans another's range
+    seen.sort()
+    assert [x for part in seen for x in part] == sorted(lengths)
+
+
+def test_length_sorted_batches_refuse_a_pool_that_does_not_split():
+    with pytest.raises(ValueError, match="does not split into batches of 2"):
+        sft.length_sorted_batches(_pool([3, 4, 5]), 2, jax.random.PRNGKey(0))

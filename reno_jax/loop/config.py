@@ -35,6 +35,7 @@ _CHECKS = (
     ("model.dtype", lambda v: v in build.DTYPES, f"one of {sorted(build.DTYPES)}"),
     ("sft.num_steps", lambda v: v >= 0, "an integer >= 0 (0: no warm start)"),
     ("sft.batch_size", lambda v: v >= 1, "an integer >= 1"),
+    ("sft.length_pool", lambda v: v >= 1, "an integer >= 1 (1: every batch drawn alone)"),
     ("sft.learning_rate", lambda v: v > 0, "a number > 0"),
     ("sft.warmup_steps", lambda v: v >= 0, "an integer >= 0"),
     ("rollout.boards_per_step", lambda v: v >= 1, "an integer >= 1"),

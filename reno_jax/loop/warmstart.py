@@ -127,12 +127,23 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
     place = (lambda batch: batch) if layout is None else layout.place_batch
     bucket = int(config.rl.get("length_bucket", 0))
+    pool = int(s.get("length_pool", 1) or 1)  # its range: `validate_config`
+    pending: list[sft.Transcripts] = []
     t0, nll, infos = time.time(), float("nan"), []
     bar = hosts.progress(int(s.num_steps), desc="warm start")
     for index in bar:
-        key, k_starts, k_play = jax.random.split(key, 3)
-        out = sft.env_transcripts(k_play, sampler(k_starts, int(s.batch_size)), env, teacher.policy, calls,
-                                  max_turns=turns, length=length, soft_targets=soft)
+        if pool == 1:
+            key, k_starts, k_play = jax.random.split(key, 3)
+            out = sft.env_transcripts(k_play, sampler(k_starts, int(s.batch_size)), env, teacher.policy, calls,
+                                      max_turns=turns, length=length, soft_targets=soft)
+        else:
+            if not pending:
+                key, k_starts, k_play, k_order = jax.random.split(key, 4)
+                drawn = sft.env_transcripts(k_play, sampler(k_starts, pool * int(s.batch_size)), env,
+                                            teacher.policy, calls, max_turns=turns, length=length,
+                                            soft_targets=soft)
+                pending = sft.length_sorted_batches(drawn, int(s.batch_size), k_order)
+            out = pending.pop()
         tokens = out.tokens
         batch = TrainBatch(tokens=tokens, valid=out.valid, loss_mask=out.loss_mask,
                            old_logp=jnp.zeros(tokens.shape, jnp.float32),

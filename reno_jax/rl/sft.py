@@ -196,6 +196,24 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
                        support=support, info=info, target_weights=weights)
 
 
+def length_sorted_batches(transcripts: Transcripts, batch_size: int, key: jax.Array) -> list[Transcripts]:
+    """A pool of ``P * batch_size`` transcripts as P batches of neighbours in length, in a random order.
+
+    Whole conversations differ a lot in length (a game won in four moves against one of twenty), and a batch is
+    padded to its longest row: batches of similar lengths pad far less, so each step costs only as much as its own
+    conversations. Every transcript is in exactly one batch; within the pool the rows keep their lengths' order
+    (the shortest in one batch, the longest in another), so the pool, not each batch, is the sample. The host
+    reads the lengths once per pool.
+    """
+    rows = int(transcripts.tokens.shape[0])
+    if batch_size < 1 or rows % batch_size:
+        raise ValueError(f"a pool of {rows} transcripts does not split into batches of {batch_size}")
+    lengths = np.asarray(jax.device_get(jnp.sum(transcripts.valid, axis=1)))
+    order = np.argsort(lengths, kind="stable").reshape(-1, batch_size)
+    order = order[np.asarray(jax.device_get(jax.random.permutation(key, order.shape[0])))]
+    return [jax.tree.map(lambda a, idx=jnp.asarray(idx): a[idx], transcripts) for idx in order]
+
+
 def sft_loss(logp, old_logp, advantages, mask, **unused):
     """Token-mean negative log-likelihood over ``mask`` (same signature as the policy losses).
 
