@@ -409,3 +409,6 @@ def test_warm_start_from_a_length_sorted_pool(monkeypatch):
     c.sft.length_pool = 0
     with pytest.raises(errors.ConfigError, match=r"--config\.sft\.length_pool must be an integer >= 1"):
         loop_config.validate_config(c)
+    c.sft.length_pool, c.rl.length_bucket = 2, 0
+    with pytest.raises(errors.ConfigError, match=r"length_pool=2 needs --config\.rl\.length_bucket > 0"):
+        loop_config.validate_config(c)

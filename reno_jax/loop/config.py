@@ -136,6 +136,10 @@ def validate_config(config) -> None:
         raise ConfigError(f"the {rows} trained rows per step (groups {trained} x --config.rollout.group_size="
                           f"{config.rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
                           f"--config.rl.num_microbatches = {splits}")
+    pool = int(config.sft.get("length_pool", 1)) if "sft" in config else 1
+    if pool > 1 and not int(config.rl.get("length_bucket", 0)):
+        raise ConfigError(f"--config.sft.length_pool={pool} needs --config.rl.length_bucket > 0 (without it every "
+                          "batch is padded to the whole conversation length, sorted by length or not)")
     check_env(config)
     if int(config.get("eval_every", 0) or 0) or ("sft" in config and int(config.sft.get("eval_every", 0) or 0)):
         evaluation.resolve_suites(config, evaluation.in_run_suite_names(config))  # ConfigError naming the suites
