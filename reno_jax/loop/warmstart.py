@@ -2,6 +2,10 @@
 environment's scripted teacher (`registry` entry's `make_teacher`), written by stepping the environment itself
 (`rl.sft.env_transcripts`), so the token sequences are exactly those a rollout of the same calls would hold.
 
+`sft.length_pool` > 1 draws that many batches of conversations at once and trains them as batches of similar
+lengths (`sft.length_sorted_batches`), each cut after its own longest (`rl.length_bucket`): where lengths differ a
+lot (whole games), a batch no longer pads its short conversations to a long one's length.
+
 `sft.eval_every` > 0 plays the run's evaluation suites (`config.eval_suites`, else the environment's defaults) on
 the warm-starting parameters every that many steps and at the end, so one long warm start shows how far more of
 it goes; every step's NLL and those figures go to `<workdir>/warmstart_log/` (metrics.jsonl, TensorBoard and
