@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, 1, 10, weight_decay=0.0, clip_norm=1.0)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
     step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
-    full = TrainBatch(tokens=drawn.tokens, valid=jnp.ones_like(drawn.valid), loss_mask=drawn.loss_mask | drawn.valid,
+    full = TrainBatch(tokens=drawn.tokens, valid=drawn.valid, loss_mask=drawn.loss_mask,  # a step's cost: its width
                       old_logp=jnp.zeros(drawn.tokens.shape, jnp.float32),
                       advantages=jnp.zeros((batch,), jnp.float32))
     if soft:  # the soft-target loss, as the warm start runs it
