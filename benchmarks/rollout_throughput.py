@@ -211,7 +211,7 @@ def main(argv=None):
         if model is not None:
             if b == batches[0]:
                 r["logit_max_abs_diff_vs_transformers"] = check_same_model(torch, model, params, mc, prompts)
-            runners["transformers"] = transformers_runner(torch, model, prompts, args.new_tokens, env.spec.pad_id)
+            runners["transformers"] = transformers_runner(torch, model, prompts, args.new_tokens, env.chat.pad_id)
         sec = time_interleaved(runners, args.repeats)
         traj = out["traj"]
         assert int(np.asarray(traj.prompt_length)[0]) == prompts.shape[1]
