@@ -16,6 +16,7 @@ Game task (our multi-turn extension): the agent plays a whole game against an op
 from __future__ import annotations
 
 import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,7 +194,7 @@ def opponent_move(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@chex.dataclass
+@flax.struct.dataclass
 class GameTaskState:
     """One game of the agent against an opponent (vmap for batches: every field gains a leading ``[B]``).
 
@@ -209,14 +210,14 @@ class GameTaskState:
         in the last step); the rollout renders it into the tool response.
     """
 
-    board: chex.Array
-    agent_player: chex.Array
-    opponent_kind: chex.Array
-    epsilon: chex.Array
-    done: chex.Array
-    outcome: chex.Array
-    turns: chex.Array
-    opponent_square: chex.Array
+    board: jax.Array
+    agent_player: jax.Array
+    opponent_kind: jax.Array
+    epsilon: jax.Array
+    done: jax.Array
+    outcome: jax.Array
+    turns: jax.Array
+    opponent_square: jax.Array
 
 
 def game_reset(
