@@ -22,7 +22,7 @@ setup(
         "absl-py>=2.1",
         "ml_collections>=1.0",
         "safetensors>=0.4",
-        "transformers>=4.50",
+        "transformers>=5.20",  # the first with BailingHybridConfig / BailingHybridForCausalLM (export checks)
         "tokenizers>=0.20",
         "jinja2>=3.1",
         "numpy>=1.26",

@@ -447,8 +447,7 @@ def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_pa
     assert not any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
         exported, is_leaf=lambda x: isinstance(x, quant.QArray)))
     np.testing.assert_allclose(np.asarray(forward(exported)), adapted, atol=1e-4, rtol=0)
-    transformers = pytest.importorskip("transformers")
-    if importlib.util.find_spec("torch") and hasattr(transformers, "BailingHybridForCausalLM"):
+    if importlib.util.find_spec("torch"):  # the bench extra; .ci/run installs it before the slow tier
         from reno_jax.models import hf_native
         figures = hf_native.compare_logits(tmp_path / "hf", np.asarray(ids))  # transformers' own class
         assert figures["schedule_matches"] and figures["max_abs_logit_diff"] <= 1e-4, figures
