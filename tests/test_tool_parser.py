@@ -1,4 +1,5 @@
-"""Tests for reno_jax.envs.tictactoe.tool_parser: the host reference grammar and the jitted byte-DFA parser's agreement."""
+"""Tests for reno_jax.envs.tictactoe.tool_parser: the host reference grammar and the jitted byte-DFA parser's
+agreement."""
 
 import random
 

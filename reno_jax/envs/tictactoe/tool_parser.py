@@ -66,7 +66,8 @@ def build_parser_tables(tokenizer, vocab_size: int | None = None) -> toolcall.To
     return toolcall.compile_tool_calls(_spec(), tokenizer, vocab_size)
 
 
-def parse_tool_call(tables: toolcall.ToolCallTables, token_ids: jax.Array, length=None, *, max_bytes: int | None = None):
+def parse_tool_call(tables: toolcall.ToolCallTables, token_ids: jax.Array, length=None, *,
+                    max_bytes: int | None = None):
     """``(kind int32 [], square int32 [])`` of the first tool call in ``token_ids[:length]`` (jit/vmap friendly;
     agrees with ``parse_tool_call_text`` on the decoded text). See ``toolcall.parse`` for ``max_bytes``."""
     kind, _, args = toolcall.parse(tables, token_ids, length, max_bytes=max_bytes)
