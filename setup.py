@@ -22,7 +22,7 @@ setup(
         "absl-py>=2.1",
         "ml_collections>=1.0",
         "safetensors>=0.4",
-        "transformers>=4.50",
+        "transformers>=5.20",  # the first with BailingHybridConfig / BailingHybridForCausalLM (export checks)
         "tokenizers>=0.20",
         "jinja2>=3.1",
         "numpy>=1.26",
@@ -33,8 +33,10 @@ setup(
     extras_require={
         # The play page (`python -m experiments.play`): its web server; pydantic v2 for the request models.
         "play": _PLAY,
-        # The suite covers the play page too (its API through httpx, its page in a browser through selenium).
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20"] + _PLAY,
+        # The suite covers the play page too (its API through httpx, its page in a browser through selenium), and
+        # lints the repository (ruff, configured in pyproject.toml).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20",
+                 "ruff>=0.17.6,<0.18"] + _PLAY,  # a formatter pinned to its minor version: a new one restyles code
         "gpu": ["jax[cuda12]"],
         "bench": ["pgx>=2.0", "torch==2.13.0"],
     },

@@ -165,6 +165,7 @@ def ours_with_parse_render(batch, steps, sampler, parse=True, render=True):
     alone).
     """
     from reno_jax.envs.tictactoe import wording as text, tool_parser
+    from reno_jax.protocol import toolcall
     from reno_jax.protocol.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
@@ -180,7 +181,7 @@ def ours_with_parse_render(batch, steps, sampler, parse=True, render=True):
     ]
     for k, ids in enumerate(calls, start=1):  # the host parser must read each call back as square k
         kind, sq = tool_parser.parse_tool_call_text(tok.decode(ids, skip_special_tokens=False))
-        assert (kind, sq) == (tool_parser.KIND_OK, k), (k, kind, sq)
+        assert (kind, sq) == (toolcall.KIND_OK, k), (k, kind, sq)
     width = max(len(c) for c in calls)
     call_ids = jnp.asarray([c + [spec.pad_id] * (width - len(c)) for c in calls], jnp.int32)
     call_len = jnp.asarray([len(c) for c in calls], jnp.int32)
@@ -192,7 +193,7 @@ def ours_with_parse_render(batch, steps, sampler, parse=True, render=True):
             ids = call_ids[action]  # [T] tokens the policy "generated"
             kind, square = tool_parser.parse_tool_call(tables, ids, call_len[action])
             # A failed parse is an invalid move (index -1), as the rollout would treat it.
-            action = jnp.where(kind == tool_parser.KIND_OK, square - 1, -1)
+            action = jnp.where(kind == toolcall.KIND_OK, square - 1, -1)
         new = ttt.step(state, action)
         if not render:
             return new, jnp.zeros((1,), jnp.int32), jnp.int32(0)

@@ -1,8 +1,9 @@
 """Throughput of the jitted agent rollout on CPU, against Hugging Face transformers and a host-driven decode loop.
 
 Model: the tiny Ling-3.0 (``bailing_hybrid``) architecture of ``configs/tictactoe_tiny.py`` (3 layers: KDA, MLA, MLA
--- the last one an incomplete group of 2 -- dense MLP then MoE), random weights, vocabulary of the shipped tokenizer. Task: the ``move`` task (prompt of
-the chat template, one tool call of at most --new_tokens tokens, parse, reward), B = --groups x 8 episodes.
+-- the last one an incomplete group of 2 -- dense MLP then MoE), random weights, vocabulary of the shipped
+tokenizer. Task: the ``move`` task (prompt of the chat template, one tool call of at most --new_tokens tokens,
+parse, reward), B = --groups x 8 episodes.
 
 Variants, all with the same batch, the same prompts (one length) and the same number of new tokens, sampling at
 temperature 1 without top-k/top-p:
@@ -211,7 +212,7 @@ def main(argv=None):
         if model is not None:
             if b == batches[0]:
                 r["logit_max_abs_diff_vs_transformers"] = check_same_model(torch, model, params, mc, prompts)
-            runners["transformers"] = transformers_runner(torch, model, prompts, args.new_tokens, env.spec.pad_id)
+            runners["transformers"] = transformers_runner(torch, model, prompts, args.new_tokens, env.chat.pad_id)
         sec = time_interleaved(runners, args.repeats)
         traj = out["traj"]
         assert int(np.asarray(traj.prompt_length)[0]) == prompts.shape[1]

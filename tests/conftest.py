@@ -26,9 +26,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # `configs` and `experiments` are imported from the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The slow tier (`-m slow`): tests that need a browser, several processes, or long runs of the CLIs in fresh
-# processes. Marked here by node name (parameters aside) so that the test files carry no tier marks; the fast tier
-# is `python -m pytest -q -n 2 -m "not slow" tests`. tests/test_packaging.py checks that every name here is a test.
+# The slow tier (`-m slow`): tests that need a browser, several processes, long runs of the CLIs in fresh
+# processes, or torch (transformers' PyTorch model). Marked here by node name (parameters aside) so that the test
+# files carry no tier marks; the fast tier is `python -m pytest -q -n 2 -m "not slow" tests`.
+# tests/test_packaging.py checks that every name here is a test. Kept as laid out (one entry per name, its reason
+# on the next line when both do not fit on one): the formatter would join them into lines past the limit.
+# fmt: off
 SLOW = {
     # a browser
     "tests/test_play.py::test_browser_plays_tictactoe_and_moves_the_slider":
@@ -79,7 +82,11 @@ SLOW = {
     "tests/test_play.py::test_api_board_less_environment_shows_transcripts": "a guess_number run for the page (~45 s)",
     "tests/test_gpu_check.py::test_runs_every_phase_on_the_tiny_model":
         "benchmarks/gpu_check.py's three phases: three XLA compilations (~50 CPU-s; the fast tier runs its rollout)",
+    # another framework
+    "tests/test_conversion.py::test_export_logits_equal_transformers_native_class":
+        "transformers' PyTorch BailingHybridForCausalLM: needs torch, which .ci/run installs for this tier only",
 }
+# fmt: on
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects

@@ -254,7 +254,8 @@ def test_train_cli_rejects_a_workdir_that_is_a_file(tmp_path):
     path.write_text("keep me")
     out = _cli(["experiments.train", "--config=configs/tictactoe_tiny.py", f"--workdir={path}"], tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert _last_stderr_line(out).endswith(f"error: --workdir={path} is a file; expected a directory (created if missing)")
+    assert _last_stderr_line(out).endswith(
+        f"error: --workdir={path} is a file; expected a directory (created if missing)")
     assert path.read_text() == "keep me"
 
 
@@ -394,9 +395,10 @@ def test_short_run_with_routing_replay(tmp_path):
 
 def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_path):
     """`lora.rank > 0` over an int8 base through `loop.train`: the rollout and the train step run the same adapted
-    int8 weights (the same log-probs, the same experts, replayed); checkpoints hold the adapters and their optimizer state only, and a run resumed from one continues
-    bit for bit (its base rebuilt from the config and the cached warm start); the play page and evaluation read it;
-    the export is the merged float model, with the adapted model's logits."""
+    int8 weights (the same log-probs, the same experts, replayed); checkpoints hold the adapters and their optimizer
+    state only, and a run resumed from one continues bit for bit (its base rebuilt from the config and the cached
+    warm start); the play page and evaluation read it; the export is the merged float model, with the adapted
+    model's logits."""
     import shutil
     from experiments import convert_checkpoint as cc
     from reno_jax.checkpoint import orbax as ckpt_lib
@@ -447,8 +449,7 @@ def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_pa
     assert not any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
         exported, is_leaf=lambda x: isinstance(x, quant.QArray)))
     np.testing.assert_allclose(np.asarray(forward(exported)), adapted, atol=1e-4, rtol=0)
-    transformers = pytest.importorskip("transformers")
-    if importlib.util.find_spec("torch") and hasattr(transformers, "BailingHybridForCausalLM"):
+    if importlib.util.find_spec("torch"):  # the bench extra; .ci/run installs it before the slow tier
         from reno_jax.models import hf_native
         figures = hf_native.compare_logits(tmp_path / "hf", np.asarray(ids))  # transformers' own class
         assert figures["schedule_matches"] and figures["max_abs_logit_diff"] <= 1e-4, figures

@@ -475,7 +475,8 @@ def test_tiny_ling3_run_steps():
     starts_fn = lambda key: ttt_env.move_starts(boards[:2])
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
     for step in range(c.num_steps):
-        state, traj, metrics, seconds = lrn.run_step(state, starts_fn, time_rollout=step == 0)
+        out = lrn.run_step(state, starts_fn, time_rollout=step == 0)
+        state, traj, metrics, seconds = out.state, out.traj, out.metrics, out.rollout_seconds
         metrics = jax.device_get(metrics)
         assert traj.tokens.shape[0] == 8 and (seconds is None) == (step > 0)
         for k in ("train/loss", "train/policy_loss", "train/forking_entropy", "train/grad_norm",

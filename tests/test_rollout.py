@@ -284,7 +284,7 @@ def test_move_task_rewards():
     traj = jax.device_get(fn(params, jax.random.key(3), E.move_starts(boards), env=env,
                              forced_tokens=jnp.asarray(forced)))
     info = traj.info
-    assert traj.tokens.shape == (6, R.conversation_length(env, rc)) == (6, env.spec.prompt_len + 8)
+    assert traj.tokens.shape == (6, R.conversation_length(env, rc)) == (6, env.chat.prompt_len + 8)
     np.testing.assert_array_equal(info["num_turns"], 1)
     assert info["parse_kind"][1] != 0 and info["invalid"][1] and traj.reward[1] == -1.0  # sampled: invalid
     assert traj.reward[0] == 1.0 and info["win_taken"][0] and info["is_optimal"][0] and info["win"][0]

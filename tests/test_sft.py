@@ -18,6 +18,7 @@ from reno_jax.envs.tictactoe import registration
 from reno_jax.envs.tictactoe import tasks, tool_parser
 from reno_jax.envs.tictactoe import wording as text
 from reno_jax.models import ling3
+from reno_jax.protocol import toolcall
 from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.rl import policy, sft
 from reno_jax.rl.batch import TrainBatch
@@ -64,7 +65,7 @@ def test_call_table_rows_parse_as_the_teachers_calls(game_world):
         assert ids[k, lens[k] - 1] == int(env.chat.turn_end_id)
         got = tok.decode(ids[k, :lens[k] - 1].tolist(), skip_special_tokens=False)
         assert got == call_text(k + 1)
-        assert tool_parser.parse_tool_call_text(got) == (tool_parser.KIND_OK, k + 1)
+        assert tool_parser.parse_tool_call_text(got) == (toolcall.KIND_OK, k + 1)
     assert len(set(ids[:, offset].tolist())) == 9  # the square's own token
     np.testing.assert_array_equal(np.asarray(calls.args)[:, 0], np.arange(1, 10))
     np.testing.assert_array_equal(np.asarray(calls.tool), 0)  # choose_square, the one tool
@@ -111,7 +112,7 @@ def test_move_transcript_is_one_legal_call_after_the_prompt():
         assert prompt == text.chat_text(tok, text.move_task_messages(board), add_generation_prompt=True)
         kind, square = tool_parser.parse_tool_call_text(tok.decode(out.tokens[b, s:e - 1].tolist(),
                                                                     skip_special_tokens=False))
-        assert kind == tool_parser.KIND_OK and board[square - 1] == 0
+        assert kind == toolcall.KIND_OK and board[square - 1] == 0
         np.testing.assert_array_equal(out.support[b, s + calls.choice_offset], board == 0)
         assert int(out.info["outcome"][b]) != tasks.OUTCOME_ILLEGAL
 
@@ -142,7 +143,7 @@ def test_game_transcripts_are_random_legal_games_as_the_rollout_renders_them(gam
         for t, (s, e) in enumerate(spans):
             call = tok.decode(out.tokens[b, s:e - 1].tolist(), skip_special_tokens=False)
             kind, square = tool_parser.parse_tool_call_text(call)
-            assert kind == tool_parser.KIND_OK
+            assert kind == toolcall.KIND_OK
             assert board[square - 1] == 0, "the random policy only plays legal squares"
             legal = out.support[b, s + offset]
             np.testing.assert_array_equal(legal, board == 0)

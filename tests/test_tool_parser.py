@@ -1,4 +1,5 @@
-"""Tests for reno_jax.envs.tictactoe.tool_parser: the host reference grammar and the jitted byte-DFA parser's agreement."""
+"""Tests for reno_jax.envs.tictactoe.tool_parser: the host reference grammar and the jitted byte-DFA parser's
+agreement."""
 
 import random
 
@@ -9,12 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.envs.tictactoe import tool_parser as tp
+from reno_jax.protocol import tokenizer as tokenizer_lib
+from reno_jax.protocol import toolcall
+from reno_jax.protocol.tokens import token_bytes
 
 T = 64  # fixed token length: one compiled parser serves every example
 B = 8  # examples per hypothesis draw (one vmapped call)
-OK, NO, BAD, OOR = tp.KIND_OK, tp.KIND_NO_CALL, tp.KIND_BAD_CALL, tp.KIND_OUT_OF_RANGE
+OK, NO, BAD, OOR = toolcall.KIND_OK, toolcall.KIND_NO_CALL, toolcall.KIND_BAD_CALL, toolcall.KIND_OUT_OF_RANGE
 
 
 def call(body):
@@ -96,7 +99,7 @@ def _pad_width(tables, width):
 @pytest.fixture(scope="module")
 def setups():
     toks = {"shipped": tokenizer_lib.load_tokenizer(None), "other": _other_tokenizer()}
-    vocab = max(len(tp.token_bytes(t)) for t in toks.values())
+    vocab = max(len(token_bytes(t)) for t in toks.values())
     raw = {k: tp.build_parser_tables(t, vocab_size=vocab) for k, t in toks.items()}
     width = max(r.max_bytes for r in raw.values())
     return {k: (toks[k], _pad_width(raw[k], width)) for k in toks}
@@ -135,9 +138,9 @@ def test_fixed_cases_agree(setups, which):
 
 
 def test_short_rows_take_the_unrolled_path(setups):
-    """Rows of at most tp._UNROLL_MAX tokens are parsed by a Python-unrolled loop (T = 64 elsewhere: a scan)."""
+    """Rows of at most toolcall._UNROLL_MAX tokens are parsed by a Python-unrolled loop (T = 64 elsewhere: a scan)."""
     short = 24
-    assert short <= tp._UNROLL_MAX < T
+    assert short <= toolcall._UNROLL_MAX < T
     parse = jax.jit(tp.parse_tool_call_batch)
     for tok, tables in setups.values():
         rows = [_encode(tok, t)[:short] for t, _ in REFERENCE_CASES]
@@ -156,7 +159,7 @@ def test_short_rows_take_the_unrolled_path(setups):
 def test_byte_table_matches_decode(setups):
     rng = np.random.default_rng(0)
     for tok, tables in setups.values():
-        raw = tp.token_bytes(tok)
+        raw = token_bytes(tok)
         for _ in range(50):
             ids = rng.integers(0, len(raw), size=rng.integers(1, 20)).tolist()
             want = tokenizer_lib.decode(tok, ids)
@@ -167,7 +170,7 @@ def test_byte_table_matches_decode(setups):
 
 def test_byte_level_mapping_and_added_tokens(setups):
     tok, _ = setups["shipped"]
-    raw = tp.token_bytes(tok)
+    raw = token_bytes(tok)
     assert raw[tok.convert_tokens_to_ids("<|im_end|>")] == b"<|im_end|>"
     assert raw[tok.convert_tokens_to_ids("<tool_call>")] == b"<tool_call>"
     assert raw[tok.convert_tokens_to_ids("Ġ")] == b" "  # byte-level space
@@ -361,7 +364,7 @@ def test_token_table_is_the_byte_automaton_lifted(setups):
         assert (g.next[s] == s).all() and (g.op[s] == -1).all()
     rng = np.random.default_rng(1)
     for tok, tables in setups.values():
-        raw = tp.token_bytes(tok)
+        raw = token_bytes(tok)
         assert tables.class_next.dtype == jnp.int16 and tables.class_next.shape[0] == g.num_states
         assert tables.token_class.shape == (tables.vocab_size + 1,)
         print(f"[parser] {tables.vocab_size} token ids in {tables.num_classes} classes")
@@ -387,7 +390,7 @@ def test_cap_cuts_inside_tokens(setups, which, texts):
     """max_bytes that lands anywhere (inside multi-byte tokens too) == the reference on the cut text."""
     tok, tables = setups[which]
     cap = 90  # the cut lands inside the call (often inside a multi-byte tag token) or past its end
-    raw = tp.token_bytes(tok)
+    raw = token_bytes(tok)
     rows = [_encode(tok, prefix + t) for prefix, t in texts]
     ids, lengths = _batch([r[:T] for r in rows])
     kinds, squares = _CAPPED(tables, jnp.asarray(ids), jnp.asarray(lengths), max_bytes=cap)

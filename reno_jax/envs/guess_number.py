@@ -19,7 +19,6 @@ alone (docs/benchmarks.md has what each variant measured).
 
 from __future__ import annotations
 
-import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -61,9 +60,9 @@ GUESS_COST = 0.125
 INVALID_REWARD = -1.0
 
 
-@chex.dataclass(frozen=True)
+@flax.struct.dataclass
 class Start:
-    secret: chex.Array  # int32 [N] in 1..MAX_NUMBER
+    secret: jax.Array  # int32 [N] in 1..MAX_NUMBER
 
 
 @flax.struct.dataclass

@@ -163,7 +163,8 @@ def _train(config, workdir, layout, tokenizer, model_config, abstract_params, ke
         for _ in bar:
             t0 = time.time()
             # The rollout is waited for only to time it apart from the train step (perf/rollout_seconds).
-            state, traj, metrics, t_rollout = runner.learner.run_step(state, runner.starts_fn, time_rollout=True)
+            out = runner.learner.run_step(state, runner.starts_fn, time_rollout=True)
+            state, traj, metrics, t_rollout = out.state, out.traj, out.metrics, out.rollout_seconds
             step = int(state.step)
             host_traj = hosts.to_host(traj)  # the step's host syncs for logging: rollout and metrics, once
             row = summary_lib.rollout_summary(host_traj, runner.env.env)

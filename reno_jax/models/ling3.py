@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -375,7 +375,8 @@ def moe_layer_indices(config: Ling3Config) -> tuple:
     return tuple(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
 
 
-class Routing(NamedTuple):
+@flax.struct.dataclass
+class Routing:
     """Expert choices of a forward, int32 [B, T, n_moe, K] (n_moe = len(moe_layer_indices), K = experts per
     token); -1 at positions where `valid` is False.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from reno_jax.protocol import tokens as tokens_lib
 
 
-@chex.dataclass(frozen=True)
+@flax.struct.dataclass
 class StopTables:
     """Arrays that decide when a generated token ends the assistant's turn.
 
@@ -30,9 +30,9 @@ class StopTables:
       match_hit: `bool [S, V]` the pattern was completed somewhere inside token v's bytes when starting in state s.
     """
 
-    is_stop: chex.Array
-    match_next: chex.Array
-    match_hit: chex.Array
+    is_stop: jax.Array
+    match_next: jax.Array
+    match_hit: jax.Array
 
 
 def _restart_state(auto: np.ndarray, pattern: bytes) -> int:

@@ -41,8 +41,9 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -204,7 +205,8 @@ def select_groups(batch: TrainBatch, reward: Array, group_size: int, train_group
 
 # ---------------------------------------------------------------------------------------------- batch
 
-class BatchStats(NamedTuple):
+@flax.struct.dataclass
+class BatchStats:
     """What `prepare_batch` reports beside the batch (device scalars): the share of groups whose rewards differ,
     for the shared-prefix cut the shortest prompt and the length every row shares, and for `length_bucket` one
     past the batch's last real column (None unless needed)."""
@@ -250,7 +252,8 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
         shortest = jnp.min(traj.prompt_length) if config.share_prompt_prefix else None
         common = common_prefix_length(traj.tokens) if config.share_common_prefix else None
         used = used_length(batch.valid) if config.length_bucket else None
-        return batch, BatchStats(informative, shortest, common, used)
+        return batch, BatchStats(informative_group_rate=informative, shortest_prompt=shortest, common_prefix=common,
+                                 used_length=used)
 
     def prepare_batch(traj, step):
         # The figures of the trajectory stay out of the program: it reads the token fields and rewards only.
@@ -261,7 +264,8 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
 
 # ---------------------------------------------------------------------------------------------- learner
 
-class StepOutput(NamedTuple):
+@flax.struct.dataclass
+class StepOutput:
     """One `Learner.run_step`: the new state, the step's trajectory and metrics (device arrays); the rollout's
     wall time in seconds when it was timed (else None)."""
     state: trainer.TrainState
@@ -386,4 +390,4 @@ class Learner:
             jax.block_until_ready(traj.reward)  # ROLLOUT_WAIT
             rollout_seconds = time.time() - t0
         state, metrics = self.learner_step(state, traj)
-        return StepOutput(state, traj, metrics, rollout_seconds)
+        return StepOutput(state=state, traj=traj, metrics=metrics, rollout_seconds=rollout_seconds)

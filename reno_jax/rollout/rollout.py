@@ -158,10 +158,6 @@ class CompiledEnv:
     stop: Any
 
     @property
-    def spec(self):  # the chat tables, under the name the tic-tac-toe code has always used
-        return self.chat
-
-    @property
     def prompt_len(self) -> int:
         return int(self.chat.prompt_len)
 

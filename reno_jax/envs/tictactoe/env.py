@@ -9,7 +9,6 @@ square (0 none, 1..9)]``; user templates are 0 move task, 1 game task; tool temp
 
 from __future__ import annotations
 
-import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ OUTCOME_TRUNCATED = 6  # the rollout cut the episode short (conversation length 
 OUTCOME_NAMES = tasks.OUTCOME_NAMES + ("truncated",)
 
 
-@chex.dataclass(frozen=True)
+@flax.struct.dataclass
 class Starts:
     """Per-group start records (N groups; the rollout repeats each one `group_size` times).
 
@@ -37,11 +36,11 @@ class Starts:
         move uses fold_in(key, 0), the reply after agent turn k fold_in(key, k + 1)).
     """
 
-    boards: chex.Array
-    agent_player: chex.Array
-    opponent_kind: chex.Array
-    epsilon: chex.Array
-    opponent_key: chex.Array
+    boards: jax.Array
+    agent_player: jax.Array
+    opponent_kind: jax.Array
+    epsilon: jax.Array
+    opponent_key: jax.Array
 
     @property
     def num_groups(self) -> int:

@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +42,7 @@ _CACHE_VERSION = 2
 _CACHE_NAME = f"tictactoe_minimax_v{_CACHE_VERSION}.npz"
 
 
-@chex.dataclass(frozen=True)
+@flax.struct.dataclass
 class MinimaxTable:
     """Minimax table as a pytree of device arrays (pass it into jitted functions as an argument).
 
@@ -52,10 +53,10 @@ class MinimaxTable:
       seeking_mask: ``bool [19683, 9]`` value-preserving moves that are best against a random opponent.
     """
 
-    value: chex.Array
-    optimal_mask: chex.Array
-    winning_mask: chex.Array
-    seeking_mask: chex.Array
+    value: jax.Array
+    optimal_mask: jax.Array
+    winning_mask: jax.Array
+    seeking_mask: jax.Array
 
 
 # ----------------------------------------------------------------------------------------------------------------

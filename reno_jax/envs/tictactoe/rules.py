@@ -21,6 +21,7 @@ board (``winner``, ``is_terminal``) build the bit masks as a masked sum of power
 from __future__ import annotations
 
 import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +45,7 @@ WIN_BY_BITS = np.array([any((m & int(line)) == int(line) for line in LINE_BITS) 
 _POW3 = np.array([3**i for i in range(NUM_SQUARES)], dtype=np.int32)  # [9]
 
 
-@chex.dataclass
+@flax.struct.dataclass
 class GameState:
     """State of one game (batch with ``jax.vmap``; every field then gains a leading ``[B]``).
 
@@ -60,15 +61,15 @@ class GameState:
         ``board`` so that ``step`` is reduction-free.
     """
 
-    board: chex.Array
-    to_move: chex.Array
-    done: chex.Array
-    winner: chex.Array
-    turn: chex.Array
-    invalid: chex.Array
-    last_move: chex.Array
-    x_bits: chex.Array
-    o_bits: chex.Array
+    board: jax.Array
+    to_move: jax.Array
+    done: jax.Array
+    winner: jax.Array
+    turn: jax.Array
+    invalid: jax.Array
+    last_move: jax.Array
+    x_bits: jax.Array
+    o_bits: jax.Array
 
 
 def reset() -> GameState:

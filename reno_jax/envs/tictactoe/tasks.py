@@ -16,6 +16,7 @@ Game task (our multi-turn extension): the agent plays a whole game against an op
 from __future__ import annotations
 
 import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,8 +102,9 @@ def move_reward(
         ``parse_kind``; ``is_valid_call`` (parsed and square in 1..9); ``is_no_call``, ``is_bad_call``,
         ``is_out_of_range`` (kind 3, or kind 0 with a square outside 1..9); ``is_illegal`` (valid call, occupied
         square or finished game); ``is_legal``; ``is_optimal`` (legal and minimax-optimal, immediate wins included);
-        ``is_seeking`` (legal and in the table's ``seeking_mask``); ``is_win_taken``; ``win_available`` (an immediate win existed); ``block_needed`` (the opponent threatens to
-        win next move and no immediate win exists); ``is_block`` (the move occupies such a threat square);
+        ``is_seeking`` (legal and in the table's ``seeking_mask``); ``is_win_taken``; ``win_available`` (an
+        immediate win existed); ``block_needed`` (the opponent threatens to win next move and no immediate win
+        exists); ``is_block`` (the move occupies such a threat square);
         ``position_value`` (int8, for the mover).
     """
     chex.assert_shape(board, (ttt.NUM_SQUARES,))
@@ -193,7 +195,7 @@ def opponent_move(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@chex.dataclass
+@flax.struct.dataclass
 class GameTaskState:
     """One game of the agent against an opponent (vmap for batches: every field gains a leading ``[B]``).
 
@@ -209,14 +211,14 @@ class GameTaskState:
         in the last step); the rollout renders it into the tool response.
     """
 
-    board: chex.Array
-    agent_player: chex.Array
-    opponent_kind: chex.Array
-    epsilon: chex.Array
-    done: chex.Array
-    outcome: chex.Array
-    turns: chex.Array
-    opponent_square: chex.Array
+    board: jax.Array
+    agent_player: jax.Array
+    opponent_kind: jax.Array
+    epsilon: jax.Array
+    done: jax.Array
+    outcome: jax.Array
+    turns: jax.Array
+    opponent_square: jax.Array
 
 
 def game_reset(
@@ -270,8 +272,8 @@ def game_step(
       ``(new_state, reward float32 [], done bool [], info)``; info values are ``[]`` arrays: ``win``, ``draw``,
       ``loss``, ``invalid`` (no/bad/out-of-range call), ``illegal`` (occupied square) — at most one is True —
       ``active`` (the episode was live before this step), ``agent_square`` (1..9 if the move was played, else 0),
-      ``agent_move_optimal`` / ``agent_move_winning`` / ``agent_move_seeking`` (per the minimax table), ``opponent_square`` (1..9 if the
-      opponent replied this step, else 0), ``turns`` (agent turns so far), ``outcome``.
+      ``agent_move_optimal`` / ``agent_move_winning`` / ``agent_move_seeking`` (per the minimax table),
+      ``opponent_square`` (1..9 if the opponent replied this step, else 0), ``turns`` (agent turns so far), ``outcome``.
     """
     chex.assert_shape(state.board, (ttt.NUM_SQUARES,))
     parse_kind, square = _check_call(parse_kind, square)

@@ -17,23 +17,10 @@ import numpy as np
 
 from reno_jax.envs.tictactoe import wording
 from reno_jax.protocol import toolcall
-from reno_jax.protocol.tokens import token_bytes  # noqa: F401  (public name of this module since before the move)
-from reno_jax.protocol.toolcall import (  # noqa: F401
-    CLOSE_TAG,
-    KIND_BAD_CALL,
-    KIND_NAMES,
-    KIND_NO_CALL,
-    KIND_OK,
-    KIND_OUT_OF_RANGE,
-    OPEN_TAG,
-    _UNROLL_MAX,
-)
 
 TOOL_NAME = wording.TOOL_NAME
 ARGUMENT = "square"
 MIN_SQUARE, MAX_SQUARE = 1, 9
-
-ParserTables = toolcall.ToolCallTables
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,19 +61,20 @@ def _grammar() -> _Grammar:
                     bad_state=int(np.nonzero(g.label == 1)[0][0]), raw_states=g.raw_states)
 
 
-def build_parser_tables(tokenizer, vocab_size: int | None = None) -> ParserTables:
+def build_parser_tables(tokenizer, vocab_size: int | None = None) -> toolcall.ToolCallTables:
     """Tables for ``tokenizer``; ``vocab_size`` (e.g. the model's padded vocab) adds rows for ids without text."""
     return toolcall.compile_tool_calls(_spec(), tokenizer, vocab_size)
 
 
-def parse_tool_call(tables: ParserTables, token_ids: jax.Array, length=None, *, max_bytes: int | None = None):
+def parse_tool_call(tables: toolcall.ToolCallTables, token_ids: jax.Array, length=None, *,
+                    max_bytes: int | None = None):
     """``(kind int32 [], square int32 [])`` of the first tool call in ``token_ids[:length]`` (jit/vmap friendly;
     agrees with ``parse_tool_call_text`` on the decoded text). See ``toolcall.parse`` for ``max_bytes``."""
     kind, _, args = toolcall.parse(tables, token_ids, length, max_bytes=max_bytes)
     return kind, args[0]
 
 
-def parse_tool_call_batch(tables: ParserTables, token_ids: jax.Array, lengths: jax.Array, *, max_bytes=None):
+def parse_tool_call_batch(tables: toolcall.ToolCallTables, token_ids: jax.Array, lengths: jax.Array, *, max_bytes=None):
     """``vmap`` of ``parse_tool_call`` over ``token_ids [B, T]`` and ``lengths [B]`` -> ``(kind [B], square [B])``."""
     fn = functools.partial(parse_tool_call, max_bytes=max_bytes)
     return jax.vmap(fn, in_axes=(None, 0, 0))(tables, token_ids, lengths)

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.protocol import chat
-from reno_jax.protocol.chat import Stencils  # noqa: F401  (re-exported: callers annotate with it)
 
 NUM_SQUARES = 9
 TOOL_NAME = "choose_square"
