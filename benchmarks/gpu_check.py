@@ -5,7 +5,7 @@
 
 Three phases at the published setting's shape (configs/areno_ling3_tiny.py: 4 boards x 4 samples, 1471 new
 tokens, GSPO, int8 Adam moments, 4 micro-batches, layer remat, the prompt encoded once per group), on random bf16
-weights (benchmarks/real_shape_step.py's programs):
+weights (`reno_jax/real_shape.py`'s programs, as benchmarks/real_shape_step.py runs them):
 
   rollout     the move task's rollout: generated tokens/s (random weights never call the tool, so every row
               generates all 1471 tokens: the worst case of a step).
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -45,14 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import real_shape_step as rs  # noqa: E402
-
-from reno_jax.models import ling3, lora, quant  # noqa: E402
-from reno_jax.models.config import tiny_test_config  # noqa: E402
-from reno_jax.rl import trainer  # noqa: E402
+from reno_jax import real_shape as rs
+from reno_jax.models import ling3, lora, quant
+from reno_jax.models.config import tiny_test_config
+from reno_jax.rl import trainer
 
 PHASES = ("rollout", "train_full", "train_lora")
 
@@ -276,7 +271,7 @@ class Check:
         except Skip as e:
             out.update(status="skipped", reason=str(e))
             print(f"gpu_check: {name} skipped: {e}", file=sys.stderr, flush=True)
-        except Exception as e:  # noqa: BLE001 - reported, and the next phase still runs
+        except Exception as e:
             out.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:500]}")
             print(f"gpu_check: {name} failed: {out['reason']}", file=sys.stderr, flush=True)
         finally:

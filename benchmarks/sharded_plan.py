@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import jax
@@ -40,16 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from reno_jax import real_shape as rs
+from reno_jax import parallel
+from reno_jax.models import layers, ling3
+from reno_jax.parallel import hlo_stats
+from reno_jax.rl import trainer
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import real_shape_step as rs  # noqa: E402
-from reno_jax import parallel  # noqa: E402
-from reno_jax.models import layers, ling3  # noqa: E402
-from reno_jax.parallel import hlo_stats  # noqa: E402
-from reno_jax.rl import trainer  # noqa: E402
-
 GB = 1e9
 
 
@@ -165,7 +161,7 @@ def plan(args, mc: parallel.MeshConfig, layers_n: int, res):
         rep = NamedSharding(mesh, PartitionSpec())
         starts_split = all(np.ndim(x) == 0 or np.shape(x)[0] % ways == 0 for x in jax.tree.leaves(starts))
         starts_sh = batch_shardings(starts, mesh) if starts_split else jax.tree.map(lambda _: rep, starts)
-        as_abstract = lambda t, s: jax.tree.map(  # noqa: E731
+        as_abstract = lambda t, s: jax.tree.map(
             lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), t, s)
         key_s = as_abstract(key, rep)
         starts_a = as_abstract(starts, starts_sh)
