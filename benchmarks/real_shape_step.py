@@ -55,10 +55,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import areno_ling3_tiny
 from reno_jax import real_shape as rs
+from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs.tictactoe import env as ttt_env
 from reno_jax.models import layers, ling3
 from reno_jax.rl import policy, trainer
 
+
+
+def lora_of(args):
+    """The published setting's LoRA (configs/areno_ling3_tiny.py's block) at rank --lora-rank; None: the full
+    fine-tune."""
+    return rs.lora_config(args.lora_rank, areno_ling3_tiny.get_config())
+
+
+def move_task(args):
+    """The published setting's rollout task and starts: tic-tac-toe's move task on the first --boards boards of
+    seed 1234."""
+    boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
+    return ttt_env.TicTacToeEnv.create("move"), ttt_env.move_starts(boards)
 
 
 def compile_only_device(target_path: str):
@@ -88,9 +104,9 @@ def compile_only(args, config, res):
     res.update(backend="compile-only", device=str(device.device_kind), target_config=args.compile_only)
     params = rs.base_params(args, config, jax.random.PRNGKey(0), abstract=True)
     res["param_bytes"] = rs.tree_bytes(params)
-    trained, frozen = rs.trained_and_frozen(args, params, abstract=True)
+    trained, frozen = rs.trained_and_frozen(lora_of(args), params, abstract=True)
     res["trained_param_bytes"] = rs.tree_bytes(trained)
-    optimizer, step_fn = rs.make_step(args, config)
+    optimizer, step_fn = rs.make_step(args, config, lora_of(args))
     state = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), trained)
     res["optimizer_state_bytes"] = rs.tree_bytes(state.opt_state)
 
@@ -101,10 +117,11 @@ def compile_only(args, config, res):
     batch = jax.eval_shape(make_batch, jax.random.PRNGKey(1))
     res["rollout_rows"], res["rollout_length"] = args.boards * args.group_size, rs.PROMPT_LEN + args.max_new_tokens
     if not args.synthetic_batch:  # the rollout program too (its tables and start boards as abstract arguments)
-        rollout_fn, key, starts, env = rs.rollout_setup(args, config)
+        rollout_fn, key, starts, env = rs.rollout_setup(args, config, *move_task(args))
         t0 = time.perf_counter()
-        compiled = rollout_fn.lower(on_device(rs.model_params(args, trained, frozen), device), on_device(key, device),
-                                    on_device(starts, device), env=on_device(env, device)).compile()
+        compiled = rollout_fn.lower(on_device(rs.model_params(lora_of(args), trained, frozen), device),
+                                    on_device(key, device), on_device(starts, device),
+                                    env=on_device(env, device)).compile()
         res["rollout_compile_s"] = time.perf_counter() - t0
         res.update({f"rollout_{k}": v for k, v in rs.memory_figures(compiled).items()})
         print("[rollout] " + json.dumps(res), flush=True)
@@ -124,7 +141,7 @@ def compile_only(args, config, res):
 
 def run_rollout(args, config, params, res):
     """The rollout phase on `params` (the model's params, adapted or not)."""
-    rollout_fn, key, starts, env = rs.rollout_setup(args, config)
+    rollout_fn, key, starts, env = rs.rollout_setup(args, config, *move_task(args))
     rollout_fn = functools.partial(rollout_fn, env=env)
     traj, first = rs.timed(rollout_fn, params, key, starts)
     res["rollout_first_call_s"] = first
@@ -226,7 +243,7 @@ def main(argv=None):
     # The RngBitGenerator key: drawing 7.9B random values with the default threefry takes ~20 min on 2 CPU cores.
     params, res["init_s"] = rs.timed(rs.base_params, args, config, jax.random.key(0, impl="rbg"))
     res["param_bytes"] = rs.tree_bytes(params)
-    trained, frozen = rs.trained_and_frozen(args, params)
+    trained, frozen = rs.trained_and_frozen(lora_of(args), params)
     del params
     res["trained_param_bytes"] = rs.tree_bytes(trained)
     report("init")
@@ -235,10 +252,10 @@ def main(argv=None):
         traj = rs.synthetic_batch(args, config, jax.random.PRNGKey(1))
         res["rollout_rows"], res["rollout_length"] = traj.tokens.shape
     else:
-        traj = run_rollout(args, config, rs.model_params(args, trained, frozen), res)
+        traj = run_rollout(args, config, rs.model_params(lora_of(args), trained, frozen), res)
     report("rollout")
 
-    optimizer, step_fn = rs.make_step(args, config)
+    optimizer, step_fn = rs.make_step(args, config, lora_of(args))
     state = trainer.create_train_state(trained, optimizer, jax.random.PRNGKey(2))
     del trained
     extra = () if frozen is None else (frozen,)
@@ -250,7 +267,7 @@ def main(argv=None):
     if args.recompute_old_logp:  # the ratio starts at exactly 1: inside any clip range, so the gradient is not zero
         logp_fn = jax.jit(policy.make_logp_fn(config, with_entropy=False, group_size=args.group_size,
                                               logits_chunk=args.logits_chunk))
-        batch = batch.replace(old_logp=logp_fn(rs.model_params(args, state.params, frozen), batch).logp)
+        batch = batch.replace(old_logp=logp_fn(rs.model_params(lora_of(args), state.params, frozen), batch).logp)
     (state, metrics), res["train_first_call_s"] = rs.timed(step_fn, state, batch, *extra)
     report("train first call")
     times = []

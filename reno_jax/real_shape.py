@@ -10,8 +10,9 @@ of a compiled program, the allocator's and the process's peak memory, a timed ca
 `args` is the step's settings as the scripts' command lines name them (an `argparse.Namespace`, or any object
 with these fields): boards, group_size, max_new_tokens (the rollout's shape), microbatches, state_dtype ("int8",
 "bfloat16" or "float32": the Adam moments), remat, entropy, logits_chunk (the train step's logp function),
-share_prefix (each group's prompt encoded once), lora_rank (0: the full fine-tune), quantize ("" or "int8": the
-frozen base of a LoRA step).
+share_prefix (each group's prompt encoded once), quantize ("" or "int8": the frozen base of a LoRA step). `lc` is
+the LoRA of the step (`lora_config`; None: the full fine-tune). The scripts name the setting's config and task
+(configs/areno_ling3_tiny.py, the move task's start boards): the library names neither a config nor a game.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import resource
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from reno_jax.envs.tictactoe import boards as boards_lib
-from reno_jax.envs.tictactoe import env as ttt_env
+from reno_jax.envs import interface
+from reno_jax.loop import build
 from reno_jax.models import ling3, lora, quant
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.rl import losses, policy, shared_prefix, trainer
@@ -40,26 +41,24 @@ def tree_bytes(tree) -> int:
 
 
 def peak_bytes() -> int | None:
+    """The allocator's peak bytes in use on the first local device; None where it keeps no statistics (CPU)."""
     stats = jax.local_devices()[0].memory_stats()
     return None if not stats else int(stats.get("peak_bytes_in_use", 0))
 
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (Linux `ru_maxrss`, KiB)."""
-    import resource
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def lora_config(args) -> lora.LoraConfig | None:
-    """The published setting's LoRA block (configs/areno_ling3_tiny.py) at rank --lora-rank; None: full fine-tune."""
-    if not args.lora_rank:
+def lora_config(rank: int, run_config) -> lora.LoraConfig | None:
+    """The LoRA block of `run_config` (the published setting's: configs/areno_ling3_tiny.py) at rank `rank`; None
+    (rank 0): the full fine-tune."""
+    if not rank:
         return None
-    # Imported here: a full fine-tune's step reads no config, and the loop imports this package's modules.
-    from configs import areno_ling3_tiny
-    from reno_jax.loop import build
-    c = areno_ling3_tiny.get_config()
-    c.lora.rank = args.lora_rank
-    return build.lora_config(c)
+    run_config = run_config.copy_and_resolve_references()
+    run_config.lora.rank = rank
+    return build.lora_config(run_config)
 
 
 def base_params(args, config, key, abstract: bool = False):
@@ -83,10 +82,9 @@ def base_params(args, config, key, abstract: bool = False):
     return ling3.init_params(config, key, jnp.bfloat16, leaf_transform=transform)
 
 
-def trained_and_frozen(args, params, abstract: bool = False):
+def trained_and_frozen(lc: lora.LoraConfig | None, params, abstract: bool = False):
     """(the tree the train step trains, the frozen tree or None): the params themselves (full fine-tune), or
-    fresh adapters over the frozen base `params` (--lora-rank)."""
-    lc = lora_config(args)
+    fresh adapters over the frozen base `params` (LoRA)."""
     if lc is None:
         return params, None
     init = functools.partial(lora.init_adapters, config=lc)
@@ -94,9 +92,8 @@ def trained_and_frozen(args, params, abstract: bool = False):
     return (jax.eval_shape(init, params, key=key) if abstract else init(params, key=key)), params
 
 
-def model_params(args, trained, frozen):
+def model_params(lc: lora.LoraConfig | None, trained, frozen):
     """The params the model runs: `trained`, or the frozen base with the adapters applied in the layers."""
-    lc = lora_config(args)
     return trained if lc is None else policy.Adapted(lc)(trained, frozen)
 
 
@@ -126,10 +123,9 @@ def synthetic_batch(args, config, key):
                               prompt_length=jnp.full((rows,), PROMPT_LEN, jnp.int32))
 
 
-def make_step(args, config):
-    """(optimizer, jitted train step): GSPO, the published clip range, Adam moments in --state-dtype; with
-    --lora-rank the step is `train_step(state, batch, frozen)` over the adapters."""
-    lc = lora_config(args)
+def make_step(args, config, lc: lora.LoraConfig | None):
+    """(optimizer, jitted train step): GSPO, the published clip range, Adam moments in --state-dtype; with LoRA
+    the step is `train_step(state, batch, frozen)` over the adapters."""
     optimizer = trainer.make_optimizer(1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32"
                                        else args.state_dtype)
     loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
@@ -159,11 +155,11 @@ def timed(fn, *args):
     return out, time.perf_counter() - t0
 
 
-def rollout_setup(args, config):
-    """(jitted rollout fn, key, starts, env) of the move task at the benchmark's shape."""
+def rollout_setup(args, config, task: interface.TextEnv, starts):
+    """(jitted rollout fn, key, starts, env) of the one-turn `task` (the published setting's: tic-tac-toe's move
+    task) from `starts` (one per board, `args.boards` of them) at the benchmark's shape."""
     tokenizer = tokenizer_lib.load_tokenizer(None)
-    env = rollout_lib.compile_env(ttt_env.TicTacToeEnv.create("move"), tokenizer, vocab_size=config.vocab_size)
+    env = rollout_lib.compile_env(task, tokenizer, vocab_size=config.vocab_size)
     rc = rollout_lib.RolloutConfig(max_new_tokens=args.max_new_tokens, max_turns=1,
                                    temperature=1.0, group_size=args.group_size)
-    boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
-    return rollout_lib.make_rollout_fn(config, rc), jax.random.PRNGKey(1), ttt_env.move_starts(boards), env
+    return rollout_lib.make_rollout_fn(config, rc), jax.random.PRNGKey(1), starts, env
