@@ -52,7 +52,7 @@ def decision_kind(board: np.ndarray) -> str:
 def split(params, model_config, tokenizer, config, *, games: int, batch: int, seed: int) -> dict:
     entry = build.env_entry(config)
     if entry.name != "connect4":
-        raise SystemExit(f"this benchmark reads Connect Four runs; the run's env.name is {entry.name!r}")
+        raise SystemExit(f"this study reads Connect Four runs; the run's env.name is {entry.name!r}")
     env = build.make_compiled_env(config, tokenizer, model_config)
     teacher = entry.make_teacher(config, env.env)
     tool_names = [t["function"]["name"] for t in env.env.chat().tools]
