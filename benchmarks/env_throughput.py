@@ -30,16 +30,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from reno_jax.envs.tictactoe import rules as ttt  # noqa: E402
+from reno_jax.envs.tictactoe import rules as ttt
 
 NUM_ACTIONS = 9
 

@@ -5,7 +5,7 @@
 
 Three phases at the published setting's shape (configs/areno_ling3_tiny.py: 4 boards x 4 samples, 1471 new
 tokens, GSPO, int8 Adam moments, 4 micro-batches, layer remat, the prompt encoded once per group), on random bf16
-weights (benchmarks/real_shape_step.py's programs):
+weights (`reno_jax/real_shape.py`'s programs, as benchmarks/real_shape_step.py runs them):
 
   rollout     the move task's rollout: generated tokens/s (random weights never call the tool, so every row
               generates all 1471 tokens: the worst case of a step).
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -45,14 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import real_shape_step as rs  # noqa: E402
-
-from reno_jax.models import ling3, lora, quant  # noqa: E402
-from reno_jax.models.config import tiny_test_config  # noqa: E402
-from reno_jax.rl import trainer  # noqa: E402
+from configs import areno_ling3_tiny
+from reno_jax import real_shape as rs
+from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs.tictactoe import env as ttt_env
+from reno_jax.models import ling3, lora, quant
+from reno_jax.models.config import tiny_test_config
+from reno_jax.rl import trainer
 
 PHASES = ("rollout", "train_full", "train_lora")
 
@@ -105,6 +103,19 @@ def device_memory():
 
 def _size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{int(n):,} bytes"
+
+
+def lora_of(args):
+    """The published setting's LoRA (configs/areno_ling3_tiny.py's block) at rank --lora-rank; None: the full
+    fine-tune."""
+    return rs.lora_config(args.lora_rank, areno_ling3_tiny.get_config())
+
+
+def move_task(args):
+    """The published setting's rollout task and starts: tic-tac-toe's move task on the first --boards boards of
+    seed 1234."""
+    boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
+    return ttt_env.TicTacToeEnv.create("move"), ttt_env.move_starts(boards)
 
 
 class Skip(Exception):
@@ -199,7 +210,7 @@ class Check:
     def rollout(self, params, out):
         self.precheck("rollout", rs.tree_bytes(params), "weights")
         args = self.step_args()
-        rollout_fn, key, starts, env = rs.rollout_setup(args, self.config)
+        rollout_fn, key, starts, env = rs.rollout_setup(args, self.config, *move_task(args))
         t0 = time.perf_counter()
         compiled = rollout_fn.lower(params, key, starts, env=env).compile()
         out["compile_s"] = time.perf_counter() - t0
@@ -228,7 +239,7 @@ class Check:
     def train(self, trained, frozen, batch, args, out, fwd_passes: int):
         """Compile (abstract state: nothing allocated before the plan is checked), check, run; returns the trained
         tree after the step (the state is donated)."""
-        optimizer, step_fn = rs.make_step(args, self.config)
+        optimizer, step_fn = rs.make_step(args, self.config, lora_of(args))
         abstract = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), trained)
         extra = () if frozen is None else (frozen,)
         t0 = time.perf_counter()
@@ -276,7 +287,7 @@ class Check:
         except Skip as e:
             out.update(status="skipped", reason=str(e))
             print(f"gpu_check: {name} skipped: {e}", file=sys.stderr, flush=True)
-        except Exception as e:  # noqa: BLE001 - reported, and the next phase still runs
+        except Exception as e:
             out.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:500]}")
             print(f"gpu_check: {name} failed: {out['reason']}", file=sys.stderr, flush=True)
         finally:
@@ -302,7 +313,7 @@ class Check:
             batch = self.batch(traj, args)
 
             def full_phase(out):
-                optimizer, _ = rs.make_step(args, self.config)
+                optimizer, _ = rs.make_step(args, self.config, lora_of(args))
                 opt = jax.eval_shape(optimizer.init, params)
                 self.precheck("train_full", rs.tree_bytes(params) + rs.tree_bytes(opt))
                 return self.train(params, None, batch, args, out, 3)
@@ -317,14 +328,14 @@ class Check:
             def lora_phase(out):
                 nonlocal params
                 shapes = rs.base_params(args, self.config, jax.random.PRNGKey(0), abstract=True)
-                adapters, _ = rs.trained_and_frozen(args, shapes, abstract=True)
-                optimizer, _ = rs.make_step(args, self.config)
+                adapters, _ = rs.trained_and_frozen(lora_of(args), shapes, abstract=True)
+                optimizer, _ = rs.make_step(args, self.config, lora_of(args))
                 self.precheck(f"train_lora/{a.lora_base}", rs.tree_bytes(shapes) + rs.tree_bytes(adapters)
                               + rs.tree_bytes(jax.eval_shape(optimizer.init, adapters)))
                 base = self.quantized(params) if a.lora_base == "int8" else params
                 params = base
                 out["base_bytes"] = rs.tree_bytes(base)
-                trained, frozen = rs.trained_and_frozen(args, base)
+                trained, frozen = rs.trained_and_frozen(lora_of(args), base)
                 out["adapter_bytes"] = rs.tree_bytes(trained)
                 return self.train(trained, frozen, self.batch(traj, args), args, out, 2)
 

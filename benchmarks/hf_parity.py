@@ -18,20 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import tictactoe_tiny  # noqa: E402
-from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
-from reno_jax.envs.tictactoe import wording as text  # noqa: E402
-from reno_jax.protocol.tokenizer import load_tokenizer  # noqa: E402
-from reno_jax.models import conversion, ling3  # noqa: E402
-from reno_jax.models.hf_native import compare_logits  # noqa: E402
+from configs import tictactoe_tiny
+from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs.tictactoe import wording as text
+from reno_jax.protocol.tokenizer import load_tokenizer
+from reno_jax.models import conversion, ling3
+from reno_jax.models.hf_native import compare_logits
 
 
 def default_tiny_config(vocab_size: int) -> ling3.Ling3Config:

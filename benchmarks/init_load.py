@@ -1,7 +1,7 @@
 """Wall time of `ling3.init_params` and of HF checkpoint loading / saving, unsharded and on a mesh.
 
-  python benchmarks/init_load.py                        # this checkout, one device
-  python benchmarks/init_load.py --repo=/path/to/other  # another checkout's init (e.g. before a change)
+  python benchmarks/init_load.py                                  # this checkout, one device
+  PYTHONPATH=/path/to/other python benchmarks/init_load.py        # another checkout's init (e.g. before a change)
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/init_load.py --mesh=fsdp=8,preset=fsdp
 
 Init: the tiny default model (configs/tictactoe_tiny.py's `model.tiny`, vocabulary of the shipped tokenizer)
@@ -22,7 +22,6 @@ import argparse
 import functools
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -38,20 +37,21 @@ def timed(fn, *args, **kwargs):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repo", default=ROOT, help="checkout whose reno_jax is timed (default: this one)")
     parser.add_argument("--mesh", default="", help="also on this mesh (MeshConfig.from_string form)")
     parser.add_argument("--load_hidden", type=int, default=512, help="hidden size of the load/save model")
     args = parser.parse_args()
-    sys.path.insert(0, args.repo)
-    sys.path.insert(1, ROOT)  # configs/ (identical in both checkouts)
 
     import jax
     import jax.numpy as jnp
+
+    import reno_jax
     from configs import tictactoe_tiny
     from reno_jax.loop import build
     from reno_jax.models import ling3
 
-    res = {"repo": args.repo, "jax": jax.__version__, "devices": jax.device_count(),
+    # The checkout whose reno_jax Python imports (the installed one, or another one on PYTHONPATH).
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(reno_jax.__file__)))
+    res = {"repo": repo, "jax": jax.__version__, "devices": jax.device_count(),
            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     c = tictactoe_tiny.get_config()
     models = {"default_tiny": build.tiny_model_config(c, len(build.build_tokenizer(c))),
@@ -68,7 +68,7 @@ def main():
                                  qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
     res["mid_params"] = ling3.count_params(mid)["total"]
     params, res["init_mid_s"] = timed(ling3.init_params, mid, jax.random.PRNGKey(0))
-    if args.repo != ROOT:  # another checkout: its init only
+    if repo != ROOT:  # another checkout: its init only
         print(json.dumps(res))
         return
 

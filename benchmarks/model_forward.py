@@ -35,16 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from reno_jax.models import ling3  # noqa: E402
+from reno_jax.models import ling3
 
 
 def decode_step(params, config, tokens, cache):

@@ -4,6 +4,8 @@ The published AReno setting (configs/areno_ling3_tiny.py): 4 boards x 4 samples,
 parameters, GSPO, 8-bit Adam moments, micro-batched backward. Random weights never emit a tool call, so every
 row generates the full --max-new-tokens: the rollout time is the worst case of a step (the published run started
 near that length and ended near 850 tokens).
+The programs and the figures read off them are `reno_jax/real_shape.py`'s, shared with benchmarks/gpu_check.py
+and benchmarks/sharded_plan.py.
 
   python benchmarks/real_shape_step.py --remat --share-prefix    # real shape on a GPU: XLA plans 92.4 GB for the
                                                   # train step, 16.9 GB for the rollout (neither flag: 341 GB)
@@ -46,89 +48,33 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
-from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
-from reno_jax.models import layers, ling3, lora, quant  # noqa: E402
-from reno_jax.rl import policy  # noqa: E402
-from reno_jax.rl import losses, shared_prefix, trainer  # noqa: E402
-from reno_jax.rl.batch import TrainBatch  # noqa: E402
-from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
-from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
+from configs import areno_ling3_tiny
+from reno_jax import real_shape as rs
+from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs.tictactoe import env as ttt_env
+from reno_jax.models import layers, ling3
+from reno_jax.rl import policy, trainer
 
 
-def tree_bytes(tree) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+def lora_of(args):
+    """The published setting's LoRA (configs/areno_ling3_tiny.py's block) at rank --lora-rank; None: the full
+    fine-tune."""
+    return rs.lora_config(args.lora_rank, areno_ling3_tiny.get_config())
 
 
-def peak_bytes() -> int | None:
-    stats = jax.local_devices()[0].memory_stats()
-    return None if not stats else int(stats.get("peak_bytes_in_use", 0))
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (Linux `ru_maxrss`, KiB)."""
-    import resource
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def lora_config(args) -> lora.LoraConfig | None:
-    """The published setting's LoRA block (configs/areno_ling3_tiny.py) at rank --lora-rank; None: full fine-tune."""
-    if not args.lora_rank:
-        return None
-    from configs import areno_ling3_tiny
-    from reno_jax.loop import build
-    c = areno_ling3_tiny.get_config()
-    c.lora.rank = args.lora_rank
-    return build.lora_config(c)
-
-
-def base_params(args, config, key, abstract: bool = False):
-    """Random bf16 parameters, int8 with --quantize (quantized leaf by leaf as they are drawn); `abstract`: their
-    shapes only (`jax.ShapeDtypeStruct`s, nothing drawn)."""
-    def init(k):
-        return ling3.init_params(config, k, jnp.bfloat16)
-
-    shapes = jax.eval_shape(init, key)
-    if abstract:
-        return jax.eval_shape(quant.quantize, shapes) if args.quantize else shapes
-    if not args.quantize:
-        return init(key)
-    kinds = lora.projections(shapes)  # the weights quant.quantize quantizes, by path
-    qleaf = jax.jit(quant.quantize_array, static_argnames=("axis",))
-
-    def transform(path, x):
-        kind = kinds.get(path)
-        return x if kind is None else qleaf(x, axis=quant.quantized_axis(kind))
-
-    return ling3.init_params(config, key, jnp.bfloat16, leaf_transform=transform)
-
-
-def trained_and_frozen(args, params, abstract: bool = False):
-    """(the tree the train step trains, the frozen tree or None): the params themselves (full fine-tune), or
-    fresh adapters over the frozen base `params` (--lora-rank)."""
-    lc = lora_config(args)
-    if lc is None:
-        return params, None
-    init = functools.partial(lora.init_adapters, config=lc)
-    key = jax.random.PRNGKey(4)
-    return (jax.eval_shape(init, params, key=key) if abstract else init(params, key=key)), params
-
-
-def model_params(args, trained, frozen):
-    """The params the model runs: `trained`, or the frozen base with the adapters applied in the layers."""
-    lc = lora_config(args)
-    return trained if lc is None else policy.Adapted(lc)(trained, frozen)
+def move_task(args):
+    """The published setting's rollout task and starts: tic-tac-toe's move task on the first --boards boards of
+    seed 1234."""
+    boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
+    return ttt_env.TicTacToeEnv.create("move"), ttt_env.move_starts(boards)
 
 
 def compile_only_device(target_path: str):
@@ -152,81 +98,32 @@ def on_device(tree, device):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def memory_figures(compiled) -> dict:
-    """XLA's memory plan of a compiled program. The estimated peak is arguments + temporaries + outputs not
-    aliased to a donated argument (all three are live at the end of the step) + the generated code."""
-    m = compiled.memory_analysis()
-    out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
-           "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
-           "generated_code_bytes": int(m.generated_code_size_in_bytes)}
-    out["estimated_peak_bytes"] = (out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"]
-                                   - out["alias_bytes"] + out["generated_code_bytes"])
-    return out
-
-
-PROMPT_LEN = 63  # the move task's prompt with the shipped tokenizer is about this long
-
-
-def synthetic_batch(args, config, key):
-    """Random tokens of the rollout's shape (prompt + max-new-tokens), every response token trained."""
-    rows, length = args.boards * args.group_size, PROMPT_LEN + args.max_new_tokens
-    tokens = jax.random.randint(key, (rows, length), 0, config.vocab_size, jnp.int32)
-    loss_mask = jnp.broadcast_to(jnp.arange(length) >= PROMPT_LEN, (rows, length))
-    old_logp = jnp.where(loss_mask, -math.log(config.vocab_size), 0.0).astype(jnp.float32)
-    return argparse.Namespace(tokens=tokens, valid=jnp.ones((rows, length), bool), loss_mask=loss_mask,
-                              behaviour_logp=old_logp, reward=jnp.zeros((rows,), jnp.float32),
-                              prompt_length=jnp.full((rows,), PROMPT_LEN, jnp.int32))
-
-
-def make_step(args, config):
-    """(optimizer, jitted train step): GSPO, the published clip range, Adam moments in --state-dtype; with
-    --lora-rank the step is `train_step(state, batch, frozen)` over the adapters."""
-    lc = lora_config(args)
-    optimizer = trainer.make_optimizer(1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32"
-                                       else args.state_dtype)
-    loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
-    step_fn = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=args.entropy,
-                                                            group_size=args.group_size, remat=args.remat,
-                                                            logits_chunk=args.logits_chunk),
-                                      loss_fn, optimizer,
-                                      num_microbatches=args.microbatches,
-                                      combine=None if lc is None else policy.Adapted(lc))
-    return optimizer, step_fn
-
-
-def train_batch(args, traj, adv, prompt_len: int) -> TrainBatch:
-    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
-                       advantages=adv)
-    if args.share_prefix:
-        batch = shared_prefix.split_shared_prefix(batch, prompt_len)
-    return batch
-
-
 def compile_only(args, config, res):
     """Lower + compile the train step for a compile-only device and report XLA's memory plan (nothing runs)."""
     device = compile_only_device(args.compile_only)
     res.update(backend="compile-only", device=str(device.device_kind), target_config=args.compile_only)
-    params = base_params(args, config, jax.random.PRNGKey(0), abstract=True)
-    res["param_bytes"] = tree_bytes(params)
-    trained, frozen = trained_and_frozen(args, params, abstract=True)
-    res["trained_param_bytes"] = tree_bytes(trained)
-    optimizer, step_fn = make_step(args, config)
+    params = rs.base_params(args, config, jax.random.PRNGKey(0), abstract=True)
+    res["param_bytes"] = rs.tree_bytes(params)
+    trained, frozen = rs.trained_and_frozen(lora_of(args), params, abstract=True)
+    res["trained_param_bytes"] = rs.tree_bytes(trained)
+    optimizer, step_fn = rs.make_step(args, config, lora_of(args))
     state = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), trained)
-    res["optimizer_state_bytes"] = tree_bytes(state.opt_state)
+    res["optimizer_state_bytes"] = rs.tree_bytes(state.opt_state)
 
     def make_batch(key):
-        traj = synthetic_batch(args, config, key)
-        return train_batch(args, traj, jax.random.normal(key, traj.reward.shape, jnp.float32), PROMPT_LEN)
+        traj = rs.synthetic_batch(args, config, key)
+        return rs.train_batch(args, traj, jax.random.normal(key, traj.reward.shape, jnp.float32), rs.PROMPT_LEN)
 
     batch = jax.eval_shape(make_batch, jax.random.PRNGKey(1))
-    res["rollout_rows"], res["rollout_length"] = args.boards * args.group_size, PROMPT_LEN + args.max_new_tokens
+    res["rollout_rows"], res["rollout_length"] = args.boards * args.group_size, rs.PROMPT_LEN + args.max_new_tokens
     if not args.synthetic_batch:  # the rollout program too (its tables and start boards as abstract arguments)
-        rollout_fn, key, starts, env = rollout_setup(args, config)
+        rollout_fn, key, starts, env = rs.rollout_setup(args, config, *move_task(args))
         t0 = time.perf_counter()
-        compiled = rollout_fn.lower(on_device(model_params(args, trained, frozen), device), on_device(key, device),
-                                    on_device(starts, device), env=on_device(env, device)).compile()
+        compiled = rollout_fn.lower(on_device(rs.model_params(lora_of(args), trained, frozen), device),
+                                    on_device(key, device), on_device(starts, device),
+                                    env=on_device(env, device)).compile()
         res["rollout_compile_s"] = time.perf_counter() - t0
-        res.update({f"rollout_{k}": v for k, v in memory_figures(compiled).items()})
+        res.update({f"rollout_{k}": v for k, v in rs.memory_figures(compiled).items()})
         print("[rollout] " + json.dumps(res), flush=True)
     t0 = time.perf_counter()
     extra = () if frozen is None else (on_device(frozen, device),)
@@ -235,38 +132,22 @@ def compile_only(args, config, res):
     t0 = time.perf_counter()
     compiled = lowered.compile()
     res["train_compile_s"] = time.perf_counter() - t0
-    res.update({f"train_{k}": v for k, v in memory_figures(compiled).items()})
+    res.update({f"train_{k}": v for k, v in rs.memory_figures(compiled).items()})
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     print(json.dumps(res))
 
 
-def timed(fn, *args):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    return out, time.perf_counter() - t0
-
-
-def rollout_setup(args, config):
-    """(jitted rollout fn, key, starts, env) of the move task at the benchmark's shape."""
-    tokenizer = tokenizer_lib.load_tokenizer(None)
-    env = rollout_lib.compile_env(ttt_env.TicTacToeEnv.create("move"), tokenizer, vocab_size=config.vocab_size)
-    rc = rollout_lib.RolloutConfig(max_new_tokens=args.max_new_tokens, max_turns=1,
-                                   temperature=1.0, group_size=args.group_size)
-    boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
-    return rollout_lib.make_rollout_fn(config, rc), jax.random.PRNGKey(1), ttt_env.move_starts(boards), env
-
-
 def run_rollout(args, config, params, res):
     """The rollout phase on `params` (the model's params, adapted or not)."""
-    rollout_fn, key, starts, env = rollout_setup(args, config)
+    rollout_fn, key, starts, env = rs.rollout_setup(args, config, *move_task(args))
     rollout_fn = functools.partial(rollout_fn, env=env)
-    traj, first = timed(rollout_fn, params, key, starts)
+    traj, first = rs.timed(rollout_fn, params, key, starts)
     res["rollout_first_call_s"] = first
     times = []
     for i in range(args.steps):
-        traj, dt = timed(rollout_fn, params, jax.random.fold_in(key, i + 1), starts)
+        traj, dt = rs.timed(rollout_fn, params, jax.random.fold_in(key, i + 1), starts)
         times.append(dt)
     gen = int(np.asarray(traj.loss_mask).sum())
     res["rollout_rows"] = int(traj.tokens.shape[0])
@@ -341,8 +222,8 @@ def main(argv=None):
            "quantize": args.quantize or None}
 
     def report(phase):
-        res["peak_bytes_in_use"] = peak_bytes()
-        res["peak_rss_bytes"] = peak_rss_bytes()
+        res["peak_bytes_in_use"] = rs.peak_bytes()
+        res["peak_rss_bytes"] = rs.peak_rss_bytes()
         print(f"[{phase}] " + json.dumps(res), flush=True)
         if args.out:
             with open(args.out, "w") as f:
@@ -360,38 +241,38 @@ def main(argv=None):
         with layers.trace_for_platform("gpu"):
             return compile_only(args, config, res)
     # The RngBitGenerator key: drawing 7.9B random values with the default threefry takes ~20 min on 2 CPU cores.
-    params, res["init_s"] = timed(base_params, args, config, jax.random.key(0, impl="rbg"))
-    res["param_bytes"] = tree_bytes(params)
-    trained, frozen = trained_and_frozen(args, params)
+    params, res["init_s"] = rs.timed(rs.base_params, args, config, jax.random.key(0, impl="rbg"))
+    res["param_bytes"] = rs.tree_bytes(params)
+    trained, frozen = rs.trained_and_frozen(lora_of(args), params)
     del params
-    res["trained_param_bytes"] = tree_bytes(trained)
+    res["trained_param_bytes"] = rs.tree_bytes(trained)
     report("init")
 
     if args.synthetic_batch:
-        traj = synthetic_batch(args, config, jax.random.PRNGKey(1))
+        traj = rs.synthetic_batch(args, config, jax.random.PRNGKey(1))
         res["rollout_rows"], res["rollout_length"] = traj.tokens.shape
     else:
-        traj = run_rollout(args, config, model_params(args, trained, frozen), res)
+        traj = run_rollout(args, config, rs.model_params(lora_of(args), trained, frozen), res)
     report("rollout")
 
-    optimizer, step_fn = make_step(args, config)
+    optimizer, step_fn = rs.make_step(args, config, lora_of(args))
     state = trainer.create_train_state(trained, optimizer, jax.random.PRNGKey(2))
     del trained
     extra = () if frozen is None else (frozen,)
-    opt_bytes = tree_bytes(state.opt_state)
+    opt_bytes = rs.tree_bytes(state.opt_state)
     res["optimizer_state_bytes"] = opt_bytes
     adv = jax.random.normal(jax.random.PRNGKey(3), traj.reward.shape, jnp.float32)
-    batch = train_batch(args, traj, adv, int(jnp.min(traj.prompt_length)))
+    batch = rs.train_batch(args, traj, adv, int(jnp.min(traj.prompt_length)))
     del traj
     if args.recompute_old_logp:  # the ratio starts at exactly 1: inside any clip range, so the gradient is not zero
         logp_fn = jax.jit(policy.make_logp_fn(config, with_entropy=False, group_size=args.group_size,
                                               logits_chunk=args.logits_chunk))
-        batch = batch.replace(old_logp=logp_fn(model_params(args, state.params, frozen), batch).logp)
-    (state, metrics), res["train_first_call_s"] = timed(step_fn, state, batch, *extra)
+        batch = batch.replace(old_logp=logp_fn(rs.model_params(lora_of(args), state.params, frozen), batch).logp)
+    (state, metrics), res["train_first_call_s"] = rs.timed(step_fn, state, batch, *extra)
     report("train first call")
     times = []
     for _ in range(args.steps):
-        (state, metrics), dt = timed(step_fn, state, batch, *extra)
+        (state, metrics), dt = rs.timed(step_fn, state, batch, *extra)
         times.append(dt)
     res["train_step_s"] = float(np.median(times)) if times else None
     res["train_tokens"] = int(np.asarray(batch.valid).sum())

@@ -34,7 +34,6 @@ import argparse
 import functools
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -42,16 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import tictactoe_tiny  # noqa: E402
-from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
-from reno_jax.envs.tictactoe import wording as text  # noqa: E402
-from reno_jax.protocol.tokenizer import load_tokenizer  # noqa: E402
-from reno_jax.models import conversion, ling3  # noqa: E402
-from reno_jax.rollout import generate as gen  # noqa: E402
-from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
-from reno_jax.rollout import rollout as R  # noqa: E402
+from configs import tictactoe_tiny
+from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs.tictactoe import wording as text
+from reno_jax.protocol.tokenizer import load_tokenizer
+from reno_jax.models import conversion, ling3
+from reno_jax.rollout import generate as gen
+from reno_jax.envs.tictactoe import env as ttt_env
+from reno_jax.rollout import rollout as R
 
 GROUP = 8
 

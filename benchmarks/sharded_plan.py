@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import jax
@@ -40,16 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from reno_jax import real_shape as rs
+from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs.tictactoe import env as ttt_env
+from reno_jax import parallel
+from reno_jax.models import layers, ling3
+from reno_jax.parallel import hlo_stats
+from reno_jax.rl import trainer
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import real_shape_step as rs  # noqa: E402
-from reno_jax import parallel  # noqa: E402
-from reno_jax.models import layers, ling3  # noqa: E402
-from reno_jax.parallel import hlo_stats  # noqa: E402
-from reno_jax.rl import trainer  # noqa: E402
-
 GB = 1e9
 
 
@@ -105,6 +103,13 @@ def collective_figures(figs: dict, text: str) -> None:
         figs["decode_step_traffic_bytes"] = {k: inner[k]["traffic_bytes"] for k in hlo_stats.KINDS + ("total",)}
 
 
+def move_task(args):
+    """The published setting's rollout task and starts: tic-tac-toe's move task on the first --boards boards of
+    seed 1234."""
+    boards = np.asarray(boards_lib.generate_boards(args.boards, seed=1234), np.int8)
+    return ttt_env.TicTacToeEnv.create("move"), ttt_env.move_starts(boards)
+
+
 def compile_program(label, fn_lower, res, key):
     t0 = time.perf_counter()
     lowered = fn_lower()
@@ -146,7 +151,7 @@ def plan(args, mc: parallel.MeshConfig, layers_n: int, res):
     params = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
     params_s = abstract_with(params, layout.param_shardings)
     if "train" in args.programs:
-        optimizer, step_fn = rs.make_step(ns, config)
+        optimizer, step_fn = rs.make_step(ns, config, None)
         state = jax.eval_shape(lambda p: trainer.create_train_state(p, optimizer, jax.random.PRNGKey(2)), params)
         state_s = layout.abstract_state(state)
 
@@ -161,11 +166,11 @@ def plan(args, mc: parallel.MeshConfig, layers_n: int, res):
         figs.update(mesh=mc.sizes(), preset=mc.preset, layers=layers_n, program="train", microbatches=micro,
                     devices=n)
     if "rollout" in args.programs:
-        rollout_fn, key, starts, env = rs.rollout_setup(ns, config)
+        rollout_fn, key, starts, env = rs.rollout_setup(ns, config, *move_task(ns))
         rep = NamedSharding(mesh, PartitionSpec())
         starts_split = all(np.ndim(x) == 0 or np.shape(x)[0] % ways == 0 for x in jax.tree.leaves(starts))
         starts_sh = batch_shardings(starts, mesh) if starts_split else jax.tree.map(lambda _: rep, starts)
-        as_abstract = lambda t, s: jax.tree.map(  # noqa: E731
+        as_abstract = lambda t, s: jax.tree.map(
             lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), t, s)
         key_s = as_abstract(key, rep)
         starts_a = as_abstract(starts, starts_sh)

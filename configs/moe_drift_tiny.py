@@ -1,6 +1,6 @@
 """A bf16 tiny MoE whose rollout and train forward route differently: the routing-replay demonstration.
 
-  python benchmarks/routing_replay.py                       # scoring + two short GSPO runs (see docs/benchmarks.md)
+  python studies/routing_replay.py                          # scoring + two short GSPO runs (see docs/benchmarks.md)
   python -m experiments.train_tictactoe --config=configs/moe_drift_tiny.py --workdir=workdir/drift \
       --config.rl.routing_replay=True
 

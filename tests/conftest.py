@@ -99,7 +99,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def scripted_forward():
     """A factory of stand-ins for `ling3.forward` whose most likely token at t is the token at t + 1 (shift 0: an
-    oracle of the conversation it reads) or another one (shift != 0), for benchmarks that score agreement."""
+    oracle of the conversation it reads) or another one (shift != 0), for studies that score agreement."""
     import jax
     import jax.numpy as jnp
 
@@ -114,7 +114,7 @@ def scripted_forward():
 
 @pytest.fixture(scope="session")
 def tiny_connect4():
-    """A factory of Connect Four runs as the benchmarks load them: ``opponent -> (config, tokenizer, model_config,
+    """A factory of Connect Four runs as the studies load them: ``opponent -> (config, tokenizer, model_config,
     params)`` of `configs/connect4_tiny.py` with that opponent, built once per opponent."""
     import jax
 

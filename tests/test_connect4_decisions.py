@@ -1,4 +1,4 @@
-"""benchmarks/connect4_decisions.py: decisions sorted by what the position asks (win / block / other), the board
+"""studies/connect4_decisions.py: decisions sorted by what the position asks (win / block / other), the board
 read back from the conversation text (plain or with landing cells marked), and the agreement counted per kind
 (checked with an oracle and an anti-oracle in place of the model)."""
 
@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies"))
 import connect4_decisions as cd  # noqa: E402
 
 from configs import connect4_tiny  # noqa: E402

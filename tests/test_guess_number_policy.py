@@ -1,9 +1,9 @@
-"""benchmarks/guess_number_policy.py's tabulation of transcripts by the range stated before each guess."""
+"""studies/guess_number_policy.py's tabulation of transcripts by the range stated before each guess."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies"))
 import guess_number_policy  # noqa: E402
 
 

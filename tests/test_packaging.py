@@ -1,6 +1,8 @@
 """Packaging: the core install (setup.py's install_requires) has no web server stack, and the core path (the loop,
 the losses, the train / evaluate CLIs) imports without it; the play page says in one line how to get it. Also:
-every test named in tests/conftest.py's SLOW table exists (a renamed test would silently join the fast tier)."""
+every test named in tests/conftest.py's SLOW table exists (a renamed test would silently join the fast tier), and
+the scripts in benchmarks/ and studies/ import the installed package, not each other, each with its row in
+docs/benchmarks.md."""
 
 import ast
 import os
@@ -84,3 +86,46 @@ def test_every_slow_test_exists():
             names = {node.name for node in ast.parse(f.read()).body if isinstance(node, ast.FunctionDef)}
         assert name in names, f"tests/conftest.py's SLOW names {nodeid}, which is not a test"
         assert reason.strip(), nodeid
+
+
+SCRIPT_FOLDERS = ("benchmarks", "studies")
+
+
+def _scripts() -> dict[str, ast.Module]:
+    """{"benchmarks/x.py" or "studies/x.py": its syntax tree} of every script."""
+    trees = {}
+    for folder in SCRIPT_FOLDERS:
+        for name in sorted(os.listdir(os.path.join(REPO, folder))):
+            if name.endswith(".py"):
+                with open(os.path.join(REPO, folder, name)) as f:
+                    trees[f"{folder}/{name}"] = ast.parse(f.read())
+    return trees
+
+
+def test_no_script_edits_sys_path_or_imports_another_script():
+    # A script imports reno_jax, experiments and configs as the installed package; what two scripts share is
+    # library code (e.g. reno_jax/real_shape.py), so each runs as `python benchmarks/x.py` from anywhere.
+    trees = _scripts()
+    assert trees, "no scripts found in benchmarks/ or studies/"
+    script_modules = {os.path.basename(path)[:-3] for path in trees}
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+                assert False, f"{path}:{node.lineno} reads or edits sys.path"
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in script_modules and top not in SCRIPT_FOLDERS, (
+                    f"{path}:{node.lineno} imports the script {name}: move what it shares into reno_jax")
+
+
+def test_every_script_has_a_row_in_docs_benchmarks():
+    with open(os.path.join(REPO, "docs", "benchmarks.md")) as f:
+        text = f.read()
+    for path in _scripts():
+        assert path in text, f"{path} is cited nowhere in docs/benchmarks.md"

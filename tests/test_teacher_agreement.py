@@ -1,4 +1,4 @@
-"""benchmarks/teacher_agreement.py counts a decision as agreed exactly when the policy's most likely token at the
+"""studies/teacher_agreement.py counts a decision as agreed exactly when the policy's most likely token at the
 teacher's choice token is that token (checked with an oracle and an anti-oracle in place of the model)."""
 
 import os
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies"))
 import teacher_agreement as ta  # noqa: E402
 
 

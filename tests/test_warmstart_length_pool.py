@@ -1,4 +1,4 @@
-"""benchmarks/warmstart_length_pool.py: the warm start's step widths with and without length-sorted pools."""
+"""studies/warmstart_length_pool.py: the warm start's step widths with and without length-sorted pools."""
 
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies"))
 import warmstart_length_pool as wlp  # noqa: E402
 
 

@@ -6,7 +6,7 @@ tokens). For each query block size (`models/mla.py`'s QUERY_BLOCK; a size of at 
 [T, T] square), the compile time and the median step time, and the ratio against the first size measured in the
 same process.
 
-  JAX_PLATFORMS=cpu python benchmarks/long_sequence_cost.py [--rows 16] [--length 2176] [--blocks 1000000,256,128]
+  JAX_PLATFORMS=cpu python studies/long_sequence_cost.py [--rows 16] [--length 2176] [--blocks 1000000,256,128]
 
 The last output line is one JSON object with every figure.
 """
@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import connect4_tiny  # noqa: E402
-from reno_jax.loop import build  # noqa: E402
-from reno_jax.models import ling3, mla  # noqa: E402
+from configs import connect4_tiny
+from reno_jax.loop import build
+from reno_jax.models import ling3, mla
 
 
 def main():

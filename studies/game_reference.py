@@ -8,7 +8,7 @@ Every game tree is enumerated (no sampling), so the rates are exact. Players and
              (the best any policy can do against that opponent without risking a loss)
   epsilon    random with probability epsilon, else minimax (opponent only; the game config trains against 0.5)
 
-  python benchmarks/game_reference.py [--epsilon 0.5]
+  python studies/game_reference.py [--epsilon 0.5]
 
 Prints a table of win / draw / loss per player, opponent and side, and ends with one JSON line: for each player and
 opponent the rates averaged over the two sides (`<player>/<opponent>/win` ...), which is how
@@ -81,7 +81,7 @@ def outcome(board: tuple, to_move: int, me: int, player: str, opponent: str, eps
         return (1.0, 0.0, 0.0) if w == me else (0.0, 0.0, 1.0)
     if 0 not in board:
         return (0.0, 1.0, 0.0)
-    nxt = lambda square: outcome(play(board, square, to_move), 3 - to_move, me, player, opponent, epsilon)  # noqa: E731
+    nxt = lambda square: outcome(play(board, square, to_move), 3 - to_move, me, player, opponent, epsilon)
     if to_move != me:
         return tuple(sum(p * o[j] for p, o in ((p, nxt(m)) for p, m in
                                                opponent_policy(opponent, board, to_move, epsilon)))

@@ -7,8 +7,8 @@ apart, e.g. the column digit) is the teacher's. Those are on the teacher's own p
 itself leaves that path after its first different choice, so `games_all_agreed` (every decision of a game agreed)
 says how many of the teacher's games the policy would have played to the end the same way.
 
-    python benchmarks/teacher_agreement.py --workdir=W --warm_start              # what GSPO starts from
-    python benchmarks/teacher_agreement.py --workdir=W --env opponent=greedy     # a checkpoint, vs one opponent
+    python studies/teacher_agreement.py --workdir=W --warm_start              # what GSPO starts from
+    python studies/teacher_agreement.py --workdir=W --env opponent=greedy     # a checkpoint, vs one opponent
 
 Ends with one JSON line: decisions, agreement, games, games_all_agreed.
 """
@@ -18,20 +18,14 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
-import sys
 
 import jax
-import ml_collections
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from reno_jax import loop  # noqa: E402
-from reno_jax.loop import build, warmstart  # noqa: E402
-from reno_jax.models import ling3  # noqa: E402
-from reno_jax.rl import sft  # noqa: E402
-from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
+from reno_jax.loop import build, scored_runs, warmstart
+from reno_jax.models import ling3
+from reno_jax.rl import sft
+from reno_jax.rollout import rollout as rollout_lib
 
 
 def agreement(params, model_config, tokenizer, config, *, games: int, batch: int, seed: int) -> dict:
@@ -72,43 +66,13 @@ def agreement(params, model_config, tokenizer, config, *, games: int, batch: int
             "games_all_agreed": float(np.mean(whole))}
 
 
-def add_run_flags(ap: argparse.ArgumentParser) -> None:
-    """The flags that name a run's parameters and the games to play (shared with `connect4_decisions.py`)."""
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--warm_start", action="store_true", help="score the run's warm start (default: its newest "
-                    "checkpoint)")
-    ap.add_argument("--step", type=int, default=None)
-    ap.add_argument("--games", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=100)
-
-
-def check_run_flags(ap: argparse.ArgumentParser, args) -> None:
-    if args.warm_start and args.step is not None:
-        ap.error("--warm_start and --step name two different parameter sets; pass one")
-    if args.games < 1 or args.batch < 1:
-        ap.error("--games and --batch must be >= 1")
-
-
-def load_scored_run(args):
-    """(config, tokenizer, model_config, params, step) of the run's warm start (step 0) or checkpoint, its config
-    with the warm start's env section."""
-    if args.warm_start:
-        run = loop.load_warm_start(args.workdir)
-        config, tokenizer, model_config, params, step = run.config, run.tokenizer, run.model_config, run.params, 0
-    else:
-        config, tokenizer, model_config, params, step = loop.load_run(args.workdir, args.step)
-    config = ml_collections.ConfigDict(warmstart.env_config_for_warm_start(config).to_dict())
-    return config, tokenizer, model_config, params, step
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_flags(ap)
+    scored_runs.add_run_flags(ap)
     ap.add_argument("--env", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a field of the env section the warm start plays, e.g. opponent=greedy (repeatable)")
     args = ap.parse_args(argv)
-    check_run_flags(ap, args)
+    scored_runs.check_run_flags(ap, args)
     overrides = {}
     for item in args.env:
         name, sep, value = item.partition("=")
@@ -118,7 +82,7 @@ def main(argv=None) -> None:
             overrides[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             overrides[name] = value  # a bare word: a string
-    config, tokenizer, model_config, params, step = load_scored_run(args)
+    config, tokenizer, model_config, params, step = scored_runs.load_scored_run(args)
     config.env.update(overrides)
     figures = agreement(params, model_config, tokenizer, config, games=args.games, batch=args.batch, seed=args.seed)
     figures["checkpoint"] = "warm_start" if args.warm_start else step

@@ -14,7 +14,7 @@ process on one machine:
   speedup         the first pool size's step_s over this one's
   widths          distinct widths (each is one compilation)
 
-  python benchmarks/warmstart_length_pool.py --config=configs/connect4_tiny.py --steps=64 --pools=1,4,8
+  python studies/warmstart_length_pool.py --config=configs/connect4_tiny.py --steps=64 --pools=1,4,8
 
 The last output line is one JSON object with every figure.
 """
@@ -24,20 +24,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from reno_jax.loop import build, warmstart  # noqa: E402
-from reno_jax.rl import policy, sft, trainer  # noqa: E402
-from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length  # noqa: E402
-from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
+from reno_jax.loop import build, warmstart
+from reno_jax.rl import policy, sft, trainer
+from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length
+from reno_jax.rollout import rollout as rollout_lib
 
 
 def load_config(path: str):

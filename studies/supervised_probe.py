@@ -7,8 +7,8 @@ drawn uniformly among them each time), on the config's board dataset. Every `--e
 greedy square on all 2423 non-terminal X-to-move positions from one forward pass per board (the logits of the
 square token after the fixed call prefix, over the nine square tokens) and prints the optimal-move rate.
 
-    python benchmarks/supervised_probe.py --steps 400 --batch 32
-    python benchmarks/supervised_probe.py --set model.tiny.hidden_size=96 --set sft.learning_rate=2e-3
+    python studies/supervised_probe.py --steps 400 --batch 32
+    python studies/supervised_probe.py --set model.tiny.hidden_size=96 --set sft.learning_rate=2e-3
 
 Ends with one JSON line: the rate at every evaluation, the wall time and the parameter count.
 """
@@ -18,24 +18,20 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import tictactoe_tiny  # noqa: E402
-from reno_jax.envs.tictactoe import boards as boards_lib  # noqa: E402
-from reno_jax.envs.tictactoe import env as ttt_env  # noqa: E402
-from reno_jax.envs.tictactoe import minimax, registration, wording  # noqa: E402
-from reno_jax.loop import build  # noqa: E402
-from reno_jax.models import ling3  # noqa: E402
-from reno_jax.rl import policy, sft, trainer  # noqa: E402
-from reno_jax.rl.batch import TrainBatch  # noqa: E402
+from configs import tictactoe_tiny
+from reno_jax.envs.tictactoe import boards as boards_lib
+from reno_jax.envs.tictactoe import env as ttt_env
+from reno_jax.envs.tictactoe import minimax, registration, wording
+from reno_jax.loop import build
+from reno_jax.models import ling3
+from reno_jax.rl import policy, sft, trainer
+from reno_jax.rl.batch import TrainBatch
 
 
 def apply_overrides(config, pairs):

@@ -6,8 +6,8 @@ secret equally often), reads each guess and the range stated before it from the 
 binary search would pick. Ends with one JSON line: the evaluation figures, the share of guesses in range, the
 first-guess distribution and the share of first guesses at a midpoint (8 or 9).
 
-    python benchmarks/guess_number_policy.py --workdir=W                  # the newest checkpoint
-    python benchmarks/guess_number_policy.py --workdir=W --warm_start      # what GSPO started from
+    python studies/guess_number_policy.py --workdir=W                  # the newest checkpoint
+    python studies/guess_number_policy.py --workdir=W --warm_start      # what GSPO started from
 """
 
 from __future__ import annotations
@@ -15,20 +15,16 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from reno_jax import loop  # noqa: E402
-from reno_jax.envs import guess_number, interface  # noqa: E402
-from reno_jax.loop import evaluation  # noqa: E402
-from reno_jax.protocol import tokenizer as tokenizer_lib  # noqa: E402
+from reno_jax import loop
+from reno_jax.envs import guess_number, interface
+from reno_jax.loop import evaluation
+from reno_jax.protocol import tokenizer as tokenizer_lib
 
 GUESS = re.compile(r'"number": (\d+)')
 RANGE = re.compile(r"It is (\d+) to (\d+)\.")

@@ -19,7 +19,7 @@ supervised warm start (cached under --workdir).
 
 The last output line is one JSON object.
 
-    python benchmarks/routing_replay.py [--steps 25] [--score_batches 4] [--workdir /tmp/routing_replay]
+    python studies/routing_replay.py [--steps 25] [--score_batches 4] [--workdir /tmp/routing_replay]
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import functools
 import json
 import os
 import shutil
-import sys
 import time
 
 import jax
@@ -38,15 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import moe_drift_tiny  # noqa: E402
-from reno_jax import loop  # noqa: E402
-from reno_jax.loop import build, warmstart  # noqa: E402
-from reno_jax.models import ling3  # noqa: E402
-from reno_jax.rl import losses, policy, trainer  # noqa: E402
-from reno_jax.rl.batch import TrainBatch  # noqa: E402
-from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
+from configs import moe_drift_tiny
+from reno_jax import loop
+from reno_jax.loop import build, warmstart
+from reno_jax.models import ling3
+from reno_jax.rl import losses, policy, trainer
+from reno_jax.rl.batch import TrainBatch
+from reno_jax.rollout import rollout as rollout_lib
 
 
 def score(model_config, params, traj, replay: bool) -> dict:

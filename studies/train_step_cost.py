@@ -22,7 +22,7 @@ the same process, the variants' steps interleaved round by round:
 
 Every timed step starts from the same (copied) train state, so the guard variants see one update's shift.
 
-  JAX_PLATFORMS=cpu python benchmarks/train_step_cost.py [--reps 7] [--variants default,all_mla,...]
+  JAX_PLATFORMS=cpu python studies/train_step_cost.py [--reps 7] [--variants default,all_mla,...]
 
 The last output line is one JSON object with every figure.
 """
@@ -32,20 +32,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import tictactoe_tiny  # noqa: E402
-from reno_jax.loop import build as loop_build  # noqa: E402
-from reno_jax.rl import policy, recipe, shared_prefix, trainer  # noqa: E402
-from reno_jax.rl.batch import TrainBatch  # noqa: E402
+from configs import tictactoe_tiny
+from reno_jax.loop import build as loop_build
+from reno_jax.rl import policy, recipe, shared_prefix, trainer
+from reno_jax.rl.batch import TrainBatch
 
 COMMON = 38  # leading tokens every move-task prompt shares
 

@@ -8,9 +8,9 @@ column is also what the teacher's centre order alone would have played (no win o
 that agrees on "win" / "block" decisions only where the centre order happens to coincide has not learned to see
 fours. It also counts the share where that column is full (the move a game would end on as illegal).
 
-    python benchmarks/connect4_decisions.py --workdir=W --warm_start
-    python benchmarks/connect4_decisions.py --workdir=W --step=20 --opponent=random
-    python benchmarks/connect4_decisions.py --workdir=W --warm_start --opening_plies=16   # off the teacher's path
+    python studies/connect4_decisions.py --workdir=W --warm_start
+    python studies/connect4_decisions.py --workdir=W --step=20 --opponent=random
+    python studies/connect4_decisions.py --workdir=W --warm_start --opening_plies=16   # off the teacher's path
 
 Ends with one JSON line: per kind the decisions, the agreement, the centre-order agreement and the full-column
 share.
@@ -20,23 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import teacher_agreement as ta  # noqa: E402
-
-from reno_jax.envs.connect4 import env as c4_env  # noqa: E402
-from reno_jax.envs.connect4 import registration, rules  # noqa: E402
-from reno_jax.loop import build, warmstart  # noqa: E402
-from reno_jax.models import ling3  # noqa: E402
-from reno_jax.rl import sft  # noqa: E402
-from reno_jax.rollout import rollout as rollout_lib  # noqa: E402
+from reno_jax.envs.connect4 import env as c4_env
+from reno_jax.envs.connect4 import registration, rules
+from reno_jax.loop import build, scored_runs, warmstart
+from reno_jax.models import ling3
+from reno_jax.rl import sft
+from reno_jax.rollout import rollout as rollout_lib
 
 KINDS = ("win", "block", "other")
 
@@ -59,7 +52,7 @@ def decision_kind(board: np.ndarray) -> str:
 def split(params, model_config, tokenizer, config, *, games: int, batch: int, seed: int) -> dict:
     entry = build.env_entry(config)
     if entry.name != "connect4":
-        raise SystemExit(f"this benchmark reads Connect Four runs; the run's env.name is {entry.name!r}")
+        raise SystemExit(f"this study reads Connect Four runs; the run's env.name is {entry.name!r}")
     env = build.make_compiled_env(config, tokenizer, model_config)
     teacher = entry.make_teacher(config, env.env)
     tool_names = [t["function"]["name"] for t in env.env.chat().tools]
@@ -104,15 +97,15 @@ def _board_before(tokenizer, prefix: np.ndarray) -> np.ndarray:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ta.add_run_flags(ap)
+    scored_runs.add_run_flags(ap)
     ap.add_argument("--opponent", default="greedy", choices=("random", "greedy", "negamax", "mixed"))
     ap.add_argument("--opening_plies", type=int, default=0,
                     help="start the games after up to that many random plies (positions off the teacher's usual path)")
     args = ap.parse_args(argv)
-    ta.check_run_flags(ap, args)
+    scored_runs.check_run_flags(ap, args)
     if not 0 <= args.opening_plies <= c4_env.MAX_OPENING_PLIES:
         ap.error(f"--opening_plies must be in 0..{c4_env.MAX_OPENING_PLIES}, got {args.opening_plies}")
-    config, tokenizer, model_config, params, step = ta.load_scored_run(args)
+    config, tokenizer, model_config, params, step = scored_runs.load_scored_run(args)
     config.env.opponent = args.opponent
     config.env.opening_plies = args.opening_plies  # not the warm start's: the board the games start from is a flag
     config.sft.teacher, config.sft.soft_targets = "center_greedy", False
