@@ -146,6 +146,7 @@ def plan(args, mc: parallel.MeshConfig, layers_n: int, res):
         micro = args.microbatches_for_8
     ns = argparse.Namespace(**vars(args))
     ns.microbatches, ns.remat, ns.share_prefix, ns.entropy, ns.synthetic_batch = micro, True, True, False, True
+    ns.logits_chunk = 0  # the whole train step at once: what the plan measures
     base = f"{mesh_label(mc)} / {layers_n} layers"
 
     params = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
