@@ -452,7 +452,7 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     return jax.jit(functools.partial(_train_step, spec), donate_argnums=(0,) if donate else ())
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: it holds a dict
 class _StepSpec:
     """The validated options of `make_train_step`, read by every phase of the train step (static)."""
     logp_fn: Callable
