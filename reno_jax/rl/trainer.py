@@ -501,15 +501,15 @@ def _loss_and_metrics(params, spec: _StepSpec, frozen, mb: TrainBatch):
     return loss, (dict(metrics), extra)
 
 
-_loss_and_grad = jax.value_and_grad(_loss_and_metrics, has_aux=True)
-
 
 def _accumulate_grads(spec: _StepSpec, params, frozen, micro: TrainBatch):
     """``(loss, grads, loss metrics, mismatch sums)`` of a minibatch: the normalizer-weighted accumulation over
     the leading (micro-batch) axis of ``micro`` (``[K, rows, ...]``)."""
+    grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
+
     def body(acc, mb):
         mb = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, mb)
-        (loss, (metrics, extra)), grads = _loss_and_grad(params, spec, frozen, mb)
+        (loss, (metrics, extra)), grads = grad_fn(params, spec, frozen, mb)
         w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
         g_acc, l_acc, w_acc = acc
         g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
