@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from reno_jax.sharding import hints
 from reno_jax.rl import losses
 from reno_jax.rl.batch import TrainBatch
+from reno_jax.sharding import hints
 
 Array = jax.Array
 PyTree = Any
@@ -428,8 +428,9 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     A minibatch whose loss or gradient (global norm) is not finite leaves params and optimizer state untouched
     and increments ``state.skipped_updates``. ``state.step`` increments by one per call.
 
-    Metrics (float32 scalars): the loss's metrics, each reduced as ``metric_reductions`` declares, ``loss``, ``grad_norm``
-    (global norm before clipping, mean over minibatches), ``grad_norm_max``, ``skipped`` (updates skipped in this call) and ``skipped_updates`` (running total).
+    Metrics (float32 scalars): the loss's metrics, each reduced as ``metric_reductions`` declares, ``loss``,
+    ``grad_norm`` (global norm before clipping, mean over minibatches), ``grad_norm_max``, ``skipped`` (updates
+    skipped in this call) and ``skipped_updates`` (running total).
     """
     num_minibatches, num_microbatches = int(num_minibatches), int(num_microbatches)
     reductions = dict(losses.METRIC_REDUCTIONS if metric_reductions is None else metric_reductions)
