@@ -56,7 +56,8 @@ def score(model_config, params, traj, replay: bool) -> dict:
     """
     batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
                        advantages=jnp.ones(traj.reward.shape), routing=traj.routing)
-    logp, _, stats = _logp_fn(model_config, replay)(params, batch)
+    scored = _logp_fn(model_config, replay)(params, batch)
+    logp, stats = scored.logp, scored.routing
     sums = trainer.mismatch_sums(logp, traj.behaviour_logp, traj.loss_mask)
     out = {k: float(v) for k, v in trainer.mismatch_metrics(sums, stats).items()}
     out["tokens"] = float(sums["count"])

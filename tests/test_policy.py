@@ -20,7 +20,8 @@ def test_entropy_top_k():
     out = jax.jit(policy.make_logp_fn(cfg))(params, batch)
     assert isinstance(out, trainer.PolicyOutput) and out.routing is None  # no recorded routing in the batch
     logp_full, ent_full = out.logp, out.entropy
-    logp_all, ent_all, _ = jax.jit(policy.make_logp_fn(cfg, entropy_top_k=cfg.vocab_size))(params, batch)
+    out_all = jax.jit(policy.make_logp_fn(cfg, entropy_top_k=cfg.vocab_size))(params, batch)
+    logp_all, ent_all = out_all.logp, out_all.entropy
     np.testing.assert_allclose(np.asarray(ent_all), np.asarray(ent_full), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(logp_all), np.asarray(logp_full))  # log-probs never change
     ent3 = jax.jit(policy.make_logp_fn(cfg, entropy_top_k=3))(params, batch).entropy

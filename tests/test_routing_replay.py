@@ -238,9 +238,8 @@ def test_shared_prefix_with_replay_equals_rowwise_with_replay(common):
         assert sb.common_routing.shape == (N * G, common, N_MOE, K)
     replay_fn = jax.jit(policy.make_logp_fn(CFG, group_size=G, routing_replay=True))
     plain_fn = jax.jit(policy.make_logp_fn(CFG, group_size=G))
-    lp_row, _, st_row = replay_fn(p, batch)
-    lp_sh, _, st_sh = replay_fn(p, sb)
-    lp_plain, _, st_plain = plain_fn(p, batch)
+    (lp_row, st_row), (lp_sh, st_sh), (lp_plain, st_plain) = (
+        (out.logp, out.routing) for out in (replay_fn(p, batch), replay_fn(p, sb), plain_fn(p, batch)))
     m = np.asarray(batch.valid[:, S:])
     np.testing.assert_allclose(np.asarray(lp_sh)[m], np.asarray(lp_row[:, S:])[m], atol=2e-5)
     assert np.abs(np.asarray(lp_row - lp_plain)[np.asarray(batch.valid)]).max() > 1e-3  # replay is used

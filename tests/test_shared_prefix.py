@@ -74,8 +74,9 @@ def test_logp_entropy_and_grads_match_rowwise(setup, common):
     mask = batch.valid[:, S:]
 
     def weighted(p, b, start):  # (sum of w * logp over the continuation, (logp, entropy)): one program per path
-        lp, ent, routing = fn(p, b)
-        assert routing is None  # no recorded routing in the batch
+        out = fn(p, b)
+        lp, ent = out.logp, out.entropy
+        assert out.routing is None  # no recorded routing in the batch
         return jnp.sum(jnp.where(mask, lp[:, start:] * w, 0.0)), (lp, ent)
 
     g_full, (lp_full, ent_full) = jax.jit(jax.grad(lambda p: weighted(p, batch, S), has_aux=True))(params)

@@ -6,7 +6,8 @@
 
 Rules: no import cycles between reno_jax modules; no import inside a function except of an optional dependency;
 no import of a higher layer; no game (`reno_jax.envs.<game>`) named outside reno_jax/envs/, neither imported nor
-as a string (the games are reached through the environment registry).
+as a string (the games are reached through the environment registry); no function longer than
+MAX_FUNCTION_LINES (a longer one is split into named phases).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ OPTIONAL_DEPENDENCIES = frozenset({
 GAMES = ("tictactoe", "connect4", "guess_number")
 GAME_FREE_ROOTS = ("reno_jax", "experiments")  # where no game is named (reno_jax/envs/ excepted)
 DEFAULT_ALIAS = "experiments.train_tictactoe"  # the README's main command: the generic CLI with the default config
+MAX_FUNCTION_LINES = 100  # def line to last line, docstring included (decorators not)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +183,26 @@ def _docstring_nodes(tree: ast.AST) -> set[int]:
     return out
 
 
+def function_lengths(root: str, repo: Path = REPO) -> list[tuple[int, str]]:
+    """`(lines, "file::qualified.name")` of every function and method under the directory `root`, longest first
+    (a nested function is counted on its own and inside its parent)."""
+    out = []
+
+    def visit(node: ast.AST, prefix: str, file: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    out.append((child.end_lineno - child.lineno + 1, f"{file}::{name}"))
+                visit(child, name + ".", file)
+            else:
+                visit(child, prefix, file)
+
+    for path in sorted((repo / root).rglob("*.py")):
+        visit(ast.parse(path.read_text(), filename=str(path)), "", str(path.relative_to(repo)))
+    return sorted(out, key=lambda row: (-row[0], row[1]))
+
+
 def _is_game_module(module: str) -> bool:
     return any(module == f"{PACKAGE}.envs.{g}" or module.startswith(f"{PACKAGE}.envs.{g}.") for g in GAMES)
 
@@ -247,6 +269,13 @@ def test_games_are_not_named_outside_envs():
     assert not problems, "\n".join(problems)
 
 
+def test_functions_are_short():
+    lengths = function_lengths(PACKAGE)
+    longest = "\n".join(f"  {n} lines: {name}" for n, name in lengths[:5])
+    assert lengths[0][0] <= MAX_FUNCTION_LINES, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them into named phases); the longest:\n{longest}")
+
+
 # ----------------------------------------------------------------------------------- the graph helper itself
 
 
@@ -267,3 +296,12 @@ def test_graph_resolves_relative_and_submodule_imports(tmp_path):
     assert edges["pkg.sub.c"].keys() == {"pkg.b"}  # its own packages (pkg.sub, pkg) are being imported already
     cycles = [c for c in _strongly_connected(edges) if len(c) > 1]
     assert cycles == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+def test_function_lengths_name_methods_and_nested_functions(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        "class A:\n    @staticmethod\n    def f():\n        def inner():\n            pass\n        return 1\n\n\n"
+        "async def g():\n    pass\n")
+    assert function_lengths("pkg", repo=tmp_path) == [(4, "pkg/m.py::A.f"), (2, "pkg/m.py::A.f.inner"),
+                                                       (2, "pkg/m.py::g")]

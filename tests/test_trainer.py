@@ -276,7 +276,8 @@ def test_full_batch_gradient_matches_direct_grad():
     state, m = step(fresh_state(opt), batch)
 
     def direct(p):
-        logp, ent, _ = toy_logp_fn(p, batch)
+        out = toy_logp_fn(p, batch)
+        logp, ent = out.logp, out.entropy
         return losses.dapo_loss(logp, batch.old_logp, batch.advantages, batch.loss_mask, entropy=ent)[0]
 
     p0 = toy_params()
@@ -363,7 +364,8 @@ def test_bad_batches_raise():
     _, m = keyed(fresh_state(opt), batch.replace(entropy_scale=jnp.full((B,), 0.5)))  # set: reaches the loss
     np.testing.assert_allclose(float(m["forking_entropy_coef"]), 0.05, rtol=1e-6)
     # A logp_fn of the old signature (a tuple).
-    tupled = trainer.make_train_step(lambda p, b: tuple(toy_logp_fn(p, b)[:2]), losses.gspo_loss, opt)
+    tupled = trainer.make_train_step(lambda p, b: (toy_logp_fn(p, b).logp, toy_logp_fn(p, b).entropy),
+                                     losses.gspo_loss, opt)
     with pytest.raises(TypeError, match="PolicyOutput"):
         tupled(fresh_state(opt), batch)
 
@@ -491,7 +493,8 @@ def test_frozen_tree_is_read_not_trained():
     chex.assert_trees_all_equal(base, toy_params())
 
     def direct(t):
-        logp, ent, _ = toy_logp_fn(_low_rank_combine(t, base), batch)
+        out = toy_logp_fn(_low_rank_combine(t, base), batch)
+        logp, ent = out.logp, out.entropy
         return losses.gspo_loss(logp, batch.old_logp, batch.advantages, batch.loss_mask, entropy=ent)[0]
 
     g = jax.grad(direct)(trained)

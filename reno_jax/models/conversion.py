@@ -535,98 +535,121 @@ def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
     if quantize not in (None, "", "int8"):
         raise CheckpointError(f"unknown quantization {quantize!r}: use 'int8' (or None)")
 
-    index = _weight_files(path)
     with ExitStack() as stack:
-        # name -> (file, open handle). Every file is opened once; opening validates its header.
-        sources: dict[str, tuple[Path, Any]] = {}
-        if index is None:
-            file = path / WEIGHTS_NAME
-            handle = _open(stack, file)
-            sources = {name: (file, handle) for name in handle.keys()}
-        else:
-            handles = {file: _open(stack, file) for file in sorted(set(index.values()))}
-            keys = {file: set(handle.keys()) for file, handle in handles.items()}
-            absent = [n for n, f in index.items() if n not in keys[f]]
-            if absent:
-                raise CheckpointError(f"index lists tensors that are not in their shard: {_list_names(absent)}")
-            sources = {name: (file, handles[file]) for name, file in index.items()}
-
-        num_layers, num_mtp = config.num_hidden_layers, config.num_nextn_predict_layers
-        mtp = sorted(n for n in sources if _mtp_skip(n, num_layers, num_mtp))
-        if mtp:
-            logging.info("Skipping %d multi-token-prediction tensors (layers %d..%d), e.g. %s",
-                         len(mtp), num_layers, num_layers + num_mtp - 1, mtp[0])
-        expected = {e.hf_name: e for e in table}
-        present = set(sources) - set(mtp)
-        problems = []
-        missing = sorted(set(expected) - present)
-        unexpected = sorted(present - set(expected))
-        if missing:
-            problems.append(f"missing tensors ({len(missing)}): {_list_names(missing)}")
-        if unexpected:
-            problems.append(f"unexpected tensors ({len(unexpected)}): {_list_names(unexpected)}")
-        stored_dtype: dict[str, str] = {}
-        for name in sorted(present & set(expected)):
-            meta = sources[name][1].get_slice(name)
-            shape, st_dtype = tuple(meta.get_shape()), meta.get_dtype()
-            stored_dtype[name] = st_dtype
-            if shape != expected[name].hf_shape:
-                problems.append(f"wrong shape for {name}: expected {list(expected[name].hf_shape)}, got {list(shape)}")
-            if st_dtype not in _ST_TO_NP:
-                problems.append(f"wrong dtype for {name}: {st_dtype} (expected a floating dtype: F32, BF16, F16, F64)")
-        if problems:
-            raise CheckpointError(f"checkpoint {str(path)!r} does not match the config: " + "; ".join(problems))
-
+        sources = _open_sources(stack, path)
+        stored_dtype = _check_tensors(path, config, table, sources)
         params: dict = {}
         for entries in leaf_groups(table):
             first = entries[0]
-            if target is None:
-                out_dtype = _ST_TO_NP[stored_dtype[first.hf_name]]
-            elif first.float32 and target.itemsize < 4:
-                out_dtype = np.dtype(np.float32)  # see Entry.float32
-            else:
-                out_dtype = target
-
-            def read(block: tuple[slice, ...], entries=entries, out_dtype=out_dtype) -> np.ndarray:
-                """The Flax leaf's `block` (one slice per Flax dimension), read and converted."""
-                head = entries[0]
-                if head.transform != EXPERT:
-                    file, handle = sources[head.hf_name]
-                    x = _read_block(file, handle, head.hf_name, stored_dtype[head.hf_name], _hf_index(head, block))
-                    return np.asarray(head.hf_to_flax(x), dtype=out_dtype)
-                experts = range(*block[0].indices(len(entries)))
-                out = np.empty((len(experts),) + tuple(s.stop - s.start for s in block[1:]), out_dtype)
-                for k, e in enumerate(experts):  # only the experts this block holds
-                    file, handle = sources[entries[e].hf_name]
-                    x = _read_block(file, handle, entries[e].hf_name, stored_dtype[entries[e].hf_name],
-                                    _hf_index(entries[e], block[1:]))
-                    out[k] = entries[e].hf_to_flax(x)  # cast on assignment
-                return out
-
-            shape = first.flax_shape
-            if shardings is None:
-                leaf = jnp.asarray(read(_normalise((slice(None),) * len(shape), shape)))
-            else:
-                try:
-                    sharding = _get_leaf(shardings, first.flax_path)
-                except (KeyError, TypeError):
-                    raise CheckpointError(f"shardings have no entry for {'/'.join(first.flax_path)}") from None
-                blocks: dict[tuple, np.ndarray] = {}  # one read per distinct block (replicas share it)
-
-                def shard(block, read=read, shape=shape, blocks=blocks):
-                    block = _normalise(block, shape)
-                    key = tuple((s.start, s.stop) for s in block)
-                    if key not in blocks:
-                        blocks[key] = read(block)
-                    return blocks[key]
-
-                leaf = jax.make_array_from_callback(shape, sharding, shard)
-                blocks.clear()  # the host copies: the devices hold their shards now
+            read = _leaf_reader(entries, sources, stored_dtype, _leaf_dtype(first, target, stored_dtype))
+            leaf = _load_leaf(first, read, shardings)
             kind = _quantized_kind(config, first.flax_path) if quantize else None
             if kind is not None:
                 leaf = _quantize_leaf(leaf, axis=quant.quantized_axis(kind), block=quant_block)
             _set_leaf(params, first.flax_path, leaf)
     return config, params
+
+
+def _open_sources(stack: ExitStack, path: Path) -> dict[str, tuple[Path, Any]]:
+    """name -> (file, open handle) of every stored tensor. Every file is opened once (on `stack`); opening
+    validates its header."""
+    index = _weight_files(path)
+    if index is None:
+        file = path / WEIGHTS_NAME
+        handle = _open(stack, file)
+        return {name: (file, handle) for name in handle.keys()}
+    handles = {file: _open(stack, file) for file in sorted(set(index.values()))}
+    keys = {file: set(handle.keys()) for file, handle in handles.items()}
+    absent = [n for n, f in index.items() if n not in keys[f]]
+    if absent:
+        raise CheckpointError(f"index lists tensors that are not in their shard: {_list_names(absent)}")
+    return {name: (file, handles[file]) for name, file in index.items()}
+
+
+def _check_tensors(path: Path, config: Ling3Config, table: list[Entry], sources: dict) -> dict[str, str]:
+    """Raises CheckpointError listing every missing, unexpected, misshapen or non-float tensor (MTP layers are
+    skipped); returns the stored safetensors dtype of each expected tensor."""
+    num_layers, num_mtp = config.num_hidden_layers, config.num_nextn_predict_layers
+    mtp = sorted(n for n in sources if _mtp_skip(n, num_layers, num_mtp))
+    if mtp:
+        logging.info("Skipping %d multi-token-prediction tensors (layers %d..%d), e.g. %s",
+                     len(mtp), num_layers, num_layers + num_mtp - 1, mtp[0])
+    expected = {e.hf_name: e for e in table}
+    present = set(sources) - set(mtp)
+    problems = []
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_list_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_list_names(unexpected)}")
+    stored_dtype: dict[str, str] = {}
+    for name in sorted(present & set(expected)):
+        meta = sources[name][1].get_slice(name)
+        shape, st_dtype = tuple(meta.get_shape()), meta.get_dtype()
+        stored_dtype[name] = st_dtype
+        if shape != expected[name].hf_shape:
+            problems.append(f"wrong shape for {name}: expected {list(expected[name].hf_shape)}, got {list(shape)}")
+        if st_dtype not in _ST_TO_NP:
+            problems.append(f"wrong dtype for {name}: {st_dtype} (expected a floating dtype: F32, BF16, F16, F64)")
+    if problems:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match the config: " + "; ".join(problems))
+    return stored_dtype
+
+
+def _leaf_dtype(first: Entry, target: np.dtype | None, stored_dtype: dict[str, str]) -> np.dtype:
+    """The dtype a Flax leaf is built in: the stored one (`target` None), float32 for the entries that stay
+    float32 under a narrower target, else `target`."""
+    if target is None:
+        return _ST_TO_NP[stored_dtype[first.hf_name]]
+    if first.float32 and target.itemsize < 4:
+        return np.dtype(np.float32)  # see Entry.float32
+    return target
+
+
+def _leaf_reader(entries: list[Entry], sources: dict, stored_dtype: dict[str, str], out_dtype: np.dtype) -> Callable:
+    """`read(block) -> np.ndarray`: the Flax leaf of `entries` (one entry, or one per expert), restricted to
+    `block` (one slice per Flax dimension), read and converted to `out_dtype`."""
+    def read(block: tuple[slice, ...]) -> np.ndarray:
+        head = entries[0]
+        if head.transform != EXPERT:
+            file, handle = sources[head.hf_name]
+            x = _read_block(file, handle, head.hf_name, stored_dtype[head.hf_name], _hf_index(head, block))
+            return np.asarray(head.hf_to_flax(x), dtype=out_dtype)
+        experts = range(*block[0].indices(len(entries)))
+        out = np.empty((len(experts),) + tuple(s.stop - s.start for s in block[1:]), out_dtype)
+        for k, e in enumerate(experts):  # only the experts this block holds
+            file, handle = sources[entries[e].hf_name]
+            x = _read_block(file, handle, entries[e].hf_name, stored_dtype[entries[e].hf_name],
+                            _hf_index(entries[e], block[1:]))
+            out[k] = entries[e].hf_to_flax(x)  # cast on assignment
+        return out
+
+    return read
+
+
+def _load_leaf(first: Entry, read: Callable, shardings: Any) -> jax.Array:
+    """The leaf on the default device (`shardings` None, read whole), or built shard by shard on its sharding,
+    each distinct block read once (replicas share it)."""
+    shape = first.flax_shape
+    if shardings is None:
+        return jnp.asarray(read(_normalise((slice(None),) * len(shape), shape)))
+    try:
+        sharding = _get_leaf(shardings, first.flax_path)
+    except (KeyError, TypeError):
+        raise CheckpointError(f"shardings have no entry for {'/'.join(first.flax_path)}") from None
+    blocks: dict[tuple, np.ndarray] = {}
+
+    def shard(block):
+        block = _normalise(block, shape)
+        key = tuple((s.start, s.stop) for s in block)
+        if key not in blocks:
+            blocks[key] = read(block)
+        return blocks[key]
+
+    leaf = jax.make_array_from_callback(shape, sharding, shard)
+    blocks.clear()  # the host copies: the devices hold their shards now
+    return leaf
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -15,18 +15,20 @@ trains the Ling-3.0 model and the toy policies of the tests.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from reno_jax.sharding import hints
 from reno_jax.rl import losses
 from reno_jax.rl.batch import TrainBatch
+from reno_jax.sharding import hints
 
 Array = jax.Array
 PyTree = Any
@@ -90,7 +92,8 @@ def join_lr_schedules(schedules: Sequence[Callable[[Array], Array]], lengths: Se
 # ----------------------------------------------------------------------------------------------------------------
 # Low-memory Adam moments
 # ----------------------------------------------------------------------------------------------------------------
-class QuantizedMoment(NamedTuple):
+@flax.struct.dataclass
+class QuantizedMoment:
     """A block-wise 8-bit quantised tensor: ``codes [n_blocks, block]`` (int8 or uint8), ``scale [n_blocks]`` f32.
 
     The original shape is not stored: it is always the shape of the matching gradient / parameter.
@@ -99,13 +102,15 @@ class QuantizedMoment(NamedTuple):
     scale: Array
 
 
-class ScaleByAdamCompressedState(NamedTuple):
+@flax.struct.dataclass
+class ScaleByAdamCompressedState:
     count: Array  # int32 [] number of updates so far
     mu: PyTree    # per leaf: array in state dtype, or QuantizedMoment
     nu: PyTree
 
 
-class _LeafOut(NamedTuple):
+@flax.struct.dataclass
+class _LeafOut:
     """Per-leaf result of the compressed Adam update (a distinct type so tree_map can find it)."""
     update: Array
     mu: Any
@@ -233,8 +238,8 @@ def scale_by_adam_compressed(b1: float = 0.9, b2: float = 0.999, eps: float = 1e
         # mu / nu have the structure of ``updates`` with QuantizedMoment subtrees at the leaves: map over
         # ``updates`` so those subtrees arrive whole.
         out = jax.tree.map(leaf, updates, state.mu, state.nu)
-        pick = lambda i: jax.tree.map(lambda t: t[i], out, is_leaf=lambda x: isinstance(x, _LeafOut))
-        return pick(0), ScaleByAdamCompressedState(count=count, mu=pick(1), nu=pick(2))
+        pick = lambda field: jax.tree.map(lambda t: getattr(t, field), out, is_leaf=lambda x: isinstance(x, _LeafOut))
+        return pick("update"), ScaleByAdamCompressedState(count=count, mu=pick("mu"), nu=pick("nu"))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -320,14 +325,16 @@ METRIC_REDUCTION_KINDS = ("mean", "min", "max", "sum", "count")
 MISMATCH_MAXIMA = ("abs_max", "ratio_max")  # `mismatch_sums` entries that combine by max (the others are sums)
 
 
-class RoutingStats(NamedTuple):
+@flax.struct.dataclass
+class RoutingStats:
     """Routing agreement counts of one (micro-)batch, float32 scalars, over the (token, MoE layer) pairs with a
     recorded rollout routing: ``agree`` those whose train-forward top-k set equals the rollout's, ``total`` all."""
     agree: Array
     total: Array
 
 
-class PolicyOutput(NamedTuple):
+@flax.struct.dataclass
+class PolicyOutput:
     """What a policy's ``logp_fn(params, batch: TrainBatch)`` returns (`rl.policy.make_logp_fn`).
 
     logp: ``float32 [B, L]``, ``logp[:, t] = log p(tokens[t] | tokens[:t])`` (0 at t = 0 and off the tokens the
@@ -421,16 +428,15 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     A minibatch whose loss or gradient (global norm) is not finite leaves params and optimizer state untouched
     and increments ``state.skipped_updates``. ``state.step`` increments by one per call.
 
-    Metrics (float32 scalars): the loss's metrics, each reduced as ``metric_reductions`` declares, ``loss``, ``grad_norm``
-    (global norm before clipping, mean over minibatches), ``grad_norm_max``, ``skipped`` (updates skipped in this call) and ``skipped_updates`` (running total).
+    Metrics (float32 scalars): the loss's metrics, each reduced as ``metric_reductions`` declares, ``loss``,
+    ``grad_norm`` (global norm before clipping, mean over minibatches), ``grad_norm_max``, ``skipped`` (updates
+    skipped in this call) and ``skipped_updates`` (running total).
     """
     num_minibatches, num_microbatches = int(num_minibatches), int(num_microbatches)
-    loss_batch_keys = tuple(loss_batch_keys)
     reductions = dict(losses.METRIC_REDUCTIONS if metric_reductions is None else metric_reductions)
     bad = {k: v for k, v in reductions.items() if v not in METRIC_REDUCTION_KINDS}
     if bad:
         raise ValueError(f"metric_reductions must be among {METRIC_REDUCTION_KINDS}, got {bad}")
-    reduction = lambda name: reductions.get(name, "mean")  # noqa: E731
     if num_minibatches < 1 or num_microbatches < 1:
         raise ValueError("num_minibatches and num_microbatches must be >= 1")
     max_logp_shift = float(max_logp_shift)
@@ -439,158 +445,226 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     if max_logp_shift and (int(shift_probe_rows) < 1 or int(shift_backtracks) < 0):
         raise ValueError(f"max_logp_shift needs shift_probe_rows >= 1 and shift_backtracks >= 0, got "
                          f"{shift_probe_rows}, {shift_backtracks}")
+    spec = _StepSpec(logp_fn=logp_fn, loss_fn=loss_fn, optimizer=optimizer, num_minibatches=num_minibatches,
+                     num_microbatches=num_microbatches, shuffle=bool(shuffle),
+                     loss_batch_keys=tuple(loss_batch_keys), rollout_metrics=bool(rollout_metrics),
+                     max_logp_shift=max_logp_shift, shift_probe_rows=int(shift_probe_rows),
+                     shift_backtracks=int(shift_backtracks), reductions=reductions, combine=combine)
+    return jax.jit(functools.partial(_train_step, spec), donate_argnums=(0,) if donate else ())
 
-    def policy_logp(params, frozen, batch):
-        return logp_fn(params if combine is None else combine(params, frozen), batch)
 
-    def logp_shift(params, frozen, probe):
-        """Mean |logp - old_logp| over the probe's policy tokens (float32 [])."""
-        logp = jax.lax.stop_gradient(policy_logp(params, frozen, probe).logp)
-        mask = probe.loss_mask.astype(jnp.float32)
-        return jnp.sum(jnp.abs(logp - probe.old_logp) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: it holds a dict
+class _StepSpec:
+    """The validated options of `make_train_step`, read by every phase of the train step (static)."""
+    logp_fn: Callable
+    loss_fn: Callable
+    optimizer: optax.GradientTransformation
+    num_minibatches: int
+    num_microbatches: int
+    shuffle: bool
+    loss_batch_keys: tuple[str, ...]
+    rollout_metrics: bool
+    max_logp_shift: float  # 0: no guard
+    shift_probe_rows: int
+    shift_backtracks: int
+    reductions: Mapping[str, str]
+    combine: Callable | None
 
-    def guarded_params(params, frozen, updates, micro):
-        """(new params, applied scale, shift of the whole update): the update halved until the probe's shift is
-        within bounds."""
-        rows = int(shift_probe_rows)
-        if rows > micro.tokens.shape[1]:
-            raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro.tokens.shape[1]} rows)")
-        probe = jax.tree.map(lambda x: x[0, :rows] if jnp.ndim(x) > 1 else x, micro)
-        probe = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, probe)
-        apply = lambda scale: optax.apply_updates(params, jax.tree.map(lambda u: (u * scale).astype(u.dtype),
-                                                                         updates))
+    def reduction(self, name: str) -> str:
+        return self.reductions.get(name, "mean")
 
-        def cond(c):
-            scale, shift, tries = c
-            return (shift > max_logp_shift) & (tries < int(shift_backtracks))
 
-        def body(c):
-            scale, _, tries = c
-            scale = scale * 0.5
-            return scale, logp_shift(apply(scale), frozen, probe), tries + 1
+def _policy_output(spec: _StepSpec, params, frozen, batch: TrainBatch) -> PolicyOutput:
+    return spec.logp_fn(params if spec.combine is None else spec.combine(params, frozen), batch)
 
-        first = logp_shift(apply(jnp.float32(1.0)), frozen, probe)
-        scale, shift, _ = jax.lax.while_loop(cond, body, (jnp.float32(1.0), first, jnp.int32(0)))
-        scale = jnp.where(shift > max_logp_shift, jnp.float32(0.0), scale)
-        return apply(scale), scale, first
 
-    def loss_and_metrics(params, frozen, mb):
-        out = policy_logp(params, frozen, mb)
-        if not isinstance(out, PolicyOutput):
-            raise TypeError(f"logp_fn must return a trainer.PolicyOutput, got {type(out).__name__}")
-        kw = {}
-        if out.entropy is not None:
-            kw["entropy"] = out.entropy
-        if mb.ref_logp is not None:
-            kw["ref_logp"] = mb.ref_logp
-        for k in loss_batch_keys:
-            kw[k] = getattr(mb, k)
-        loss, metrics = loss_fn(out.logp, mb.old_logp, mb.advantages, mb.loss_mask, **kw)
-        extra = {}
-        if rollout_metrics:
-            extra = dict(mismatch_sums(jax.lax.stop_gradient(out.logp), mb.old_logp, mb.loss_mask))
-            if out.routing is not None:
-                extra["routing"] = out.routing
-        return loss, (dict(metrics), extra)
+# ---- loss and gradient of one minibatch
 
-    grad_fn = jax.value_and_grad(loss_and_metrics, has_aux=True)
 
-    def minibatch_grads(params, frozen, micro):
-        """Weighted accumulation over the leading (micro-batch) axis of ``micro``."""
-        def body(acc, mb):
-            mb = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, mb)
-            (loss, (metrics, extra)), grads = grad_fn(params, frozen, mb)
-            w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
-            g_acc, l_acc, w_acc = acc
-            g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
-            g_acc = hints.like_params(g_acc)  # on a mesh: split like the parameters (else unchanged)
-            return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w, extra)
+def _loss_and_metrics(params, spec: _StepSpec, frozen, mb: TrainBatch):
+    """``(loss, (loss metrics, mismatch sums))`` of one micro-batch; differentiated in ``params``."""
+    out = _policy_output(spec, params, frozen, mb)
+    if not isinstance(out, PolicyOutput):
+        raise TypeError(f"logp_fn must return a trainer.PolicyOutput, got {type(out).__name__}")
+    kw = {}
+    if out.entropy is not None:
+        kw["entropy"] = out.entropy
+    if mb.ref_logp is not None:
+        kw["ref_logp"] = mb.ref_logp
+    for k in spec.loss_batch_keys:
+        kw[k] = getattr(mb, k)
+    loss, metrics = spec.loss_fn(out.logp, mb.old_logp, mb.advantages, mb.loss_mask, **kw)
+    extra = {}
+    if spec.rollout_metrics:
+        extra = dict(mismatch_sums(jax.lax.stop_gradient(out.logp), mb.old_logp, mb.loss_mask))
+        if out.routing is not None:
+            extra["routing"] = out.routing
+    return loss, (dict(metrics), extra)
 
-        zeros = hints.like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-        (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(
-            body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
-        # Mismatch sums over the micro-batches (plain sums / maxima: token-level, not loss-weighted).
-        extra = {k: (jnp.max(v) if k in MISMATCH_MAXIMA else jnp.sum(v)) if k != "routing"
-                 else jax.tree.map(jnp.sum, v) for k, v in extras.items()}
-        denom = jnp.maximum(w_sum, 1e-30)  # w_sum == 0 only when every loss sum is 0 too
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
-        has_w = ws > 0
-        out = {}
-        for k, v in mets.items():
-            kind = reduction(k)
-            if kind in ("sum", "count"):
-                out[k] = jnp.sum(v)
-            elif kind == "min":
-                out[k] = jnp.where(jnp.any(has_w), jnp.min(jnp.where(has_w, v, jnp.inf)), jnp.min(v))
-            elif kind == "max":
-                out[k] = jnp.where(jnp.any(has_w), jnp.max(jnp.where(has_w, v, -jnp.inf)), jnp.max(v))
-            else:
-                out[k] = jnp.where(w_sum > 0, jnp.sum(v * ws) / denom, jnp.mean(v))
-        return l_sum / denom, grads, out, extra
 
-    def train_step(state: TrainState, batch: TrainBatch, frozen: PyTree = None):
-        if (frozen is None) != (combine is None):
-            raise ValueError("train_step takes a frozen tree exactly when make_train_step was given combine=")
-        if not isinstance(batch, TrainBatch):
-            raise TypeError(f"train_step takes a rl.batch.TrainBatch, got {type(batch).__name__}")
-        missing = [k for k in loss_batch_keys if getattr(batch, k) is None]
-        if missing:
-            raise ValueError(f"train_step: the loss reads {missing}, which the batch does not set")
-        sizes = {k: jnp.shape(v)[0] if jnp.ndim(v) else None for k, v in batch.present().items()}
-        B = sizes["tokens"]
-        bad = {k: s for k, s in sizes.items() if s != B}
-        if bad:
-            raise ValueError(f"train_step: every batch field needs leading dimension B={B}; got {bad}")
-        if B % (num_minibatches * num_microbatches):
-            raise ValueError(f"train_step: batch size {B} is not divisible by num_minibatches*num_microbatches = "
-                             f"{num_minibatches}*{num_microbatches}")
-        rng = state.rng
-        if shuffle:
-            rng, key = jax.random.split(rng)
-            perm = jax.random.permutation(key, B)
-            batch = jax.tree.map(lambda x: x[perm], batch)
-        mbs = jax.tree.map(
-            lambda x: x.reshape((num_minibatches, num_microbatches, B // (num_minibatches * num_microbatches))
-                                + x.shape[1:]), batch)
-        # On a mesh: every micro-batch's rows split over the batch axes (the placed batch splits the leading
-        # dimension, which the reshape would turn into a split of the scanned micro-batch axis: each device would
-        # then run whole micro-batches, all of them, on all-gathered rows). A no-op without a mesh.
-        mbs = jax.tree.map(lambda x: hints.constrain_rows(x, axis=2) if jnp.ndim(x) > 2 else x, mbs)
 
-        def update(carry, micro):
-            params, opt_state, skipped = carry
-            loss, grads, metrics, extra = minibatch_grads(params, frozen, micro)
-            grad_norm = optax.tree.norm(grads)
-            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            updates, new_opt_state = optimizer.update(grads, opt_state, params)
-            guard = {}
-            if max_logp_shift:
-                new_params, scale, shift = guarded_params(params, frozen, updates, micro)
-                guard = {"update_scale": scale, "logp_shift": shift}
-            else:
-                new_params = optax.apply_updates(params, updates)
-            # Select, not branch: a skipped update returns the old buffers bit-for-bit.
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-            carry = (keep(new_params, params), keep(new_opt_state, opt_state), skipped + (~ok).astype(jnp.int32))
-            metrics = dict(metrics, loss=loss, grad_norm=grad_norm, **guard)
-            return carry, (metrics, extra)
+def _accumulate_grads(spec: _StepSpec, params, frozen, micro: TrainBatch):
+    """``(loss, grads, loss metrics, mismatch sums)`` of a minibatch: the normalizer-weighted accumulation over
+    the leading (micro-batch) axis of ``micro`` (``[K, rows, ...]``)."""
+    grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
 
-        (params, opt_state, skipped), (mets, extras) = jax.lax.scan(
-            update, (state.params, state.opt_state, jnp.zeros([], jnp.int32)), mbs)
-        metrics = {}
-        for k, v in mets.items():
-            kind = reduction(k)
-            reduce = {"min": jnp.min, "max": jnp.max, "count": jnp.sum}.get(kind, jnp.mean)
-            metrics[k] = reduce(v)
-        metrics["grad_norm_max"] = jnp.max(mets["grad_norm"])
-        if rollout_metrics:  # minibatch 0: scored with the params that generated the rollout
-            first = jax.tree.map(lambda v: v[0], extras)
-            metrics.update(mismatch_metrics(first, first.pop("routing", None)))
-        new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                                  skipped_updates=state.skipped_updates + skipped, rng=rng)
-        metrics["skipped"] = skipped
-        metrics["skipped_updates"] = new_state.skipped_updates
-        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        return new_state, metrics
+    def body(acc, mb):
+        mb = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, mb)
+        (loss, (metrics, extra)), grads = grad_fn(params, spec, frozen, mb)
+        w = jax.lax.stop_gradient(metrics.get("normalizer", jnp.float32(1.0))).astype(jnp.float32)
+        g_acc, l_acc, w_acc = acc
+        g_acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), g_acc, grads)
+        g_acc = hints.like_params(g_acc)  # on a mesh: split like the parameters (else unchanged)
+        return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w, extra)
 
-    return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+    zeros = hints.like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(
+        body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
+    # Mismatch sums over the micro-batches (plain sums / maxima: token-level, not loss-weighted).
+    extra = {k: (jnp.max(v) if k in MISMATCH_MAXIMA else jnp.sum(v)) if k != "routing"
+             else jax.tree.map(jnp.sum, v) for k, v in extras.items()}
+    denom = jnp.maximum(w_sum, 1e-30)  # w_sum == 0 only when every loss sum is 0 too
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+    return l_sum / denom, grads, _reduce_microbatch_metrics(spec, mets, ws, w_sum, denom), extra
+
+
+def _reduce_microbatch_metrics(spec: _StepSpec, mets: dict, ws: Array, w_sum: Array, denom: Array) -> dict:
+    """One value per loss metric from its ``[K]`` micro-batch values, weighted by the normalizers ``ws [K]``
+    (micro-batches of zero weight only count when every one has zero weight)."""
+    has_w = ws > 0
+    out = {}
+    for k, v in mets.items():
+        kind = spec.reduction(k)
+        if kind in ("sum", "count"):
+            out[k] = jnp.sum(v)
+        elif kind == "min":
+            out[k] = jnp.where(jnp.any(has_w), jnp.min(jnp.where(has_w, v, jnp.inf)), jnp.min(v))
+        elif kind == "max":
+            out[k] = jnp.where(jnp.any(has_w), jnp.max(jnp.where(has_w, v, -jnp.inf)), jnp.max(v))
+        else:
+            out[k] = jnp.where(w_sum > 0, jnp.sum(v * ws) / denom, jnp.mean(v))
+    return out
+
+
+# ---- the logp-shift guard
+
+
+def _logp_shift(spec: _StepSpec, params, frozen, probe: TrainBatch) -> Array:
+    """Mean |logp - old_logp| over the probe's policy tokens (float32 [])."""
+    logp = jax.lax.stop_gradient(_policy_output(spec, params, frozen, probe).logp)
+    mask = probe.loss_mask.astype(jnp.float32)
+    return jnp.sum(jnp.abs(logp - probe.old_logp) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _guarded_params(spec: _StepSpec, params, frozen, updates, micro: TrainBatch):
+    """(new params, applied scale, shift of the whole update): the update halved until the shift of the probe
+    (the first ``shift_probe_rows`` rows of the minibatch's first micro-batch) is within bounds."""
+    rows = spec.shift_probe_rows
+    if rows > micro.tokens.shape[1]:
+        raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro.tokens.shape[1]} rows)")
+    probe = jax.tree.map(lambda x: x[0, :rows] if jnp.ndim(x) > 1 else x, micro)
+    probe = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, probe)
+    apply = lambda scale: optax.apply_updates(params, jax.tree.map(lambda u: (u * scale).astype(u.dtype),
+                                                                     updates))
+
+    def cond(c):
+        scale, shift, tries = c
+        return (shift > spec.max_logp_shift) & (tries < spec.shift_backtracks)
+
+    def body(c):
+        scale, _, tries = c
+        scale = scale * 0.5
+        return scale, _logp_shift(spec, apply(scale), frozen, probe), tries + 1
+
+    first = _logp_shift(spec, apply(jnp.float32(1.0)), frozen, probe)
+    scale, shift, _ = jax.lax.while_loop(cond, body, (jnp.float32(1.0), first, jnp.int32(0)))
+    scale = jnp.where(shift > spec.max_logp_shift, jnp.float32(0.0), scale)
+    return apply(scale), scale, first
+
+
+# ---- the train step: checks, minibatch split, the update loop, metric reduction
+
+
+def _check_batch(spec: _StepSpec, batch: TrainBatch, frozen) -> int:
+    """Raises on a batch (or frozen tree) the step cannot take; returns the batch size B."""
+    if (frozen is None) != (spec.combine is None):
+        raise ValueError("train_step takes a frozen tree exactly when make_train_step was given combine=")
+    if not isinstance(batch, TrainBatch):
+        raise TypeError(f"train_step takes a rl.batch.TrainBatch, got {type(batch).__name__}")
+    missing = [k for k in spec.loss_batch_keys if getattr(batch, k) is None]
+    if missing:
+        raise ValueError(f"train_step: the loss reads {missing}, which the batch does not set")
+    sizes = {k: jnp.shape(v)[0] if jnp.ndim(v) else None for k, v in batch.present().items()}
+    B = sizes["tokens"]
+    bad = {k: s for k, s in sizes.items() if s != B}
+    if bad:
+        raise ValueError(f"train_step: every batch field needs leading dimension B={B}; got {bad}")
+    M, K = spec.num_minibatches, spec.num_microbatches
+    if B % (M * K):
+        raise ValueError(f"train_step: batch size {B} is not divisible by num_minibatches*num_microbatches = "
+                         f"{M}*{K}")
+    return B
+
+
+def _split_minibatches(spec: _StepSpec, batch: TrainBatch, B: int, rng: Array) -> tuple[TrainBatch, Array]:
+    """``(batch as [M, K, B / (M K), ...], advanced rng)``, the rows shuffled first when ``spec.shuffle``."""
+    if spec.shuffle:
+        rng, key = jax.random.split(rng)
+        perm = jax.random.permutation(key, B)
+        batch = jax.tree.map(lambda x: x[perm], batch)
+    M, K = spec.num_minibatches, spec.num_microbatches
+    mbs = jax.tree.map(lambda x: x.reshape((M, K, B // (M * K)) + x.shape[1:]), batch)
+    # On a mesh: every micro-batch's rows split over the batch axes (the placed batch splits the leading
+    # dimension, which the reshape would turn into a split of the scanned micro-batch axis: each device would
+    # then run whole micro-batches, all of them, on all-gathered rows). A no-op without a mesh.
+    mbs = jax.tree.map(lambda x: hints.constrain_rows(x, axis=2) if jnp.ndim(x) > 2 else x, mbs)
+    return mbs, rng
+
+
+def _minibatch_update(spec: _StepSpec, frozen, carry, micro: TrainBatch):
+    """One optimizer update on one minibatch (``micro``: ``[K, rows, ...]``); a ``lax.scan`` body over the
+    minibatches with carry ``(params, opt_state, skipped)``."""
+    params, opt_state, skipped = carry
+    loss, grads, metrics, extra = _accumulate_grads(spec, params, frozen, micro)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = spec.optimizer.update(grads, opt_state, params)
+    guard = {}
+    if spec.max_logp_shift:
+        new_params, scale, shift = _guarded_params(spec, params, frozen, updates, micro)
+        guard = {"update_scale": scale, "logp_shift": shift}
+    else:
+        new_params = optax.apply_updates(params, updates)
+    # Select, not branch: a skipped update returns the old buffers bit-for-bit.
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    carry = (keep(new_params, params), keep(new_opt_state, opt_state), skipped + (~ok).astype(jnp.int32))
+    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, **guard)
+    return carry, (metrics, extra)
+
+
+def _reduce_minibatch_metrics(spec: _StepSpec, mets: dict, extras: dict) -> dict:
+    """The step's metrics from the ``[M]`` per-minibatch metrics and mismatch sums."""
+    metrics = {}
+    for k, v in mets.items():
+        reduce = {"min": jnp.min, "max": jnp.max, "count": jnp.sum}.get(spec.reduction(k), jnp.mean)
+        metrics[k] = reduce(v)
+    metrics["grad_norm_max"] = jnp.max(mets["grad_norm"])
+    if spec.rollout_metrics:  # minibatch 0: scored with the params that generated the rollout
+        first = jax.tree.map(lambda v: v[0], extras)
+        metrics.update(mismatch_metrics(first, first.pop("routing", None)))
+    return metrics
+
+
+def _train_step(spec: _StepSpec, state: TrainState, batch: TrainBatch, frozen: PyTree = None):
+    B = _check_batch(spec, batch, frozen)
+    mbs, rng = _split_minibatches(spec, batch, B, state.rng)
+    (params, opt_state, skipped), (mets, extras) = jax.lax.scan(
+        functools.partial(_minibatch_update, spec, frozen),
+        (state.params, state.opt_state, jnp.zeros([], jnp.int32)), mbs)
+    metrics = _reduce_minibatch_metrics(spec, mets, extras)
+    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
+                              skipped_updates=state.skipped_updates + skipped, rng=rng)
+    metrics["skipped"] = skipped
+    metrics["skipped_updates"] = new_state.skipped_updates
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    return new_state, metrics

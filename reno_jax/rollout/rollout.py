@@ -343,15 +343,50 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
       before the environment said done) get the environment's `truncation_reward` and `env.finish(...,
       truncated=True)`.
     """
-    rc, mc, tenv = rollout_config, model_config, env.env
-    g, t_max, m, chunk = rc.group_size, num_turns(env, rc), rc.max_new_tokens, rc.prefill_chunk
-    big_l = conversation_length(env, rc)
+    setup = _make_setup(params, key, starts, model_config, rollout_config, env, forced_tokens)
+    env_state, prompt_ids, prompt_len = _reset(setup, starts)
+    cache, last, routing = _prefill_prompts(setup, prompt_ids, prompt_len)
+    carry = _initial_episodes(setup, env_state, prompt_ids, prompt_len, cache, last, routing)
+    carry = jax.lax.while_loop(lambda c: (c.turn < setup.turns) & jnp.any(c.live),
+                               functools.partial(_play_turn, setup), carry)
+    traj = _finalise(setup, carry, prompt_len)
+    if return_cache:
+        return traj, carry.cache
+    return traj
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: it holds traced arrays
+class _Setup:
+    """What every phase of one rollout reads: the static sizes and configs, and the traced inputs (built once per
+    trace, inside the jitted function)."""
+
+    params: Any
+    model_config: ling3.Ling3Config
+    rollout_config: RolloutConfig
+    env: CompiledEnv
+    keys: jax.Array  # [B] per-row PRNG keys
+    forced_tokens: jax.Array | None  # int32 [B, T, m] or None
+    batch: int  # B = N * G
+    turns: int  # T
+    length: int  # L
+
+    @property
+    def max_new_tokens(self) -> int:  # m
+        return self.rollout_config.max_new_tokens
+
+    @property
+    def record(self) -> bool:
+        return self.rollout_config.record_routing
+
+
+def _make_setup(params, key, starts, mc: ling3.Ling3Config, rc: RolloutConfig, env: CompiledEnv,
+                forced_tokens) -> _Setup:
+    """Checks the arguments of `rollout` against each other and gathers them in a `_Setup`."""
+    t_max, m, big_l = num_turns(env, rc), rc.max_new_tokens, conversation_length(env, rc)
     leaves = jax.tree.leaves(starts)
     if not leaves:
         raise ValueError("starts has no arrays; it must be the environment's start records with a leading [N]")
-    n = leaves[0].shape[0]
-    b = n * g
-    pad_id = env.pad_id
+    b = leaves[0].shape[0] * rc.group_size
     if env.prompt_len + m > big_l:
         raise ValueError(f"max_length {big_l} cannot hold the prompt ({env.prompt_len} tokens) plus one turn of "
                          f"{m} tokens; use at least required_length(env, config) = {required_length(env, rc)}")
@@ -365,163 +400,198 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
         forced_tokens = jnp.asarray(forced_tokens, jnp.int32)
     if rc.record_routing and mc.num_experts > np.iinfo(np.int16).max:
         raise ValueError(f"record_routing stores expert ids as int16; {mc.num_experts} experts do not fit")
-    cache_dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
-    rows = jnp.arange(b, dtype=jnp.int32)
-    keys = gen.row_keys(key, b)
-    record = rc.record_routing
+    return _Setup(params=params, model_config=mc, rollout_config=rc, env=env, keys=gen.row_keys(key, b),
+                  forced_tokens=forced_tokens, batch=b, turns=t_max, length=big_l)
 
-    # ---- starts, repeated per group; the first user message of every episode
-    group_id = rows // g
+
+def _prefill(setup: _Setup, cache, ids, n, last, chunk: int, routing):
+    """`gen.prefill_chunked` as `(cache, last, routing)`, recording the routing when `routing` is a buffer."""
+    if routing is None:
+        cache, last = gen.prefill_chunked(setup.params, setup.model_config, cache, ids, n, last, chunk)
+        return cache, last, None
+    return gen.prefill_chunked(setup.params, setup.model_config, cache, ids, n, last, chunk, routing)
+
+
+# ---- reset and the first prompt
+
+
+def _reset(setup: _Setup, starts):
+    """Starts repeated per group, reset, each member's own state: `(env_state, prompt ids int32 [B, P], prompt
+    lengths int32 [B])` of every episode's first user message."""
+    tenv, g = setup.env.env, setup.rollout_config.group_size
+    rows = jnp.arange(setup.batch, dtype=jnp.int32)
     env_state, message = jax.vmap(tenv.reset)(jax.tree.map(lambda a: _expand(a, g), starts))
     env_state = jax.vmap(tenv.for_member)(env_state, rows % g)
-    prompt_ids, prompt_len = jax.vmap(env.render_user)(message)
+    prompt_ids, prompt_len = jax.vmap(setup.env.render_user)(message)
+    return env_state, prompt_ids, prompt_len
 
-    # ---- prompt prefill. Episodes of a group share their prompt: feed it once per group and copy the caches.
-    pchunk = _chunk_for(env.prompt_len, chunk)
-    padded_prompt = gen.pad_to_multiple(prompt_ids, pchunk, pad_id)
+
+def _prefill_prompts(setup: _Setup, prompt_ids, prompt_len):
+    """`(cache, last logits [B, V], routing buffer or None)` after the prompts. Episodes of a group share their
+    prompt: it is fed once per group and the caches copied."""
+    mc, rc, env, g = setup.model_config, setup.rollout_config, setup.env, setup.rollout_config.group_size
+    pchunk = _chunk_for(env.prompt_len, rc.prefill_chunk)
+    padded_prompt = gen.pad_to_multiple(prompt_ids, pchunk, env.pad_id)
     share = rc.share_prompt_prefill and g > 1
     fed_ids, fed_len = (padded_prompt[::g], prompt_len[::g]) if share else (padded_prompt, prompt_len)
     rows_fed = fed_ids.shape[0]
-    cache = ling3.init_cache(mc, rows_fed, big_l, cache_dtype)
+    cache_dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
+    cache = ling3.init_cache(mc, rows_fed, setup.length, cache_dtype)
     last = jnp.zeros((rows_fed, mc.vocab_size), jnp.float32)
     routing = None
-    if record:  # int16 holds any expert id (< 32768) at half the bytes of int32; -1 = nothing routed
-        routing = jnp.full((rows_fed, big_l, len(ling3.moe_layer_indices(mc)), mc.num_experts_per_tok), -1,
+    if setup.record:  # int16 holds any expert id (< 32768) at half the bytes of int32; -1 = nothing routed
+        routing = jnp.full((rows_fed, setup.length, len(ling3.moe_layer_indices(mc)), mc.num_experts_per_tok), -1,
                            jnp.int16)
-        cache, last, routing = gen.prefill_chunked(params, mc, cache, fed_ids, fed_len.astype(jnp.int32), last,
-                                                   pchunk, routing)
-    else:
-        cache, last = gen.prefill_chunked(params, mc, cache, fed_ids, fed_len.astype(jnp.int32), last, pchunk)
+    cache, last, routing = _prefill(setup, cache, fed_ids, fed_len.astype(jnp.int32), last, pchunk, routing)
     if share:
         cache, last, routing = jax.tree.map(lambda a: _expand(a, g), (cache, last, routing))
+    return cache, last, routing
 
+
+def _initial_episodes(setup: _Setup, env_state, prompt_ids, prompt_len, cache, last, routing) -> _Episodes:
+    """The turn loop's state before turn 0: the prompts written, every episode live."""
+    b, t_max, big_l, tenv = setup.batch, setup.turns, setup.length, setup.env.env
     # The info pytree's structure comes from a step (reset does not produce one): start from zeros of that shape.
     info_shape = jax.eval_shape(lambda s, c: jax.vmap(tenv.step)(s, c).info, env_state,
-                                bind.empty_calls(b, env.parser))
-    env_info0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape)
-
-    rchunk = _chunk_for(env.response_len, chunk)
+                                bind.empty_calls(b, setup.env.parser))
     i32 = functools.partial(jnp.zeros, (b,), jnp.int32)
     bool_ = functools.partial(jnp.zeros, (b,), jnp.bool_)
-    carry = _Episodes(
+    return _Episodes(
         turn=jnp.int32(0),
         cache=cache,
         last=last,
-        tokens=scatter_rows(jnp.full((b, big_l), pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), prompt_ids,
-                            prompt_len),
+        tokens=scatter_rows(jnp.full((b, big_l), setup.env.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32),
+                            prompt_ids, prompt_len),
         logp=jnp.zeros((b, big_l), jnp.float32),
         gen_start=jnp.full((b, t_max), big_l, jnp.int32),
         gen_end=jnp.full((b, t_max), big_l, jnp.int32),
         live=jnp.ones((b,), jnp.bool_),
         reward=jnp.zeros((b,), jnp.float32),
         turn_reward=jnp.zeros((b, t_max), jnp.float32), turn_key=jnp.full((b, t_max), -1, jnp.int32),
-        env_state=env_state, env_info=env_info0,
+        env_state=env_state, env_info=jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape),
         parse_kind=i32(), valid_call=bool_(), num_turns=i32(), gen_tokens=i32(), budget_stops=i32(),
         truncated=bool_(), routing=routing,
     )
-    sconf = rc.sampling_config
-    turn_end_id = int(env.chat.turn_end_id)
 
-    def decode_turn(carry: _Episodes, live):
-        """Decodes one turn for the live rows (while_loop until every live row has stopped)."""
-        forced_turn = (None if forced_tokens is None
-                       else jax.lax.dynamic_index_in_dim(forced_tokens, carry.turn, 1, False))
 
-        def cond(c: _Decode):
-            return (c.step < m) & jnp.any(~c.stopped)
+# ---- one turn: generate, parse, step, render
 
-        def body(c: _Decode):
-            active = ~c.stopped
-            forced = None if forced_turn is None else jax.lax.dynamic_index_in_dim(forced_turn, c.step, 1, False)
-            routing = c.routing
-            if record:
-                tok, lp, cache, logits, fed = gen.decode_step(params, mc, sconf, c.cache, c.last, keys, active,
-                                                              forced, return_routing=True)
-                routing = gen.write_routing(routing, c.cache["length"], fed[:, None], active[:, None])
-            else:
-                tok, lp, cache, logits = gen.decode_step(params, mc, sconf, c.cache, c.last, keys, active, forced)
-            match, hit = gen.stop_update(env.stop, c.match, tok)
-            if not rc.stop_at_tool_call:
-                hit = env.stop.is_stop[tok]
-            stop_now = active & (hit | (c.step + 1 >= m))
-            return _Decode(
-                step=c.step + 1,
-                cache=cache,
-                # Rows that did not advance keep their logits (they are overwritten by the next prefill anyway).
-                last=jnp.where(active[:, None], logits, c.last),
-                gen_tok=jax.lax.dynamic_update_index_in_dim(c.gen_tok, jnp.where(active, tok, pad_id), c.step, 1),
-                gen_logp=jax.lax.dynamic_update_index_in_dim(c.gen_logp, jnp.where(active, lp, 0.0), c.step, 1),
-                n_gen=c.n_gen + active.astype(jnp.int32),
-                match=jnp.where(active, match, c.match),
-                stopped=c.stopped | stop_now,
-                turn_end=jnp.where(active, tok == turn_end_id, c.turn_end),
-                routing=routing,
-            )
 
-        c0 = _Decode(step=jnp.int32(0), cache=carry.cache, last=carry.last,
-                     gen_tok=jnp.full((b, m), pad_id, jnp.int32), gen_logp=jnp.zeros((b, m), jnp.float32),
-                     n_gen=i32(), match=i32(), stopped=~live, turn_end=bool_(), routing=carry.routing)
-        return jax.lax.while_loop(cond, body, c0)
+def _decode_token(setup: _Setup, forced_turn, c: _Decode) -> _Decode:
+    """Samples (or takes the forced) next token of every row that has not stopped and feeds it to the model."""
+    m, env, active = setup.max_new_tokens, setup.env, ~c.stopped
+    forced = None if forced_turn is None else jax.lax.dynamic_index_in_dim(forced_turn, c.step, 1, False)
+    step_args = (setup.params, setup.model_config, setup.rollout_config.sampling_config, c.cache, c.last,
+                 setup.keys, active, forced)
+    routing = c.routing
+    if setup.record:
+        tok, lp, cache, logits, fed = gen.decode_step(*step_args, return_routing=True)
+        routing = gen.write_routing(routing, c.cache["length"], fed[:, None], active[:, None])
+    else:
+        tok, lp, cache, logits = gen.decode_step(*step_args)
+    match, hit = gen.stop_update(env.stop, c.match, tok)
+    if not setup.rollout_config.stop_at_tool_call:
+        hit = env.stop.is_stop[tok]
+    stop_now = active & (hit | (c.step + 1 >= m))
+    return _Decode(
+        step=c.step + 1,
+        cache=cache,
+        # Rows that did not advance keep their logits (they are overwritten by the next prefill anyway).
+        last=jnp.where(active[:, None], logits, c.last),
+        gen_tok=jax.lax.dynamic_update_index_in_dim(c.gen_tok, jnp.where(active, tok, env.pad_id), c.step, 1),
+        gen_logp=jax.lax.dynamic_update_index_in_dim(c.gen_logp, jnp.where(active, lp, 0.0), c.step, 1),
+        n_gen=c.n_gen + active.astype(jnp.int32),
+        match=jnp.where(active, match, c.match),
+        stopped=c.stopped | stop_now,
+        turn_end=jnp.where(active, tok == int(env.chat.turn_end_id), c.turn_end),
+        routing=routing,
+    )
 
-    def turn_body(carry: _Episodes) -> _Episodes:
-        turn, live = carry.turn, carry.live
-        start = carry.cache["length"]
-        # 1. Decode the turn.
-        d = decode_turn(carry, live)
-        cache, last, n_gen, routing = d.cache, d.last, d.n_gen, d.routing
-        tokens = scatter_rows(carry.tokens, start, d.gen_tok, n_gen)
-        logp = scatter_rows(carry.logp, start, d.gen_logp, n_gen)
-        gen_start = jax.lax.dynamic_update_index_in_dim(carry.gen_start, jnp.where(live, start, big_l), turn, 1)
-        gen_end = jax.lax.dynamic_update_index_in_dim(carry.gen_end, jnp.where(live, start + n_gen, big_l), turn, 1)
-        # 2. Parse the call and step the environment; rows that are not live keep their state.
-        call = env.parse_batch(d.gen_tok, n_gen, rc.parse_max_bytes)
-        state_key = jax.vmap(tenv.state_key)(carry.env_state)
-        if state_key is not None:
-            turn_key = jax.lax.dynamic_update_index_in_dim(
-                carry.turn_key, jnp.where(live, state_key.astype(jnp.int32), -1), turn, 1)
-        else:
-            turn_key = carry.turn_key
-        out = jax.vmap(tenv.step)(carry.env_state, call)
-        env_state = _keep_where(live, out.state, carry.env_state)
-        env_info = _keep_where(live, out.info, carry.env_info)
-        step_reward = jnp.where(live, out.reward.astype(jnp.float32), 0.0)
-        reward = carry.reward + step_reward
-        turn_reward = jax.lax.dynamic_update_index_in_dim(carry.turn_reward, step_reward, turn, 1)
-        cont = live & ~out.done
-        truncated = carry.truncated
-        if t_max > 1:
-            # 3. Tool response and the next assistant header, for episodes that go on and have a turn left. One
-            # that would overflow L with a full next turn ends here (truncated); one out of turns stays live and
-            # is marked truncated after the loop.
-            resp, resp_n = jax.vmap(env.render_tool)(out.message, ~d.turn_end)
-            pos = cache["length"]
-            more = cont & (turn + 1 < t_max)
-            fits = pos + resp_n + m <= big_l
-            truncated = truncated | (more & ~fits)
-            cont = cont & ~(more & ~fits)
-            n_feed = jnp.where(more & fits, resp_n, 0).astype(jnp.int32)
-            resp = gen.pad_to_multiple(resp, rchunk, pad_id)
-            tokens = scatter_rows(tokens, pos, resp, n_feed)
-            if record:
-                cache, last, routing = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk, routing)
-            else:
-                cache, last = gen.prefill_chunked(params, mc, cache, resp, n_feed, last, rchunk)
-        kind = call.kind.astype(jnp.int32)
-        return _Episodes(
-            turn=turn + 1, cache=cache, last=last, tokens=tokens, logp=logp, gen_start=gen_start, gen_end=gen_end,
-            live=cont, reward=reward, turn_reward=turn_reward, turn_key=turn_key, env_state=env_state,
-            env_info=env_info,
-            parse_kind=jnp.where(live, kind, carry.parse_kind),
-            valid_call=jnp.where(live, kind == 0, carry.valid_call),
-            num_turns=carry.num_turns + live.astype(jnp.int32),
-            gen_tokens=carry.gen_tokens + n_gen,
-            budget_stops=carry.budget_stops + (live & (n_gen >= m)).astype(jnp.int32),
-            truncated=truncated, routing=routing,
-        )
 
-    carry = jax.lax.while_loop(lambda c: (c.turn < t_max) & jnp.any(c.live), turn_body, carry)
+def _decode_turn(setup: _Setup, carry: _Episodes) -> _Decode:
+    """Decodes one turn for the live rows (while_loop until every live row has stopped)."""
+    b, m, pad_id = setup.batch, setup.max_new_tokens, setup.env.pad_id
+    forced_turn = (None if setup.forced_tokens is None
+                   else jax.lax.dynamic_index_in_dim(setup.forced_tokens, carry.turn, 1, False))
+    c0 = _Decode(step=jnp.int32(0), cache=carry.cache, last=carry.last,
+                 gen_tok=jnp.full((b, m), pad_id, jnp.int32), gen_logp=jnp.zeros((b, m), jnp.float32),
+                 n_gen=jnp.zeros((b,), jnp.int32), match=jnp.zeros((b,), jnp.int32), stopped=~carry.live,
+                 turn_end=jnp.zeros((b,), jnp.bool_), routing=carry.routing)
+    return jax.lax.while_loop(lambda c: (c.step < m) & jnp.any(~c.stopped),
+                              functools.partial(_decode_token, setup, forced_turn), c0)
 
-    # ---- episodes still running after the last turn are truncated too
+
+def _play_turn(setup: _Setup, carry: _Episodes) -> _Episodes:
+    """One turn of every live episode: decode, record the policy tokens, parse the call, step the environment,
+    feed the tool response (a `lax.while_loop` body over turns)."""
+    turn, live, big_l, tenv = carry.turn, carry.live, setup.length, setup.env.env
+    start = carry.cache["length"]
+    # 1. Decode the turn and write its tokens.
+    d = _decode_turn(setup, carry)
+    n_gen = d.n_gen
+    tokens = scatter_rows(carry.tokens, start, d.gen_tok, n_gen)
+    logp = scatter_rows(carry.logp, start, d.gen_logp, n_gen)
+    gen_start = jax.lax.dynamic_update_index_in_dim(carry.gen_start, jnp.where(live, start, big_l), turn, 1)
+    gen_end = jax.lax.dynamic_update_index_in_dim(carry.gen_end, jnp.where(live, start + n_gen, big_l), turn, 1)
+    # 2. Parse the call and step the environment; rows that are not live keep their state.
+    call = setup.env.parse_batch(d.gen_tok, n_gen, setup.rollout_config.parse_max_bytes)
+    state_key = jax.vmap(tenv.state_key)(carry.env_state)
+    if state_key is not None:
+        turn_key = jax.lax.dynamic_update_index_in_dim(
+            carry.turn_key, jnp.where(live, state_key.astype(jnp.int32), -1), turn, 1)
+    else:
+        turn_key = carry.turn_key
+    out = jax.vmap(tenv.step)(carry.env_state, call)
+    step_reward = jnp.where(live, out.reward.astype(jnp.float32), 0.0)
+    # 3. The tool response, for the episodes that go on.
+    cont = live & ~out.done
+    cache, last, routing, tokens, cont, truncated = _feed_tool_response(
+        setup, turn, d, out.message, tokens, cont, carry.truncated)
+    kind = call.kind.astype(jnp.int32)
+    return _Episodes(
+        turn=turn + 1, cache=cache, last=last, tokens=tokens, logp=logp, gen_start=gen_start, gen_end=gen_end,
+        live=cont, reward=carry.reward + step_reward,
+        turn_reward=jax.lax.dynamic_update_index_in_dim(carry.turn_reward, step_reward, turn, 1),
+        turn_key=turn_key, env_state=_keep_where(live, out.state, carry.env_state),
+        env_info=_keep_where(live, out.info, carry.env_info),
+        parse_kind=jnp.where(live, kind, carry.parse_kind),
+        valid_call=jnp.where(live, kind == 0, carry.valid_call),
+        num_turns=carry.num_turns + live.astype(jnp.int32),
+        gen_tokens=carry.gen_tokens + n_gen,
+        budget_stops=carry.budget_stops + (live & (n_gen >= setup.max_new_tokens)).astype(jnp.int32),
+        truncated=truncated, routing=routing,
+    )
+
+
+def _feed_tool_response(setup: _Setup, turn, d: _Decode, message, tokens, cont, truncated):
+    """Renders the tool message and the next assistant header, writes them to `tokens` and prefills them, for the
+    episodes that go on (`cont`) and have a turn left. One that would overflow L with a full next turn ends here
+    (truncated); one out of turns stays live and is marked truncated after the loop. Returns `(cache, last,
+    routing, tokens, cont, truncated)`."""
+    if setup.turns == 1:
+        return d.cache, d.last, d.routing, tokens, cont, truncated
+    env, m, pad_id = setup.env, setup.max_new_tokens, setup.env.pad_id
+    resp, resp_n = jax.vmap(env.render_tool)(message, ~d.turn_end)
+    pos = d.cache["length"]
+    more = cont & (turn + 1 < setup.turns)
+    fits = pos + resp_n + m <= setup.length
+    truncated = truncated | (more & ~fits)
+    cont = cont & ~(more & ~fits)
+    n_feed = jnp.where(more & fits, resp_n, 0).astype(jnp.int32)
+    rchunk = _chunk_for(env.response_len, setup.rollout_config.prefill_chunk)
+    resp = gen.pad_to_multiple(resp, rchunk, pad_id)
+    tokens = scatter_rows(tokens, pos, resp, n_feed)
+    cache, last, routing = _prefill(setup, d.cache, resp, n_feed, d.last, rchunk, d.routing)
+    return cache, last, routing, tokens, cont, truncated
+
+
+# ---- finalisation
+
+
+def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
+    """The `Trajectory` of the finished turn loop: episodes still running after the last turn are truncated too
+    (the environment's `truncation_reward`, on their last turn), masks and turn ids from the turn bounds."""
+    t_max, big_l, tenv = setup.turns, setup.length, setup.env.env
     truncated = carry.truncated | carry.live
     reward = jnp.where(truncated, jnp.float32(tenv.truncation_reward), carry.reward).astype(jnp.float32)
     last_turn = jnp.arange(t_max)[None, :] == jnp.maximum(carry.num_turns - 1, 0)[:, None]
@@ -538,13 +608,11 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
     logp = jnp.where(loss_mask, carry.logp, 0.0)
     stats = RolloutStats(parse_kind=carry.parse_kind, valid_call=carry.valid_call, num_turns=carry.num_turns,
                          generated_tokens=carry.gen_tokens, budget_stops=carry.budget_stops, truncated=truncated)
-    traj = Trajectory(tokens=jnp.where(valid, carry.tokens, pad_id), valid=valid, loss_mask=loss_mask,
+    group_id = jnp.arange(setup.batch, dtype=jnp.int32) // setup.rollout_config.group_size
+    return Trajectory(tokens=jnp.where(valid, carry.tokens, setup.env.pad_id), valid=valid, loss_mask=loss_mask,
                       behaviour_logp=logp, turn_id=turn_id, prompt_length=prompt_len.astype(jnp.int32),
                       reward=reward, group_id=group_id, stats=stats, env_info=env_info, routing=carry.routing,
                       turn_reward=turn_reward, turn_key=carry.turn_key)
-    if return_cache:
-        return traj, carry.cache
-    return traj
 
 
 def make_rollout_fn(model_config: ling3.Ling3Config, rollout_config: RolloutConfig, return_cache: bool = False):
