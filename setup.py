@@ -34,7 +34,10 @@ setup(
         # The play page (`python -m experiments.play`): its web server; pydantic v2 for the request models.
         "play": _PLAY,
         # The suite covers the play page too (its API through httpx, its page in a browser through selenium).
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20"] + _PLAY,
+        # jumanji: an independent implementation of Sokoban's rules that tests/test_sokoban.py checks ours against
+        # (its install adds dm-env, gymnasium, esquilax and jax-tqdm and changes no installed version).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20",
+                 "jumanji==1.1.2"] + _PLAY,
         "gpu": ["jax[cuda12]"],
         "bench": ["pgx>=2.0", "torch==2.13.0"],
     },

@@ -261,7 +261,7 @@ def _split(rooms: list, num_boxes: int) -> Split:
 
 @functools.lru_cache(maxsize=8)
 def build(seed: int, num_train: int, num_heldout: int, height: int = 6, width: int = 6, num_boxes: int = 1,
-          min_pushes: int = 2, max_moves: int = 15, reverse_steps: int | None = None,
+          min_pushes: int = 2, max_moves: int = 10, reverse_steps: int | None = None,
           max_inner_walls: int | None = None) -> tuple[Split, Split]:
     """``(train, heldout)``: distinct rooms, the held-out ones drawn first (so they do not change with
     ``num_train``), deterministic in the arguments. Cached: every caller of one configuration shares the rooms.

@@ -52,10 +52,9 @@ def board_parts(height: int, width: int) -> tuple:
 
 def chat_spec(height: int, width: int, max_steps: int) -> ChatSpec:
     board = board_parts(height, width)
-    system = ("You play Sokoban: push every box onto a target. The room, row by row: # wall, _ floor, O target, "
-              "X box, * box on a target, P you, S you on a target. Walking into a box pushes it one cell if the "
-              "cell beyond is free; boxes cannot be pulled, and two boxes cannot be pushed at once. Call move "
-              f"with up, down, left or right, one move per call, at most {max_steps} moves.")
+    system = ("Sokoban: push every box onto a target. # wall, _ floor, O target, X box, * box on a target, P you, "
+              "S you on a target. Walking into a box pushes it if the cell beyond is free. Call move with up, down, "
+              f"left or right; {max_steps} moves at most.")
     return ChatSpec(
         system=system, tools=(tool_schema(),),
         user=(("Room:\n", *board),),
@@ -76,12 +75,13 @@ def cell_values(walls: jax.Array, targets: jax.Array, boxes: jax.Array, player: 
 
 
 def room_text(walls, targets, boxes, player) -> str:
-    """Host: the room as the messages print it (NumPy or JAX arrays of one room)."""
-    values = np.asarray(cell_values(jnp.asarray(walls), jnp.asarray(targets), jnp.asarray(boxes),
-                                    jnp.asarray(player, jnp.int32)))
-    width = np.asarray(walls).shape[1]
-    rows = ["".join(CELL_CHARS[v] for v in values[r:r + width]) for r in range(0, values.size, width)]
-    return "\n".join(rows)
+    """Host: the room as the messages print it (one room's arrays, NumPy or JAX; `cell_values` in NumPy)."""
+    shape = np.shape(walls)
+    walls, targets, boxes = (np.asarray(a, bool).reshape(-1) for a in (walls, targets, boxes))
+    is_player = np.arange(walls.size) == int(player)
+    values = np.select([walls, is_player & targets, is_player, boxes & targets, boxes, targets],
+                       [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET], FLOOR)
+    return "\n".join("".join(CELL_CHARS[v] for v in row) for row in values.reshape(shape))
 
 
 def parse_room(text: str):
