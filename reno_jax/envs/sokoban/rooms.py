@@ -27,7 +27,7 @@ import numpy as np
 
 from reno_jax.envs.sokoban import rules
 
-UNSOLVABLE = 255  # `distance_table` entry of a position no solution leaves (a box stuck) or none reached
+UNSOLVABLE = 255  # `Split.distance` of a position from which the room cannot be solved (a box stuck)
 PULL_PROBABILITY = 0.5  # reverse play: the chance a move with a box behind the player pulls it
 
 
@@ -228,8 +228,8 @@ class Split:
     Attributes:
       walls, targets, boxes: ``bool [N, H, W]``; player: ``int32 [N]`` flat cell.
       optimal: ``int32 [N]`` moves of the optimal solution; pushes: ``int32 [N]`` pushes in it.
-      distance: ``uint8 [N, K]`` moves to solved from each position key (`rules.position_key`), `UNSOLVABLE` for
-        a position the room's start does not reach or that cannot be solved.
+      distance: ``uint8 [N, K]`` optimal moves to solved from each position key (`rules.position_key`) of the
+        room's layout (`layout_distances`), `UNSOLVABLE` where it cannot be solved.
     """
 
     walls: np.ndarray
