@@ -33,10 +33,12 @@ setup(
     extras_require={
         # The play page (`python -m experiments.play`): its web server; pydantic v2 for the request models.
         "play": _PLAY,
-        # The suite covers the play page too (its API through httpx, its page in a browser through selenium), and
-        # lints the repository (ruff, configured in pyproject.toml).
+        # The suite covers the play page too (its API through httpx, its page in a browser through selenium), lints
+        # the repository (ruff, configured in pyproject.toml; pinned to its minor version: a new one restyles code),
+        # and checks Sokoban's rules against an independent implementation (jumanji; its install adds dm-env,
+        # gymnasium, esquilax and jax-tqdm and changes no installed version).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20",
-                 "ruff>=0.17.6,<0.18"] + _PLAY,  # a formatter pinned to its minor version: a new one restyles code
+                 "ruff>=0.17.6,<0.18", "jumanji==1.1.2"] + _PLAY,
         "gpu": ["jax[cuda12]"],
         "bench": ["pgx>=2.0", "torch==2.13.0"],
     },

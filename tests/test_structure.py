@@ -38,7 +38,7 @@ OPTIONAL_DEPENDENCIES = frozenset({
     "uvicorn",
 })
 
-GAMES = ("tictactoe", "connect4", "guess_number")
+GAMES = ("tictactoe", "connect4", "guess_number", "sokoban")
 GAME_FREE_ROOTS = ("reno_jax", "experiments")  # where no game is named (reno_jax/envs/ excepted)
 DEFAULT_ALIAS = "experiments.train_tictactoe"  # the README's main command: the generic CLI with the default config
 MAX_FUNCTION_LINES = 100  # def line to last line, docstring included (decorators not)

@@ -49,7 +49,7 @@ class Entry:
 
 _ENTRIES: dict[str, Entry] = {}
 _BUILTIN = {"tictactoe": "reno_jax.envs.tictactoe.registration", "connect4": "reno_jax.envs.connect4.registration",
-            "guess_number": "reno_jax.envs.guess_number"}
+            "guess_number": "reno_jax.envs.guess_number", "sokoban": "reno_jax.envs.sokoban.registration"}
 
 
 def register(name: str, make_env: Callable[..., interface.TextEnv],

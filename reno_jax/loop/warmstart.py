@@ -105,8 +105,10 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
                           " set --config.sft.num_steps=0 or register one (registry.register(make_teacher=...))")
     env = build.make_compiled_env(config, tokenizer, model_config)
     teacher = entry.make_teacher(config, env.env)
-    tool_names = [t["function"]["name"] for t in env.env.chat().tools]
-    calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names)
+    schemas = env.env.chat().tools
+    tool_names = [t["function"]["name"] for t in schemas]
+    calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names,
+                                 schemas)
     rc = build.rollout_config(config)
     longest = int(np.max(np.asarray(calls.length)))
     if longest > rc.max_new_tokens:  # such a call never fits a turn: the warm start would train on nothing

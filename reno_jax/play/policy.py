@@ -53,7 +53,8 @@ def tool_names(env: rollout_lib.CompiledEnv) -> list[str]:
 def choice_table(tokenizer, env: rollout_lib.CompiledEnv, teacher: interface.Teacher) -> sft.CallTable:
     """The teacher's calls tokenised as the warm start writes them; raises ValueError when they do not differ in
     exactly one token (the heat map is then not one next-token distribution)."""
-    table = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names(env))
+    table = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names(env),
+                                 env.env.chat().tools)
     if table.choice_offset < 0:
         raise ValueError("this tokenizer's teacher calls do not differ in exactly one token; the decision-token "
                          "heat map is undefined")

@@ -43,15 +43,30 @@ class CallTable:
     choice_tokens: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
 
-def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names=None) -> CallTable:
-    """`calls`: list of `(tool_name, {arg: value})` in row order (argument values: ints, or enum option indices
-    for `tool_names`'s string arguments are not supported here: teachers write integer calls)."""
+def _call_argument(value, tool: str, argument: str, schemas) -> int:
+    """A teacher call's argument as the parser reports it: an integer as itself, an enum string as its option's
+    index in the tool's schema (`schemas`: the environment's tool schemas)."""
+    if not isinstance(value, str):
+        return int(value)
+    for schema in schemas or ():
+        function = schema.get("function", schema)
+        if function.get("name") == tool:
+            options = function.get("parameters", {}).get("properties", {}).get(argument, {}).get("enum") or []
+            if value in options:
+                return options.index(value)
+    raise ValueError(f"teacher call {tool}({argument}={value!r}): a string argument must be an option of the "
+                     "tool's enum, and build_call_table needs the tool schemas (`schemas`) to number it")
+
+
+def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names=None, schemas=None) -> CallTable:
+    """`calls`: list of `(tool_name, {arg: value})` in row order; argument values are ints, or strings of an enum
+    argument, numbered by their option index in `schemas` (the environment's tool schemas, as its `chat().tools`)."""
     texts, tools, args = [], [], []
     names = list(tool_names or [])
     for name, kwargs in calls:
         texts.append(f"<tool_call>{json.dumps({'name': name, 'arguments': kwargs})}</tool_call>")
         tools.append(names.index(name) if name in names else 0)
-        args.append([int(v) for v in kwargs.values()])
+        args.append([_call_argument(v, name, k, schemas) for k, v in kwargs.items()])
     rows = [list(tokenizer.encode(t, add_special_tokens=False)) + [int(turn_end_id)] for t in texts]
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), pad_id, np.int32)

@@ -1,0 +1,97 @@
+"""Sokoban text: the system prompt, the ``move`` tool, the message templates and the values that fill them.
+
+A room prints row by row from the top, one character per cell and a newline between rows::
+
+    ######
+    #_O__#
+    #_X#_#
+    #_P__#
+    #____#
+    ######
+
+``#`` wall, ``_`` floor, ``O`` target, ``X`` box, ``*`` box on a target, ``P`` the player, ``S`` the player on a
+target (the verl-agent / RAGEN text rendering, with ``*`` for their ``√``: every one of these characters is a
+single token of the shipped tokenizer, ``√`` three). Every cell is its own `Slot`, so each is one token and a
+cell's neighbours above and below sit a fixed W + 1 tokens away.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from reno_jax.envs.sokoban import rules
+from reno_jax.protocol.chat import ChatSpec, Slot
+
+TOOL_NAME = "move"
+WALL, FLOOR, TARGET, BOX, BOX_ON_TARGET, PLAYER, PLAYER_ON_TARGET = range(7)
+CELL_CHARS = ("#", "_", "O", "X", "*", "P", "S")
+
+# Tool templates: what the answer to a move says.
+TOOL_MOVED, TOOL_BLOCKED, TOOL_SOLVED, TOOL_OUT_OF_MOVES, TOOL_INVALID = range(5)
+USER_ROOM = 0
+
+
+def tool_schema() -> dict:
+    return {"type": "function", "function": {
+        "name": TOOL_NAME, "description": "Move one cell; walking into a box pushes it.",
+        "parameters": {"type": "object", "properties": {
+            "direction": {"type": "string", "enum": list(rules.DIRECTIONS)}}, "required": ["direction"]}}}
+
+
+def board_parts(height: int, width: int) -> tuple:
+    """The room's parts: a `Slot` per cell (value ``r * width + c``), rows separated by newlines."""
+    parts = []
+    for r in range(height):
+        parts.extend(Slot(r * width + c, CELL_CHARS) for c in range(width))
+        if r + 1 < height:
+            parts.append("\n")
+    return tuple(parts)
+
+
+def chat_spec(height: int, width: int, max_steps: int) -> ChatSpec:
+    board = board_parts(height, width)
+    system = ("Sokoban: push every box onto a target. # wall, _ floor, O target, X box, * box on a target, P you, "
+              "S you on a target. Walking into a box pushes it if the cell beyond is free. Call move with up, down, "
+              f"left or right; {max_steps} moves at most.")
+    return ChatSpec(
+        system=system, tools=(tool_schema(),),
+        user=(("Room:\n", *board),),
+        tool=(board, ("You did not move.\n", *board), (*board, "\nSolved!"), (*board, "\nOut of moves."),
+              ("Invalid call.",)),
+        tool_continues=(True, True, False, False, False),
+        num_values=height * width)
+
+
+def cell_values(walls: jax.Array, targets: jax.Array, boxes: jax.Array, player: jax.Array) -> jax.Array:
+    """``int32 [H * W]``: each cell's character (`CELL_CHARS` index), row-major; traced."""
+    height, width = walls.shape
+    is_player = jnp.arange(height * width) == player
+    walls, targets, boxes = walls.reshape(-1), targets.reshape(-1), boxes.reshape(-1)
+    return jnp.select(
+        [walls, is_player & targets, is_player, boxes & targets, boxes, targets],
+        [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET], FLOOR).astype(jnp.int32)
+
+
+def room_text(walls, targets, boxes, player) -> str:
+    """Host: the room as the messages print it (one room's arrays, NumPy or JAX; `cell_values` in NumPy)."""
+    shape = np.shape(walls)
+    walls, targets, boxes = (np.asarray(a, bool).reshape(-1) for a in (walls, targets, boxes))
+    is_player = np.arange(walls.size) == int(player)
+    values = np.select([walls, is_player & targets, is_player, boxes & targets, boxes, targets],
+                       [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET], FLOOR)
+    return "\n".join("".join(CELL_CHARS[v] for v in row) for row in values.reshape(shape))
+
+
+def parse_room(text: str):
+    """Host: ``(walls, targets, boxes, player)`` of a room's text (`room_text`'s inverse; NumPy)."""
+    rows = text.strip("\n").split("\n")
+    codes = np.array([[CELL_CHARS.index(ch) for ch in row] for row in rows], np.int32)
+    walls = codes == WALL
+    targets = np.isin(codes, (TARGET, BOX_ON_TARGET, PLAYER_ON_TARGET))
+    boxes = np.isin(codes, (BOX, BOX_ON_TARGET))
+    players = np.flatnonzero(np.isin(codes, (PLAYER, PLAYER_ON_TARGET)).reshape(-1))
+    if players.size != 1:
+        raise ValueError(f"a room has one player (P or S), got {players.size}")
+    return walls, targets, boxes, int(players[0])
