@@ -168,8 +168,7 @@ def checked_reset(env: HostEnv, task: Any) -> str:
     """`env.reset(task)`, failing with one TypeError naming the environment if it does not return a string."""
     text = env.reset(task)
     if not isinstance(text, str):
-        raise TypeError(f"{_where(env, 'reset')} must return the first user message as str, "
-                        f"got {type(text).__name__}")
+        raise TypeError(f"{_where(env, 'reset')} must return the first user message as str, got {type(text).__name__}")
     return text
 
 
@@ -177,12 +176,13 @@ def checked_step(env: HostEnv, method: str, out: Any) -> HostStep:
     """`out` (what `env.<method>` returned) as a `HostStep`, or one TypeError naming the environment, the method and
     the wrong type."""
     if not isinstance(out, tuple) or len(out) != 3:
-        raise TypeError(f"{_where(env, method)} must return (text: str, reward: float, done: bool), "
-                        f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple) else ""))
+        raise TypeError(
+            f"{_where(env, method)} must return (text: str, reward: float, done: bool), "
+            f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple) else "")
+        )
     text, reward, done = out
     if not isinstance(text, str):
-        raise TypeError(f"{_where(env, method)} returned a response text of type {type(text).__name__}, "
-                        "expected str")
+        raise TypeError(f"{_where(env, method)} returned a response text of type {type(text).__name__}, expected str")
     if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
         raise TypeError(f"{_where(env, method)} returned a reward of type {type(reward).__name__}, expected float")
     if not isinstance(done, (bool, np.bool_)):
@@ -223,8 +223,9 @@ def host_entry(name: str) -> HostEntry:
     return _HOST_ENTRIES[name]
 
 
-def sample_episodes(env_class: type[HostEnv], rng: np.random.Generator | int, num_groups: int,
-                    group_size: int) -> tuple[list[HostEnv], list[Any]]:
+def sample_episodes(
+    env_class: type[HostEnv], rng: np.random.Generator | int, num_groups: int, group_size: int
+) -> tuple[list[HostEnv], list[Any]]:
     """`(envs, tasks)` of B = num_groups * group_size episodes: one fresh object each, the G episodes of a group
     on the same task (drawn with `rng`, a Generator or a seed)."""
     rng = np.random.default_rng(rng)
