@@ -4,6 +4,7 @@ One tiny 2-layer Ling-3.0 (vocabulary of the shipped tokenizer) and ONE `HostPro
 most 16 tokens, L fixed by `max_length`) serve every rollout here, so the jitted pieces compile once for the file.
 """
 
+import dataclasses
 import functools
 import time
 
@@ -190,7 +191,11 @@ def test_guess_number_host_speaks_like_the_jitted_env():
 
 def test_token_in_token_out(world, echo_run):
     """The trajectory holds exactly the fed ids: prompt pieces, the sampled (here forced, non-canonical) ids and the
-    fixed-rendered responses; decoding the conversation and encoding it again gives other ids."""
+    fixed-rendered responses; decoding the conversation and encoding it again gives other ids.
+
+    The shipped tokenizer isolates newlines and special tokens, so an environment's text next to the template's
+    fixed pieces tokenises as it would in the whole conversation; what re-tokenises differently is the policy's
+    turn (a word sampled as two tokens), which the echo environment then also says back as text."""
     traj, chat, tok = echo_run["traj"], world["echo"], world["tok"]
     for b in range(B):
         n = int(traj.valid[b].sum())
@@ -304,3 +309,25 @@ def test_caches_donated_and_compiled_once(world, echo_run):
     out = programs.decode(world["params"], new_cache, new_last, world["keys"], live, forced, world["echo"].env)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves((new_cache, new_last)))
     assert np.all(np.asarray(out[0]["length"]) - 3 == np.asarray(out[4]))  # new tokens counted
+
+
+def test_guess_number_host_equals_the_jitted_env(world):
+    """Same keys, same forced calls: the host environment's trajectory is the jitted environment's, id for id
+    (the texts render to the same ids, and rows sample with the same per-row keys)."""
+    tok, forced = world["tok"], np.full((B, TURNS, M), -1, np.int32)
+    for b, guesses in {0: [8, 12, 10], 1: [8], 2: [3, 5], 3: []}.items():
+        for k, g in enumerate(guesses):
+            ids = tok.encode(_call_text(g), add_special_tokens=False)
+            forced[b, k, : len(ids)] = ids
+    host_traj, _ = _run(world, gh.GuessNumberHostEnv, [10, 10, 6, 6], chat="guess", forced=forced)
+    env = R.compile_env(gn.GuessNumberEnv(), tok, vocab_size=MC.vocab_size)
+    rc = dataclasses.replace(RC, share_prompt_prefill=False)  # the host path feeds every row's prompt
+    rollout = jax.jit(functools.partial(R.rollout, model_config=MC, rollout_config=rc), compiler_options=FAST_COMPILE)
+    starts = gn.Start(secret=np.asarray([10, 6], np.int32))
+    jit_traj = jax.device_get(rollout(world["params"], world["keys"], starts, env=env, forced_tokens=forced))
+    for name in ("tokens", "valid", "loss_mask", "turn_id", "prompt_length", "reward", "turn_reward", "group_id"):
+        np.testing.assert_array_equal(getattr(host_traj, name), getattr(jit_traj, name), err_msg=name)
+    np.testing.assert_allclose(host_traj.behaviour_logp, jit_traj.behaviour_logp, atol=1e-6)
+    for name in ("found", "invalid", "guesses", "wasted", "num_turns", "generated_tokens", "truncated"):
+        np.testing.assert_array_equal(host_traj.info[name], jit_traj.info[name], err_msg=name)
+    assert host_traj.info["found"][0] and host_traj.info["num_turns"].sum() >= 2 * B

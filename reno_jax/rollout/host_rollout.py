@@ -84,7 +84,8 @@ class HostConfig:
       max_response_tokens: a tool response's own tokens beyond this are cut (and counted in `responses_cut`).
       tool_timeout_s: seconds the live episodes' `step` calls of one turn may take (from the turn's start); a call
         still running then gives its episode an error response.
-      max_workers: threads stepping the episodes (0: one per episode).
+      max_workers: threads stepping the episodes (0: one per episode; with fewer, queued calls count against the
+        same deadline).
     """
 
     max_prompt_tokens: int = 256
