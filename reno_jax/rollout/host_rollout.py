@@ -9,7 +9,7 @@ Python):
 
     envs[b].reset(tasks[b]) -> first user message text (all episodes together, in a thread pool)
     render: the chat template's fixed prompt prefix/suffix ids + the message's own tokens (tokenised once)
-    PREFILL (jitted; caches donated): every row's prompt at its own position
+    PREFILL (jitted; caches donated): every row's prompt at its own position (per row: no sharing within a group)
     for turn in 0..T-1 while any episode is live:
         DECODE (jitted; caches donated): sample every live row until it stops (turn end / eos / completed
             "</tool_call>" / max_new_tokens); only the new ids, their behaviour log-probs, counts and
