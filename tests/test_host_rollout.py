@@ -1,0 +1,333 @@
+"""Tests for host environments (reno_jax.envs.host) and their rollout (reno_jax.rollout.host_rollout).
+
+One tiny 2-layer Ling-3.0 (vocabulary of the shipped tokenizer) and ONE `HostPrograms` (B = 4 rows, 3 turns of at
+most 16 tokens, L fixed by `max_length`) serve every rollout here, so the jitted pieces compile once for the file.
+"""
+
+import dataclasses
+import functools
+import time
+
+import jax
+import numpy as np
+import pytest
+from test_rollout import FAST_COMPILE, MC, _numpy_params
+
+from reno_jax.envs import guess_number as gn
+from reno_jax.envs import guess_number_host as gh
+from reno_jax.envs import host
+from reno_jax.models import ling3
+from reno_jax.protocol import chat as chat_lib
+from reno_jax.protocol.tokenizer import decode as decode_text
+from reno_jax.protocol.tokenizer import load_tokenizer
+from reno_jax.rollout import host_rollout as H
+from reno_jax.rollout import rollout as R
+
+B, M, TURNS = 4, 16, 3
+RC = R.RolloutConfig(group_size=2, max_new_tokens=M, max_turns=TURNS, max_length=240, prefill_chunk=16)
+HC = H.HostConfig(max_prompt_tokens=32, max_response_tokens=24, tool_timeout_s=0.5)
+
+
+def _call_text(number) -> str:
+    return f'<tool_call>{{"name": "guess", "arguments": {{"number": {number}}}}}</tool_call>'
+
+
+class EchoEnv(host.HostEnv):
+    """Answers every turn, call or not, with the turn's own text; never done (episodes end truncated)."""
+
+    name = "echo"
+    system_prompt = "Say anything."
+    tools = gn.CHAT.tools
+    max_turns = TURNS
+    truncation_reward = 0.25
+
+    def reset(self, task) -> str:
+        return f"Task {task}."
+
+    def step(self, call):
+        return host.HostStep(f"You called {call.name}.", 0.5, False)
+
+    def invalid_call(self, call):
+        return host.HostStep(f"You said: {call.text}", 0.5, False)
+
+
+class FaultEnv(EchoEnv):
+    """Task "ok" echoes; "raise" raises; "slow" sleeps past the timeout; "long" answers with 200 words."""
+
+    name = "fault"
+    tool_error_reward = -2.0
+
+    def reset(self, task) -> str:
+        self.task = task
+        return "Go."
+
+    def invalid_call(self, call):
+        if self.task == "raise":
+            raise RuntimeError("the sandbox fell over")
+        if self.task == "slow":
+            time.sleep(2.0)
+        if self.task == "long":
+            return host.HostStep(" ".join(["word"] * 200), 0.5, False)
+        return super().invalid_call(call)
+
+
+class WrongTypeEnv(EchoEnv):
+    name = "wrong_type"
+
+    def invalid_call(self, call):
+        return ["not", "a", "step"]
+
+
+@pytest.fixture(scope="module")
+def world():
+    tok = load_tokenizer(None)
+    params = _numpy_params(MC)
+    programs = H.make_host_programs(MC, RC, HC, compiler_options=FAST_COMPILE)
+    keys = jax.random.split(jax.random.key(3), B)
+    return dict(
+        tok=tok,
+        params=params,
+        programs=programs,
+        keys=keys,
+        echo=H.compile_host_chat(EchoEnv, tok, MC.vocab_size),
+        guess=H.compile_host_chat(gh.GuessNumberHostEnv, tok, MC.vocab_size),
+    )
+
+
+def _run(world, env_class, tasks, chat="echo", forced=None):
+    envs = [env_class() for _ in tasks]
+    traj = H.host_rollout(
+        world["params"],
+        world["keys"],
+        envs,
+        list(tasks),
+        chat=world[chat],
+        programs=world["programs"],
+        forced_tokens=forced,
+    )
+    return jax.device_get(traj), envs
+
+
+def _non_canonical(tok) -> tuple[str, list[int]]:
+    """A word and ids that decode to it but are not how the tokenizer encodes it (first char, then the rest)."""
+    encode = functools.partial(tok.encode, add_special_tokens=False)
+    for word in ("Square", "number", "guess", "secret", "format"):
+        split = encode(word[0]) + encode(word[1:])
+        if split != encode(word):
+            return word, split
+    raise AssertionError("no word splits non-canonically")
+
+
+@pytest.fixture(scope="module")
+def echo_run(world):
+    """Echo episodes whose first turn is forced to a non-canonical tokenisation, the rest sampled."""
+    word, ids = _non_canonical(world["tok"])
+    forced = np.full((B, TURNS, M), -1, np.int32)
+    forced[:, 0, : len(ids)] = ids
+    traj, envs = _run(world, EchoEnv, ["a", "a", "b", "b"], forced=forced)
+    return dict(traj=traj, word=word, ids=ids)
+
+
+# ---------------------------------------------------------------------------------------------- host env
+
+
+def test_parse_call():
+    tools = gn.CHAT.tools
+    ok = host.parse_call(tools, "think " + _call_text(3) + "<|im_end|>")
+    assert ok == host.ToolCall("guess", {"number": 3})
+    assert host.parse_call(
+        tools, '<tool_call>{"name": "guess", "arguments": {"number": "x"}}</tool_call>'
+    ) == host.ToolCall("guess", {"number": "x"})  # free strings reach the environment
+    for text, kind in [
+        ("no call", host.KIND_NO_CALL),
+        ("<tool_call>{", host.KIND_NO_CALL),
+        ("<tool_call>{]</tool_call>", host.KIND_BAD_CALL),
+        ('<tool_call>{"name": "fly", "arguments": {}}</tool_call>', host.KIND_BAD_CALL),
+        ('<tool_call>{"name": "guess", "arguments": {}}</tool_call>', host.KIND_BAD_CALL),
+        ('<tool_call>{"name": "guess"}</tool_call>', host.KIND_BAD_CALL),
+    ]:
+        call = host.parse_call(tools, text)
+        assert isinstance(call, host.InvalidCall) and call.kind == kind, text
+
+
+def test_type_checks_name_the_env():
+    env = WrongTypeEnv()
+    with pytest.raises(TypeError, match=r"WrongTypeEnv \(name 'wrong_type'\)\.invalid_call.*got list"):
+        host.checked_step(env, "invalid_call", env.invalid_call(None))
+    with pytest.raises(TypeError, match=r"EchoEnv.*step returned a reward of type str"):
+        host.checked_step(EchoEnv(), "step", ("text", "1.0", False))
+    with pytest.raises(TypeError, match=r"EchoEnv.*step returned done of type int"):
+        host.checked_step(EchoEnv(), "step", ("text", 1.0, 1))
+
+    class IntReset(EchoEnv):
+        def reset(self, task):
+            return 7
+
+    with pytest.raises(TypeError, match=r"IntReset.*reset must return .* str, got int"):
+        host.checked_reset(IntReset(), None)
+
+
+def test_guess_number_host_speaks_like_the_jitted_env():
+    env = gh.GuessNumberHostEnv()
+    assert env.reset(11) == chat_lib.resolve(gn.CHAT.user[0], [0, 0, 0])
+    expected = [
+        (8, "8 is too low. It is 9 to 16.", 0.0, False),
+        (12, "12 is too high. It is 9 to 11.", 0.0, False),
+        (11, "11 is right!", gn.FOUND_REWARD - 2 * gn.GUESS_COST, True),
+    ]
+    for guess, text, reward, done in expected:
+        assert env.step(host.ToolCall("guess", {"number": guess})) == (text, reward, done)
+    assert env.episode_info(False) == {"found": True, "invalid": False, "guesses": 3, "wasted": 0}
+    env.reset(3)
+    assert env.step(host.ToolCall("guess", {"number": 17})) == ("Invalid call.", gn.INVALID_REWARD, True)
+    assert host.host_entry("guess_number_host").env_class is gh.GuessNumberHostEnv
+    envs, tasks = host.sample_episodes(gh.GuessNumberHostEnv, 0, num_groups=3, group_size=2)
+    assert len(envs) == 6 and tasks[0] == tasks[1] and all(1 <= t <= gn.MAX_NUMBER for t in tasks)
+    assert host.sample_episodes(gh.GuessNumberHostEnv, 0, 3, 2)[1] == tasks
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+
+
+def test_token_in_token_out(world, echo_run):
+    """The trajectory holds exactly the fed ids: prompt pieces, the sampled (here forced, non-canonical) ids and the
+    fixed-rendered responses; decoding the conversation and encoding it again gives other ids.
+
+    The shipped tokenizer isolates newlines and special tokens, so an environment's text next to the template's
+    fixed pieces tokenises as it would in the whole conversation; what re-tokenises differently is the policy's
+    turn (a word sampled as two tokens), which the echo environment then also says back as text."""
+    traj, chat, tok = echo_run["traj"], world["echo"], world["tok"]
+    for b in range(B):
+        n = int(traj.valid[b].sum())
+        ids = traj.tokens[b, :n].tolist()
+        turns = traj.turn_id[b, :n]
+        gen = traj.loss_mask[b, :n]
+        want = chat.prompt_ids(f"Task {'aabb'[b]}.")
+        assert ids[: len(want)] == want and traj.prompt_length[b] == len(want)
+        for k in range(int(traj.stats.num_turns[b])):
+            sampled = [i for i, t, g in zip(ids, turns, gen) if t == k and g]
+            if k == 0:
+                assert sampled[: len(echo_run["ids"])] == echo_run["ids"]
+            want += sampled
+            if k + 1 < int(traj.stats.num_turns[b]):
+                response = chat.encode("You said: " + decode_text(tok, sampled))[: HC.max_response_tokens]
+                want += chat.response_ids(response, add_turn_end=sampled[-1] != chat.env.chat.turn_end_id)
+        assert ids == want
+        assert tok.encode(decode_text(tok, ids), add_special_tokens=False) != ids
+
+
+def test_behaviour_logp_equals_the_train_forward(world, echo_run):
+    traj = echo_run["traj"]
+    logprobs = jax.jit(functools.partial(ling3.token_logprobs, config=MC), compiler_options=FAST_COMPILE)
+    ref = np.asarray(logprobs(world["params"], tokens=traj.tokens, valid=traj.valid))
+    mask = np.asarray(traj.loss_mask)
+    np.testing.assert_allclose(ref[mask], traj.behaviour_logp[mask], atol=1e-5)
+    assert np.all(traj.behaviour_logp[~mask] == 0) and mask.sum() > 3 * B
+
+
+def test_masks_turns_and_rewards(echo_run):
+    traj = echo_run["traj"]
+    info = traj.info
+    np.testing.assert_array_equal(traj.loss_mask.sum(1), info["generated_tokens"])
+    np.testing.assert_array_equal(traj.group_id, [0, 0, 1, 1])
+    np.testing.assert_allclose(traj.turn_reward.sum(1), traj.reward)
+    assert np.all(traj.turn_key == -1) and traj.routing is None
+    for b in range(B):
+        n = int(traj.valid[b].sum())
+        assert traj.valid[b, :n].all() and not traj.valid[b, n:].any()
+        tid = traj.turn_id[b]
+        assert (tid[:n] >= 0).all() and (tid[n:] == -1).all() and (np.diff(tid[:n]) >= 0).all()
+        assert not traj.loss_mask[b, : traj.prompt_length[b]].any()
+        for k in range(info["num_turns"][b]):  # each turn's sampled ids: one run at the end of its segment
+            pos = np.flatnonzero(traj.loss_mask[b] & (tid == k))
+            assert len(pos) > 0 and np.all(np.diff(pos) == 1)
+            assert pos[-1] == np.flatnonzero(tid == k)[-1]
+    # Echo never ends: every episode is truncated (out of turns or out of L) with the env's truncation reward.
+    assert info["truncated"].all() and np.all(traj.reward == EchoEnv.truncation_reward)
+
+
+def test_faults_hit_only_their_episode(world):
+    traj, _ = _run(world, FaultEnv, ["ok", "raise", "slow", "long"])
+    reference, _ = _run(world, FaultEnv, ["ok", "ok", "ok", "ok"])
+    info = traj.info
+    np.testing.assert_array_equal(info["tool_errors"], [0, 1, 0, 0])
+    np.testing.assert_array_equal(info["tool_timeouts"], [0, 0, 1, 0])
+    assert traj.reward[1] == traj.reward[2] == FaultEnv.tool_error_reward
+    assert info["num_turns"][1] == info["num_turns"][2] == 1 and not info["truncated"][1:3].any()
+    assert info["responses_cut"][3] >= 1 and info["responses_cut"][1] == info["responses_cut"][2] == 0
+    # The long response was fed cut to its budget: the turn-1 segment before its sampled ids.
+    resp = (traj.turn_id[3] == 1) & ~traj.loss_mask[3]
+    chat = world["echo"]
+    fixed = len(chat.tool_prefix) + len(chat.tool_suffix)
+    assert resp.sum() - fixed in (HC.max_response_tokens, HC.max_response_tokens + 1)  # + the turn end if added
+    # The healthy row is the one it is when every row is healthy (rows are independent).
+    np.testing.assert_array_equal(traj.tokens[0], reference.tokens[0])
+    np.testing.assert_array_equal(traj.behaviour_logp[0], reference.behaviour_logp[0])
+
+
+def test_wrong_type_fails_at_once(world):
+    with pytest.raises(TypeError, match=r"WrongTypeEnv \(name 'wrong_type'\)\.invalid_call"):
+        _run(world, WrongTypeEnv, ["a"] * B)
+
+
+def test_guess_number_calls_and_invalid_calls(world):
+    tok = world["tok"]
+    forced = np.full((B, TURNS, M), -1, np.int32)
+    plays = {0: [8, 12, 10], 1: [8, 4], 2: ["'x'"], 3: []}  # secret 10 / 10 / anything / sampled
+    for b, guesses in plays.items():
+        for k, g in enumerate(guesses):
+            ids = tok.encode(_call_text(g), add_special_tokens=False)
+            assert len(ids) <= M
+            forced[b, k, : len(ids)] = ids
+    traj, envs = _run(world, gh.GuessNumberHostEnv, [10, 10, 3, 3], chat="guess", forced=forced)
+    info = traj.info
+    assert info["found"][0] and traj.reward[0] == gn.FOUND_REWARD - 2 * gn.GUESS_COST
+    assert info["valid_call"][0] and info["parse_kind"][0] == host.KIND_OK
+    # Row 1 runs out of turns (3 < 5 guesses) after a sampled third turn unless that turn was invalid.
+    assert info["truncated"][1] or traj.reward[1] == gn.INVALID_REWARD
+    assert traj.reward[2] == gn.INVALID_REWARD and info["invalid"][2] and info["num_turns"][2] == 1
+    assert traj.reward[3] == gn.INVALID_REWARD and info["parse_kind"][3] != host.KIND_OK  # a random model's turn
+    text = decode_text(tok, traj.tokens[0][traj.valid[0]])
+    assert "8 is too low. It is 9 to 16." in text and "12 is too high. It is 9 to 11." in text
+    assert text.endswith(_call_text(10))
+
+
+def test_caches_donated_and_compiled_once(world, echo_run):
+    programs = world["programs"]
+    traces = dict(programs.traces)
+    _run(world, EchoEnv, ["c"] * B)
+    assert programs.traces == traces == {"prefill": 1, "decode": 1}  # several turns, several calls: one trace each
+    cache = jax.tree.map(lambda a: a.copy(), ling3.init_cache(MC, B, RC.max_length))
+    last = jax.numpy.zeros((B, MC.vocab_size))
+    width = -(-RC.max_length // RC.prefill_chunk) * RC.prefill_chunk
+    ids, n = jax.numpy.zeros((B, width), jax.numpy.int32), jax.numpy.full((B,), 3, jax.numpy.int32)
+    new_cache, new_last = programs.prefill(world["params"], cache, last, ids, n)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves((cache, last)))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((new_cache, new_last)))
+    live = jax.numpy.ones((B,), bool)
+    forced = jax.numpy.full((B, M), -1, jax.numpy.int32)
+    out = programs.decode(world["params"], new_cache, new_last, world["keys"], live, forced, world["echo"].env)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves((new_cache, new_last)))
+    assert np.all(np.asarray(out[0]["length"]) - 3 == np.asarray(out[4]))  # new tokens counted
+
+
+def test_guess_number_host_equals_the_jitted_env(world):
+    """Same keys, same forced calls: the host environment's trajectory is the jitted environment's, id for id
+    (the texts render to the same ids, and rows sample with the same per-row keys)."""
+    tok, forced = world["tok"], np.full((B, TURNS, M), -1, np.int32)
+    for b, guesses in {0: [8, 12, 10], 1: [8], 2: [3, 5], 3: []}.items():
+        for k, g in enumerate(guesses):
+            ids = tok.encode(_call_text(g), add_special_tokens=False)
+            forced[b, k, : len(ids)] = ids
+    host_traj, _ = _run(world, gh.GuessNumberHostEnv, [10, 10, 6, 6], chat="guess", forced=forced)
+    env = R.compile_env(gn.GuessNumberEnv(), tok, vocab_size=MC.vocab_size)
+    rc = dataclasses.replace(RC, share_prompt_prefill=False)  # the host path feeds every row's prompt
+    rollout = jax.jit(functools.partial(R.rollout, model_config=MC, rollout_config=rc), compiler_options=FAST_COMPILE)
+    starts = gn.Start(secret=np.asarray([10, 6], np.int32))
+    jit_traj = jax.device_get(rollout(world["params"], world["keys"], starts, env=env, forced_tokens=forced))
+    for name in ("tokens", "valid", "loss_mask", "turn_id", "prompt_length", "reward", "turn_reward", "group_id"):
+        np.testing.assert_array_equal(getattr(host_traj, name), getattr(jit_traj, name), err_msg=name)
+    np.testing.assert_allclose(host_traj.behaviour_logp, jit_traj.behaviour_logp, atol=1e-6)
+    for name in ("found", "invalid", "guesses", "wasted", "num_turns", "generated_tokens", "truncated"):
+        np.testing.assert_array_equal(host_traj.info[name], jit_traj.info[name], err_msg=name)
+    assert host_traj.info["found"][0] and host_traj.info["num_turns"].sum() >= 2 * B
