@@ -86,12 +86,17 @@ class HostConfig:
         still running then gives its episode an error response.
       max_workers: threads stepping the episodes (0: one per episode; with fewer, queued calls count against the
         same deadline).
+      resend_history: the peers' way, for comparison (benchmarks/host_rollout_cost.py): before every turn after the
+        first, fresh empty caches are built and each live row's whole conversation so far is prefilled again,
+        instead of only its new response into the kept caches. The ids fed are the same, so the trajectory's
+        tokens are too; only the cost (and float rounding of the log-probs) differs.
     """
 
     max_prompt_tokens: int = 256
     max_response_tokens: int = 128
     tool_timeout_s: float = 30.0
     max_workers: int = 0
+    resend_history: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- fixed pieces
@@ -410,7 +415,7 @@ def _feed(run: _Run, cache, last, rows: dict):
 
 def _start(run: _Run, rows: _Rows, tasks: Sequence[Any]):
     """Resets every episode (in the pool), writes and prefills the prompts; returns the caches `(cache, last)`."""
-    mc, rc, hc = run.programs.model_config, run.programs.rollout_config, run.programs.host_config
+    rc, hc = run.programs.rollout_config, run.programs.host_config
     prompts = {}
     for b, text in enumerate(run.pool.map(host.checked_reset, run.envs, tasks)):
         content, ids = run.chat.encode(text), run.chat.prompt_ids(text)
@@ -423,11 +428,23 @@ def _start(run: _Run, rows: _Rows, tasks: Sequence[Any]):
         prompts[b] = ids
         rows.write(b, ids, 0)
     rows.prompt_length[:] = rows.length
+    return _feed(run, *_empty_caches(run), prompts)
+
+
+def _empty_caches(run: _Run):
+    """Fresh `(cache, last)` for the B rows at length L, nothing fed."""
+    mc, rc = run.programs.model_config, run.programs.rollout_config
     cache_dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
     # Copies: init_cache shares one zero buffer between leaves, and a buffer can be donated only once.
     cache = jax.tree.map(jnp.copy, ling3.init_cache(mc, len(run.envs), run.length, cache_dtype))
     last = jnp.zeros((len(run.envs), mc.vocab_size), jnp.float32)
-    return _feed(run, cache, last, prompts)
+    return cache, last
+
+
+def _resend(run: _Run, rows: _Rows):
+    """`HostConfig.resend_history`: every live row's conversation so far prefilled into fresh empty caches."""
+    history = {b: rows.tokens[b, : rows.length[b]] for b in np.flatnonzero(rows.live)}
+    return _feed(run, *_empty_caches(run), history)
 
 
 def _sample(run: _Run, rows: _Rows, cache, last, turn: int):
@@ -560,14 +577,18 @@ def host_rollout(
         length=conversation_length(chat, programs, turns),
     )
     rows = _Rows.empty(batch, run.length, turns, chat.pad_id)
+    resend = programs.host_config.resend_history
     try:
         cache, last = _start(run, rows, tasks)
         for turn in range(turns):
             if not rows.live.any():
                 break
+            if resend and turn:
+                del cache, last  # the peers' way: the kept caches are dropped, the history is fed again
+                cache, last = _resend(run, rows)
             cache, last, calls, turn_end = _sample(run, rows, cache, last, turn)
             responses = _answer(run, rows, calls, turn_end, turn)
-            if responses:
+            if responses and not resend:
                 cache, last = _feed(run, cache, last, responses)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread is left to finish alone
