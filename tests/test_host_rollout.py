@@ -296,7 +296,7 @@ def test_caches_donated_and_compiled_once(world, echo_run):
     programs = world["programs"]
     traces = dict(programs.traces)
     _run(world, EchoEnv, ["c"] * B)
-    assert programs.traces == traces == {"prefill": 1, "decode": 1}  # several turns, several calls: one trace each
+    assert programs.traces == traces == {"prefill": 1, "decode": 1, "share": 1}  # several turns and calls: one trace each
     cache = jax.tree.map(lambda a: a.copy(), ling3.init_cache(MC, B, RC.max_length))
     last = jax.numpy.zeros((B, MC.vocab_size))
     width = -(-RC.max_length // RC.prefill_chunk) * RC.prefill_chunk
@@ -331,3 +331,21 @@ def test_guess_number_host_equals_the_jitted_env(world):
     for name in ("found", "invalid", "guesses", "wasted", "num_turns", "generated_tokens", "truncated"):
         np.testing.assert_array_equal(host_traj.info[name], jit_traj.info[name], err_msg=name)
     assert host_traj.info["found"][0] and host_traj.info["num_turns"].sum() >= 2 * B
+
+
+def test_resend_history_plays_the_same_episodes(world, echo_run):
+    """`resend_history` (the peers' way: every turn's history prefilled into fresh caches) feeds the same ids through
+    the same compiled programs: the same trajectory, the log-probs to float rounding."""
+    programs = world["programs"]
+    traces = dict(programs.traces)
+    resend = dict(
+        world, programs=dataclasses.replace(programs, host_config=dataclasses.replace(HC, resend_history=True))
+    )
+    forced = np.full((B, TURNS, M), -1, np.int32)
+    forced[:, 0, : len(echo_run["ids"])] = echo_run["ids"]
+    traj, _ = _run(resend, EchoEnv, ["a", "a", "b", "b"], forced=forced)
+    ref = echo_run["traj"]
+    for name in ("tokens", "valid", "loss_mask", "turn_id", "prompt_length", "reward", "turn_reward"):
+        np.testing.assert_array_equal(getattr(traj, name), getattr(ref, name), err_msg=name)
+    np.testing.assert_allclose(traj.behaviour_logp, ref.behaviour_logp, atol=1e-5)
+    assert ref.info["num_turns"].min() >= 2 and programs.traces == traces  # several turns resent, nothing recompiled

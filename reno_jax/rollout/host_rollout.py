@@ -9,7 +9,8 @@ Python):
 
     envs[b].reset(tasks[b]) -> first user message text (all episodes together, in a thread pool)
     render: the chat template's fixed prompt prefix/suffix ids + the message's own tokens (tokenised once)
-    PREFILL (jitted; caches donated): every row's prompt at its own position (per row: no sharing within a group)
+    PREFILL (jitted; caches donated): the prompts; with `share_prompt_prefill` rows with the same prompt ids feed
+        it once and SHARE (jitted) copies the caches to the others, as the jitted rollout does per group
     for turn in 0..T-1 while any episode is live:
         DECODE (jitted; caches donated): sample every live row until it stops (turn end / eos / completed
             "</tool_call>" / max_new_tokens); only the new ids, their behaviour log-probs, counts and
@@ -30,8 +31,8 @@ The fixed pieces come from `reno_jax.protocol.chat.compile_chat` (the tables the
 spec whose single user and tool templates are one empty slot: the template's text around the slot is the fixed
 rendering, the slot is where a message's own tokens go.
 
-Jitted pieces (`HostPrograms`): `prefill(params, cache, last, ids [B, W], n [B])` and `decode(params, cache, last,
-keys, live [B], forced [B, m], env)`; W = L rounded up to `prefill_chunk`, so prompts and responses share one
+Jitted pieces (`HostPrograms`): `prefill(params, cache, last, ids [B, W], n [B])`, `decode(params, cache, last,
+keys, live [B], forced [B, m], env)` and `share(cache, last, source [B])`; W = L rounded up to `prefill_chunk`, so prompts and responses share one
 compiled prefill; B and L are fixed per call, so each piece compiles once and the cache buffers are donated
 (updated in place, never copied or rebuilt). Sampling reuses the jitted rollout's `_decode_turn` (per-row keys
 folded with the position: a row's tokens do not depend on other rows, and match the jitted path's for the same
@@ -222,6 +223,7 @@ class HostPrograms:
     host_config: HostConfig
     prefill: Any
     decode: Any
+    share: Any
     traces: dict
 
 
@@ -248,10 +250,10 @@ def make_host_programs(
     host_config: HostConfig = HostConfig(),
     compiler_options: dict | None = None,
 ) -> HostPrograms:
-    """`HostPrograms` with the configs bound; the caches (`cache`, `last`) are donated to both pieces."""
+    """`HostPrograms` with the configs bound; the caches (`cache`, `last`) are donated to every piece."""
     if rollout_config.record_routing:
         raise ValueError("host_rollout does not record routing (record_routing=True)")
-    traces = {"prefill": 0, "decode": 0}
+    traces = {"prefill": 0, "decode": 0, "share": 0}
     chunk = rollout_config.prefill_chunk
 
     def prefill(params, cache, last, ids, n):
@@ -268,6 +270,11 @@ def make_host_programs(
         d = R._decode_turn(setup, carry)
         return d.cache, d.last, d.gen_tok, d.gen_logp, d.n_gen, d.turn_end
 
+    def share(cache, last, source):
+        """Row b's caches become row source[b]'s (int32 [B]) -> (cache, last)."""
+        traces["share"] += 1
+        return jax.tree.map(lambda a: a[source], (cache, last))
+
     jit = functools.partial(jax.jit, donate_argnames=("cache", "last"), compiler_options=compiler_options)
     return HostPrograms(
         model_config=model_config,
@@ -275,6 +282,7 @@ def make_host_programs(
         host_config=host_config,
         prefill=jit(prefill),
         decode=jit(decode),
+        share=jit(share),
         traces=traces,
     )
 
@@ -414,7 +422,10 @@ def _feed(run: _Run, cache, last, rows: dict):
 
 
 def _start(run: _Run, rows: _Rows, tasks: Sequence[Any]):
-    """Resets every episode (in the pool), writes and prefills the prompts; returns the caches `(cache, last)`."""
+    """Resets every episode (in the pool), writes and prefills the prompts; returns the caches `(cache, last)`.
+
+    With `share_prompt_prefill` (as in the jitted rollout) rows whose prompts are the same ids (a group's, or a
+    fixed first message's) feed it once: the first such row is prefilled and its caches copied to the others."""
     rc, hc = run.programs.rollout_config, run.programs.host_config
     prompts = {}
     for b, text in enumerate(run.pool.map(host.checked_reset, run.envs, tasks)):
@@ -428,7 +439,14 @@ def _start(run: _Run, rows: _Rows, tasks: Sequence[Any]):
         prompts[b] = ids
         rows.write(b, ids, 0)
     rows.prompt_length[:] = rows.length
-    return _feed(run, *_empty_caches(run), prompts)
+    if not rc.share_prompt_prefill:
+        return _feed(run, *_empty_caches(run), prompts)
+    first = {}  # prompt ids -> the first row that has them
+    source = np.array([first.setdefault(tuple(ids), b) for b, ids in prompts.items()], np.int32)
+    cache, last = _feed(run, *_empty_caches(run), {b: prompts[b] for b in first.values()})
+    if len(first) == len(prompts):
+        return cache, last
+    return run.programs.share(cache, last, jnp.asarray(source))
 
 
 def _empty_caches(run: _Run):
