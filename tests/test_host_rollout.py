@@ -296,7 +296,8 @@ def test_caches_donated_and_compiled_once(world, echo_run):
     programs = world["programs"]
     traces = dict(programs.traces)
     _run(world, EchoEnv, ["c"] * B)
-    assert programs.traces == traces == {"prefill": 1, "decode": 1, "share": 1}  # several turns and calls: one trace each
+    # Several turns and calls, one trace each: prefill for the B / G shared prompts and for the B rows' responses.
+    assert programs.traces == traces == {"prefill": 2, "decode": 1, "share": 1}
     cache = jax.tree.map(lambda a: a.copy(), ling3.init_cache(MC, B, RC.max_length))
     last = jax.numpy.zeros((B, MC.vocab_size))
     width = -(-RC.max_length // RC.prefill_chunk) * RC.prefill_chunk

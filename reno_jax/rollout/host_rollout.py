@@ -9,8 +9,9 @@ Python):
 
     envs[b].reset(tasks[b]) -> first user message text (all episodes together, in a thread pool)
     render: the chat template's fixed prompt prefix/suffix ids + the message's own tokens (tokenised once)
-    PREFILL (jitted; caches donated): the prompts; with `share_prompt_prefill` rows with the same prompt ids feed
-        it once and SHARE (jitted) copies the caches to the others, as the jitted rollout does per group
+    PREFILL (jitted; caches donated): the prompts; with `share_prompt_prefill` each distinct prompt once (B / G
+        rows when a group's episodes share their task) and SHARE (jitted) copies the caches to its rows, as the
+        jitted rollout does per group
     for turn in 0..T-1 while any episode is live:
         DECODE (jitted; caches donated): sample every live row until it stops (turn end / eos / completed
             "</tool_call>" / max_new_tokens); only the new ids, their behaviour log-probs, counts and
@@ -32,11 +33,13 @@ spec whose single user and tool templates are one empty slot: the template's tex
 rendering, the slot is where a message's own tokens go.
 
 Jitted pieces (`HostPrograms`): `prefill(params, cache, last, ids [B, W], n [B])`, `decode(params, cache, last,
-keys, live [B], forced [B, m], env)` and `share(cache, last, source [B])`; W = L rounded up to `prefill_chunk`, so prompts and responses share one
-compiled prefill; B and L are fixed per call, so each piece compiles once and the cache buffers are donated
-(updated in place, never copied or rebuilt). Sampling reuses the jitted rollout's `_decode_turn` (per-row keys
-folded with the position: a row's tokens do not depend on other rows, and match the jitted path's for the same
-ids).
+keys, live [B], forced [B, m], env)` and `share(cache, last, source [B])`. A block that needs more than one chunk
+is W = L rounded up to `prefill_chunk` wide (one compiled prefill for every long prompt or history); a shorter one
+(a turn's responses) the power of two from 8 that holds it, so it costs what it feeds, not a whole chunk. Shared
+prompts are prefilled in caches of B / G rows. B and L are fixed per call, so each piece compiles once per width
+(a few) and the cache buffers are donated to prefill and decode (updated in place, never copied or rebuilt).
+Sampling reuses the jitted rollout's `_decode_turn` (per-row keys folded with the position: a row's tokens do not
+depend on other rows, and match the jitted path's for the same ids).
 
 Trajectory: as in `reno_jax.rollout.rollout`; `turn_key` is -1 (host environments declare no state keys);
 `routing` is None (routing replay is not supported here: `record_routing` raises); `stats` is a
@@ -250,16 +253,17 @@ def make_host_programs(
     host_config: HostConfig = HostConfig(),
     compiler_options: dict | None = None,
 ) -> HostPrograms:
-    """`HostPrograms` with the configs bound; the caches (`cache`, `last`) are donated to every piece."""
+    """`HostPrograms` with the configs bound; the caches (`cache`, `last`) are donated to prefill and decode."""
     if rollout_config.record_routing:
         raise ValueError("host_rollout does not record routing (record_routing=True)")
     traces = {"prefill": 0, "decode": 0, "share": 0}
     chunk = rollout_config.prefill_chunk
 
     def prefill(params, cache, last, ids, n):
-        """ids int32 [B, W] (W a multiple of the chunk), n int32 [B] -> (cache, last [B, V])."""
+        """ids int32 [B, W] (W a multiple of the chunk, or one block narrower than it), n int32 [B] -> (cache,
+        last [B, V])."""
         traces["prefill"] += 1
-        return gen.prefill_chunked(params, model_config, cache, ids, n, last, chunk)
+        return gen.prefill_chunked(params, model_config, cache, ids, n, last, min(chunk, ids.shape[1]))
 
     def decode(params, cache, last, keys, live, forced, env):
         """One turn of every live row -> (cache, last, ids int32 [B, m], logp float32 [B, m], n int32 [B],
@@ -271,7 +275,7 @@ def make_host_programs(
         return d.cache, d.last, d.gen_tok, d.gen_logp, d.n_gen, d.turn_end
 
     def share(cache, last, source):
-        """Row b's caches become row source[b]'s (int32 [B]) -> (cache, last)."""
+        """Caches of N rows -> of B rows, row b a copy of row source[b] (int32 [B]) -> (cache, last)."""
         traces["share"] += 1
         return jax.tree.map(lambda a: a[source], (cache, last))
 
@@ -282,7 +286,7 @@ def make_host_programs(
         host_config=host_config,
         prefill=jit(prefill),
         decode=jit(decode),
-        share=jit(share),
+        share=jax.jit(share, compiler_options=compiler_options),  # B / G rows in, B out: nothing to donate
         traces=traces,
     )
 
@@ -399,6 +403,7 @@ class _Run:
     envs: Sequence[host.HostEnv]
     pool: concurrent.futures.ThreadPoolExecutor
     keys: jax.Array  # [B] per-row PRNG keys
+    groups: int  # B / G
     forced: np.ndarray  # int32 [B, T, m]
     turns: int  # T
     length: int  # L
@@ -410,10 +415,24 @@ class _Run:
         return -(-self.length // chunk) * chunk
 
 
+def _block_width(longest: int, chunk: int, full: int) -> int:
+    """Width of a prefill block whose longest row is `longest` tokens: the full W when it needs more than one chunk
+    (one compiled prefill whatever the length), else the power of two from 8 that holds it, at most the chunk
+    (padding costs as much compute as real tokens; a few widths, each compiled once)."""
+    if longest > chunk:
+        return full
+    width = 8
+    while width < longest:
+        width *= 2
+    return min(width, chunk)
+
+
 def _feed(run: _Run, cache, last, rows: dict):
     """Prefills {row: ids} at each row's position (the other rows untouched); returns `(cache, last)`."""
-    batch = len(run.envs)
-    ids = np.full((batch, run.width), run.chat.pad_id, np.int32)
+    batch = last.shape[0]
+    longest = max((len(row_ids) for row_ids in rows.values()), default=0)
+    width = _block_width(longest, run.programs.rollout_config.prefill_chunk, run.width)
+    ids = np.full((batch, width), run.chat.pad_id, np.int32)
     n = np.zeros((batch,), np.int32)
     for b, row_ids in rows.items():
         ids[b, : len(row_ids)] = row_ids
@@ -424,8 +443,9 @@ def _feed(run: _Run, cache, last, rows: dict):
 def _start(run: _Run, rows: _Rows, tasks: Sequence[Any]):
     """Resets every episode (in the pool), writes and prefills the prompts; returns the caches `(cache, last)`.
 
-    With `share_prompt_prefill` (as in the jitted rollout) rows whose prompts are the same ids (a group's, or a
-    fixed first message's) feed it once: the first such row is prefilled and its caches copied to the others."""
+    With `share_prompt_prefill` (as in the jitted rollout), when the prompts are at most B / G different id
+    sequences (a group's episodes share a task), each is prefilled once, in caches of B / G rows, and copied to the
+    rows that have it."""
     rc, hc = run.programs.rollout_config, run.programs.host_config
     prompts = {}
     for b, text in enumerate(run.pool.map(host.checked_reset, run.envs, tasks)):
@@ -439,30 +459,29 @@ def _start(run: _Run, rows: _Rows, tasks: Sequence[Any]):
         prompts[b] = ids
         rows.write(b, ids, 0)
     rows.prompt_length[:] = rows.length
-    if not rc.share_prompt_prefill:
-        return _feed(run, *_empty_caches(run), prompts)
-    first = {}  # prompt ids -> the first row that has them
-    source = np.array([first.setdefault(tuple(ids), b) for b, ids in prompts.items()], np.int32)
-    cache, last = _feed(run, *_empty_caches(run), {b: prompts[b] for b in first.values()})
-    if len(first) == len(prompts):
-        return cache, last
+    batch = len(run.envs)
+    distinct = {}  # prompt ids -> its row in the shared caches
+    source = np.array([distinct.setdefault(tuple(ids), len(distinct)) for ids in prompts.values()], np.int32)
+    if not rc.share_prompt_prefill or run.groups == batch or len(distinct) > run.groups:
+        return _feed(run, *_empty_caches(run, batch), prompts)
+    cache, last = _feed(run, *_empty_caches(run, run.groups), {row: list(ids) for ids, row in distinct.items()})
     return run.programs.share(cache, last, jnp.asarray(source))
 
 
-def _empty_caches(run: _Run):
-    """Fresh `(cache, last)` for the B rows at length L, nothing fed."""
+def _empty_caches(run: _Run, rows: int):
+    """Fresh `(cache, last)` for `rows` rows at length L, nothing fed."""
     mc, rc = run.programs.model_config, run.programs.rollout_config
     cache_dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
     # Copies: init_cache shares one zero buffer between leaves, and a buffer can be donated only once.
-    cache = jax.tree.map(jnp.copy, ling3.init_cache(mc, len(run.envs), run.length, cache_dtype))
-    last = jnp.zeros((len(run.envs), mc.vocab_size), jnp.float32)
+    cache = jax.tree.map(jnp.copy, ling3.init_cache(mc, rows, run.length, cache_dtype))
+    last = jnp.zeros((rows, mc.vocab_size), jnp.float32)
     return cache, last
 
 
 def _resend(run: _Run, rows: _Rows):
     """`HostConfig.resend_history`: every live row's conversation so far prefilled into fresh empty caches."""
     history = {b: rows.tokens[b, : rows.length[b]] for b in np.flatnonzero(rows.live)}
-    return _feed(run, *_empty_caches(run), history)
+    return _feed(run, *_empty_caches(run, len(run.envs)), history)
 
 
 def _sample(run: _Run, rows: _Rows, cache, last, turn: int):
@@ -590,6 +609,7 @@ def host_rollout(
         envs=envs,
         pool=pool,
         keys=gen.row_keys(key, batch),
+        groups=batch // g,
         forced=forced,
         turns=turns,
         length=conversation_length(chat, programs, turns),
