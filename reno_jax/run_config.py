@@ -161,9 +161,9 @@ class RlSettings:
     normalize_adv_std: bool = _field(_LEARNER.normalize_adv_std, "divide group-centred rewards by the group's std")
     turn_advantage_coef: float = _field(_LEARNER.turn_advantage_coef, "multi-turn credit: weight of each turn's own "
                                         "advantage (needs a token-level loss; 0: off)", _at_least(0.0),
-                                        "a number >= 0 (0: off)")
+                                        ">= 0 (0: off)")
     turn_discount: float = _field(_LEARNER.turn_discount, "discount of later turns' rewards in a turn's advantage",
-                                  lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+                                  lambda v: 0.0 < v <= 1.0, "in (0, 1]")
     turn_scope: str = _field(_LEARNER.turn_scope, "turns compared within the 'group' or the whole 'batch'",
                              lambda v: v in learner_lib.TURN_SCOPES, "'group' or 'batch'")
     kl_coef: float = _field(0.0, "KL penalty to the behaviour policy", *_NUM_GE0)
@@ -189,7 +189,7 @@ class RlSettings:
     clip_norm: float = _field(1.0, "global gradient-norm clip", _at_least(0), "a number >= 0 (0: no clipping)")
     max_logp_shift: float = _field(_LEARNER.max_logp_shift, "update guard: an update moving the probe groups' "
                                    "log-probs by more than this (mean |delta| per token) is halved", _at_least(0.0),
-                                   "a number >= 0 (0: off)")
+                                   ">= 0 (0: off)")
     shift_probe_groups: int = _field(_LEARNER.shift_probe_groups, "groups the update guard scores again")
     num_minibatches: int = _field(_LEARNER.num_minibatches, "optimiser steps per rollout batch", *_INT_GE1)
     num_microbatches: int = _field(_LEARNER.num_microbatches, "gradient accumulation splits per minibatch",

@@ -42,7 +42,7 @@ def test_load_gives_typed_sections():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("rl.max_logp_shift", -1.0, "--config.rl.max_logp_shift must be a number >= 0 (0: off), got -1.0"),
+    ("rl.max_logp_shift", -1.0, "--config.rl.max_logp_shift must be >= 0 (0: off), got -1.0"),
     ("rollout.top_p", 1.5, "--config.rollout.top_p must be a number in (0, 1]"),
     ("num_steps", 0, "--config.num_steps must be an integer >= 1"),
     ("rl.turn_scope", "world", "--config.rl.turn_scope must be 'group' or 'batch'"),
