@@ -64,7 +64,7 @@ _NUM_GE0 = (_at_least(0), "a number >= 0")
 @dataclasses.dataclass(frozen=True)
 class TinyArchitecture:
     """The embedded tiny Ling-3.0 (bailing_hybrid) architecture: every layer kind (KDA, gated MLA, dense SwiGLU MLP,
-    MoE with a shared expert); `Ling3Config` fields."""
+    MoE with a shared expert); `Ling3Config` fields (the vocabulary is the tokenizer's)."""
     hidden_size: int = _field(64, "model width")
     intermediate_size: int = _field(128, "dense SwiGLU MLP width")
     num_hidden_layers: int = _field(2, "layers: groups of KDA layers then one MLA layer (a short tail is MLA)")
@@ -84,7 +84,6 @@ class TinyArchitecture:
     qk_nope_head_dim: int = _field(16, "MLA query/key head width without rotary")
     qk_rope_head_dim: int = _field(8, "MLA rotary head width")
     v_head_dim: int = _field(16, "MLA value head width")
-    vocab_size: int = _field(0, "at least this many token rows (the tokenizer's size if larger; 0: the tokenizer's)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,8 +55,7 @@ def build_tokenizer(config):
 
 def tiny_model_config(config, vocab_size: int) -> Ling3Config:
     """The embedded tiny Ling-3.0 architecture described by `config.model.tiny`."""
-    tiny = run_config.load(config).model.tiny
-    return Ling3Config(**dict(run_config.as_plain(tiny), vocab_size=max(tiny.vocab_size, vocab_size)))
+    return Ling3Config(**run_config.as_plain(run_config.load(config).model.tiny), vocab_size=vocab_size)
 
 
 def model_architecture(config, tokenizer) -> Ling3Config:
