@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +120,27 @@ def teacher_calls(config, tokenizer, vocab_size: int) -> TeacherCalls:
     return TeacherCalls(env=env, teacher=teacher, calls=calls)
 
 
+def teacher_batches(key: jax.Array, sampler, taught: TeacherCalls, *, batch_size: int, pool: int, turns: int,
+                    length: int, soft_targets: bool) -> Iterator[sft.Transcripts]:
+    """Each warm-start step's batch of teacher transcripts (`[batch_size, length]`), played from the sampler's
+    starts: drawn one batch at a time, or (`pool` > 1) `pool` batches at once, handed out as batches of similar
+    lengths (`sft.length_sorted_batches`)."""
+    pending: list[sft.Transcripts] = []
+    while True:
+        if pool == 1:
+            key, k_starts, k_play = jax.random.split(key, 3)
+            yield sft.env_transcripts(k_play, sampler(k_starts, batch_size), taught.env, taught.teacher.policy,
+                                      taught.calls, max_turns=turns, length=length, soft_targets=soft_targets)
+            continue
+        if not pending:
+            key, k_starts, k_play, k_order = jax.random.split(key, 4)
+            drawn = sft.env_transcripts(k_play, sampler(k_starts, pool * batch_size), taught.env,
+                                        taught.teacher.policy, taught.calls, max_turns=turns, length=length,
+                                        soft_targets=soft_targets)
+            pending = sft.length_sorted_batches(drawn, batch_size, k_order)
+        yield pending.pop()
+
+
 def check_warm_start(config) -> None:
     """`teacher_calls`' checks, with the run's tokenizer, before anything is built or written."""
     tokenizer = build.build_tokenizer(config)
@@ -142,7 +163,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     evaluated, eval_seconds = {}, 0.0
     config = env_config_for_warm_start(run)
     taught = teacher_calls(config, tokenizer, model_config.vocab_size)
-    env, teacher, calls = taught.env, taught.teacher, taught.calls
+    env, calls = taught.env, taught.calls
     rc = config.rollout_config()
     turns = rollout_lib.num_turns(env, rc)
     length = s.max_length or transcript_length(env, calls, turns, rollout_lib.conversation_length(env, rc))
@@ -159,22 +180,12 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     place = (lambda batch: batch) if layout is None else layout.place_batch
     bucket = config.rl.length_bucket
     pool = s.length_pool
-    pending: list[sft.Transcripts] = []
+    batches = teacher_batches(key, sampler, taught, batch_size=s.batch_size, pool=pool, turns=turns,
+                              length=length, soft_targets=soft)
     t0, nll, infos = time.time(), float("nan"), []
     bar = hosts.progress(int(s.num_steps), desc="warm start")
     for index in bar:
-        if pool == 1:
-            key, k_starts, k_play = jax.random.split(key, 3)
-            out = sft.env_transcripts(k_play, sampler(k_starts, int(s.batch_size)), env, teacher.policy, calls,
-                                      max_turns=turns, length=length, soft_targets=soft)
-        else:
-            if not pending:
-                key, k_starts, k_play, k_order = jax.random.split(key, 4)
-                drawn = sft.env_transcripts(k_play, sampler(k_starts, pool * int(s.batch_size)), env,
-                                            teacher.policy, calls, max_turns=turns, length=length,
-                                            soft_targets=soft)
-                pending = sft.length_sorted_batches(drawn, int(s.batch_size), k_order)
-            out = pending.pop()
+        out = next(batches)
         tokens = out.tokens
         batch = TrainBatch(tokens=tokens, valid=out.valid, loss_mask=out.loss_mask,
                            old_logp=jnp.zeros(tokens.shape, jnp.float32),
