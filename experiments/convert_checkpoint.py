@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from absl import flags, logging
 
 from experiments import cli
 from reno_jax.checkpoint.orbax import CHECKPOINT_SUBDIR
-from reno_jax.loop import build, runs
+from reno_jax import run_config as run_config_lib
+from reno_jax.loop import runs
 from reno_jax.models import conversion
 from reno_jax.models.config import Ling3Config
 
@@ -137,7 +137,7 @@ def orbax_to_hf(
         reader = ocp.Checkpointer(ocp.JsonCheckpointHandler())
         run_config = reader.restore(step_dir / RUN_CONFIG_ITEM, args=ocp.args.JsonRestore())
         reader.close()
-        if build.lora_config(ml_collections.ConfigDict(run_config)).rank:
+        if run_config_lib.upgrade(run_config).lora.rank:
             if step_dir.parent.name != CHECKPOINT_SUBDIR:
                 raise conversion.CheckpointError(f"{str(step_dir)!r} is a LoRA run's checkpoint (adapters only) "
                                                  f"outside a workdir's {CHECKPOINT_SUBDIR}/: its base cannot be rebuilt")

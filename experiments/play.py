@@ -44,10 +44,11 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO; keep the console to the URL
         logging.set_verbosity(logging.WARNING)
     # Imported here so that --help answers without loading JAX.
-    from reno_jax.play import run_dir
+    from reno_jax.errors import RunError
+    from reno_jax.loop import runs
     try:
-        run_dir.load_config(_WORKDIR.value)
-    except run_dir.RunDirError as e:
+        runs.read_run_config(_WORKDIR.value)
+    except RunError as e:
         raise app.UsageError(str(e)) from None
     import socket
     import threading

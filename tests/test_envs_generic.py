@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from reno_jax import errors
+from reno_jax import errors, run_config
 from reno_jax.loop import config as loop_config
 from reno_jax.rl import policy
 from reno_jax.envs import guess_number, interface, registry
@@ -293,7 +293,7 @@ def test_exploring_center_greedy_teacher_plays_off_path_but_targets_its_own_colu
     e = c4env.Connect4Env()
     start = jax.tree.map(lambda a: a[0], c4env.sample_starts(jax.random.PRNGKey(0), 1, "random", 1))
     state, _ = e.reset(start)  # empty board: the teacher's column is the centre (3, 0-based)
-    config = ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy", explore=0.5, soft_targets=True)))
+    config = run_config.load(dict(sft=dict(teacher="center_greedy", explore=0.5, soft_targets=True)))
     teacher = c4reg.make_teacher(config, e)
     cols, targets = jax.vmap(lambda k: teacher.policy(state, k))(jax.random.split(jax.random.PRNGKey(1), 400))
     cols, targets = np.asarray(cols), np.asarray(targets)
@@ -301,12 +301,12 @@ def test_exploring_center_greedy_teacher_plays_off_path_but_targets_its_own_colu
     off = np.mean(cols != 3)  # a uniform legal column half the time, the centre in 1/7 of those
     assert 0.5 * 6 / 7 - 0.08 < off < 0.5 * 6 / 7 + 0.08
     assert set(np.unique(cols)) == set(range(7))
-    plain = c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy"))), e)
+    plain = c4reg.make_teacher(run_config.load(dict(sft=dict(teacher="center_greedy"))), e)
     assert int(plain.policy(state, jax.random.PRNGKey(2))[0]) == 3
     for bad in (dict(explore=0.5), dict(explore=0.5, soft_targets=True, teacher="greedy"),
                 dict(explore=1.0, soft_targets=True)):
         with pytest.raises(errors.ConfigError, match="sft.explore"):
-            c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
+            c4reg.make_teacher(run_config.load(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
 
 
 def test_center_greedy_teacher_weighs_the_positions_with_a_four_to_make_or_stop():
@@ -318,17 +318,17 @@ def test_center_greedy_teacher_weighs_the_positions_with_a_four_to_make_or_stop(
     block = empty.copy()
     block[5, :2], block[4, 0], block[5, 4:] = 1, 1, 2  # X to move; O's three on the bottom row ends at column 4
     states = jax.vmap(e.reset)(c4env.position_starts(np.stack([empty, win, block])))[0]
-    config = ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy", soft_targets=True, forced_weight=6.0)))
+    config = run_config.load(dict(sft=dict(teacher="center_greedy", soft_targets=True, forced_weight=6.0)))
     teacher = c4reg.make_teacher(config, e)
     cols, _, weights = jax.vmap(teacher.policy)(states, jax.random.split(jax.random.PRNGKey(0), 3))
     np.testing.assert_array_equal(np.asarray(cols), [3, 3, 3])  # centre; X's four at 0-based 3; O's four stopped
     np.testing.assert_allclose(np.asarray(weights), [1.0, 6.0, 6.0])
     np.testing.assert_array_equal(np.asarray(jax.vmap(c4reg.forced_position)(states)), [False, True, True])
-    plain = c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy"))), e)
+    plain = c4reg.make_teacher(run_config.load(dict(sft=dict(teacher="center_greedy"))), e)
     assert len(plain.policy(jax.tree.map(lambda a: a[0], states), jax.random.PRNGKey(0))) == 2
     for bad in (dict(forced_weight=6.0), dict(forced_weight=0.0, soft_targets=True)):
         with pytest.raises(errors.ConfigError, match="sft.forced_weight"):
-            c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
+            c4reg.make_teacher(run_config.load(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
 
 
 def test_logp_fn_scores_the_tempered_policy(params):

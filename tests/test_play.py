@@ -27,6 +27,8 @@ import pytest
 from configs import connect4_tiny, guess_number_tiny, tictactoe_tiny
 from reno_jax import loop
 from reno_jax.envs import interface, registry
+from reno_jax.errors import RunError
+from reno_jax.loop import runs
 from reno_jax.envs.connect4 import board_view as c4_view
 from reno_jax.envs.connect4 import env as c4_env
 from reno_jax.envs.tictactoe import board_view as ttt_view
@@ -544,11 +546,11 @@ def test_cli_refuses_a_bad_workdir_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "does not exist" in out.stderr and "Traceback" not in out.stderr
-    with pytest.raises(run_dir_lib.RunDirError, match="no config.json"):  # the CLI's check, in process
-        run_dir_lib.load_config(str(tmp_path))
+    with pytest.raises(RunError, match="no config.json"):  # the CLI's check, in process
+        runs.read_run_config(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(run_dir_lib.RunDirError, match="not readable JSON"):
-        run_dir_lib.load_config(str(tmp_path))
+    with pytest.raises(RunError, match="not readable JSON"):
+        runs.read_run_config(str(tmp_path))
 
 
 def test_cli_serves_a_run_and_prints_its_url(run_path, tmp_path):

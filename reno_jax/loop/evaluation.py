@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from reno_jax import parallel
+from reno_jax import parallel, run_config
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError
 from reno_jax.loop import build, hosts
@@ -37,6 +37,7 @@ class SuiteResult:
 
 def suites_of(config) -> dict[str, interface.EvalSuite]:
     """The evaluation suites the config's environment declares (none: an empty dict)."""
+    config = run_config.load(config)
     entry = build.env_entry(config)
     return dict(entry.eval_suites(config)) if entry.eval_suites is not None else {}
 
@@ -48,7 +49,7 @@ def default_suite_names(config) -> list[str]:
 def in_run_suite_names(config) -> list[str] | None:
     """The suites an evaluation inside a run plays (`eval_every`, `sft.eval_every`): `config.eval_suites`
     ("a,b"), or None (empty: the environment's defaults)."""
-    names = [n.strip() for n in str(config.get("eval_suites", "") or "").split(",") if n.strip()]
+    names = [n.strip() for n in run_config.load(config).eval_suites.split(",") if n.strip()]
     return names or None
 
 
@@ -133,6 +134,7 @@ def run_suite(params, model_config, tokenizer, config, name: str, suite: interfa
 def evaluate(params, model_config, tokenizer, config, suites: Sequence[str] | None = None, *, key: jax.Array,
              **kwargs) -> dict[str, SuiteResult]:
     """`run_suite` for each named suite (None: the environment's defaults), in order."""
+    config = run_config.load(config)
     return {name: run_suite(params, model_config, tokenizer, config, name, suite, key=key, **kwargs)
             for name, suite in resolve_suites(config, suites).items()}
 

@@ -41,7 +41,7 @@ class PlayError(Exception):
 
 
 class PlayService:
-    """Args: workdir: a training run (raises `run_dir.RunDirError` if it is not one); default_step: the step
+    """Args: workdir: a training run (raises `RunError` if it is not one); default_step: the step
     the page opens at (None: the latest); cache_size: restored checkpoints kept in memory."""
 
     def __init__(self, workdir: str, default_step: int | None = None, cache_size: int = 4,

@@ -126,9 +126,8 @@ class LearnerConfig:
             raise ValueError(f"turn_scope must be one of {TURN_SCOPES}, got {self.turn_scope!r}")
         if self.length_bucket < 0:
             raise ValueError(f"length_bucket must be >= 0 (0: off), got {self.length_bucket}")
-        if not self.max_logp_shift >= 0.0 or self.shift_probe_groups < 1:
-            raise ValueError(f"max_logp_shift must be >= 0 and shift_probe_groups >= 1, got {self.max_logp_shift}, "
-                             f"{self.shift_probe_groups}")
+        if self.shift_probe_groups < 1:  # max_logp_shift itself: `trainer.make_train_step`'s check
+            raise ValueError(f"shift_probe_groups must be >= 1, got {self.shift_probe_groups}")
 
     def trained_groups(self, num_groups: int) -> int:
         """Groups trained on per step when `num_groups` are rolled out."""

@@ -68,23 +68,23 @@ def forced_position(state: c4_env.Connect4State) -> jax.Array:
 
 
 def make_teacher(config, env: c4_env.Connect4Env) -> interface.Teacher:
-    """`config.sft.teacher` (default "center_greedy"); call row k is `drop_piece(column=k + 1)`. The support
+    """`config.sft.teacher` ('': "center_greedy"); call row k is `drop_piece(column=k + 1)`. The support
     (the soft target) is the teacher's own column for "center_greedy" (it is deterministic), the legal columns for
     the opponents' policies (they choose among ties at random)."""
-    policy = str(config.sft.get("teacher", "center_greedy"))
+    policy = config.sft.teacher or "center_greedy"
     if policy not in TEACHERS:
         raise ValueError(f"sft.teacher must be one of {list(TEACHERS)}, got {policy!r}")
-    explore = float(config.sft.get("explore", 0.0))
+    explore = config.sft.explore
     if not 0.0 <= explore < 1.0:
         raise ConfigError(f"--config.sft.explore must be in [0, 1), got {explore}")
-    if explore and (policy != "center_greedy" or not config.sft.get("soft_targets", False)):
+    if explore and (policy != "center_greedy" or not config.sft.soft_targets):
         raise ConfigError(f"--config.sft.explore={explore} needs --config.sft.teacher=center_greedy and "
                           "--config.sft.soft_targets=True (the explored move is played, the teacher's is the target)")
 
-    forced_weight = float(config.sft.get("forced_weight", 1.0))
+    forced_weight = config.sft.forced_weight
     if forced_weight <= 0.0:
         raise ConfigError(f"--config.sft.forced_weight must be > 0, got {forced_weight}")
-    if forced_weight != 1.0 and not config.sft.get("soft_targets", False):
+    if forced_weight != 1.0 and not config.sft.soft_targets:
         raise ConfigError(f"--config.sft.forced_weight={forced_weight} needs --config.sft.soft_targets=True "
                           "(the weight scales a decision's soft targets)")
 
