@@ -11,7 +11,7 @@ check below, each raising `ConfigError` naming the flag. Everything after that r
 
 The `env` section is the environment's own (a ConfigDict handed to its registry factories, checked by building
 the environment: `reno_jax.loop.config.check_env`), and so is the warm start's `sft.env` (fields replacing
-`env`'s). `curriculum` holds the stages' overrides (`reno_jax.rl.curriculum`).
+`env`'s). `curriculum` holds the stages' overrides (`reno_jax.loop.curriculum`).
 
 A saved run's `config.json` from older code is read through `upgrade` first: fields it lacks get the value the
 code of its time used for them (`LEGACY_DEFAULTS` where that differs from today's default).
@@ -111,9 +111,9 @@ class SftSettings:
                              "an integer >= 0 (0: never)")
     max_length: int = _field(0, "transcript length (0: the prompt and every turn's longest call)", _at_least(0),
                              "an integer >= 0 (0: what the teacher's calls need)")
-    teacher: str = _field("", "the environment's teacher to imitate ('': its default; connect4: sft.teacher)")
-    explore: float = _field(0.0, "teacher option (connect4): share of moves played as a uniform legal column")
-    forced_weight: float = _field(1.0, "teacher option (connect4): loss weight of the forced decisions")
+    teacher: str = _field("", "the environment's teacher to imitate ('': its default; the names are the environment's)")
+    explore: float = _field(0.0, "teacher option: share of the teacher's moves played at random (environments that offer it)")
+    forced_weight: float = _field(1.0, "teacher option: loss weight of the forced decisions (environments that mark them)")
     env: ml_collections.ConfigDict = _field(ml_collections.ConfigDict(), "fields replacing `env`'s in the warm start")
 
 

@@ -40,7 +40,8 @@ import numpy as np
 
 from configs import tictactoe_tiny
 from reno_jax.loop import build as loop_build
-from reno_jax.rl import policy, recipe, shared_prefix, trainer
+from reno_jax.loop import recipe
+from reno_jax.rl import policy, shared_prefix, trainer
 from reno_jax.rl.batch import TrainBatch
 
 COMMON = 38  # leading tokens every move-task prompt shares

@@ -25,10 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from reno_jax import parallel
-from reno_jax.loop import build
-from reno_jax.loop import runs
-from reno_jax.rl import recipe
 from reno_jax.checkpoint import orbax as ckpt_lib  # noqa: E402
+from reno_jax.loop import build, recipe, runs
 from reno_jax.models import conversion, ling3  # noqa: E402
 from reno_jax.rl import trainer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""reno_jax.rl.curriculum: stages of one run, each stage's learning-rate schedule (rl.recipe.make_optimizer), and
+"""reno_jax.loop.curriculum: stages of one run, each stage's learning-rate schedule (loop.recipe.make_optimizer), and
 config errors named by stage (loop.config.validate_config)."""
 
 import jax.numpy as jnp
@@ -9,7 +9,8 @@ import pytest
 from configs import tictactoe_tiny_game
 from reno_jax import errors
 from reno_jax.loop import config as loop_config
-from reno_jax.rl import curriculum, recipe, trainer
+from reno_jax.loop import curriculum, recipe
+from reno_jax.rl import trainer
 
 
 def _curriculum_config(**stage):

@@ -450,7 +450,7 @@ def test_tiny_ling3_run_steps():
     from configs import tictactoe_tiny
     from reno_jax.loop import build
     from reno_jax.rl import policy
-    from reno_jax.rl import recipe
+    from reno_jax.loop import recipe
     from reno_jax.envs.tictactoe import boards as boards_lib
     from reno_jax.envs.tictactoe import env as ttt_env
     from reno_jax.rollout import rollout as rollout_lib

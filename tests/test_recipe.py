@@ -1,4 +1,4 @@
-"""reno_jax.rl.recipe: a config's loss, with the mismatch corrections (TIS, IcePop) and their config errors."""
+"""reno_jax.loop.recipe: a config's loss, with the mismatch corrections (TIS, IcePop) and their config errors."""
 
 import functools
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from configs import tictactoe_tiny
-from reno_jax.rl import losses, recipe
+from reno_jax.loop import recipe
+from reno_jax.rl import losses
 
 
 def test_make_loss_fn_mismatch_corrections():

@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from reno_jax import run_config
 from reno_jax.envs import interface, registry
 from reno_jax.envs.sokoban import env as senv
 from reno_jax.envs.sokoban import registration as sreg
@@ -23,7 +24,13 @@ SMALL = dict(num_train_rooms=40, num_heldout_rooms=12)  # rooms.build caches it:
 
 
 def _config(**env):
-    return ml_collections.ConfigDict({"env": {"name": "sokoban", **SMALL, **env}, "sft": {}})
+    config = run_config.default_config_dict()
+    config.env = ml_collections.ConfigDict({"name": "sokoban", **SMALL, **env})
+    return config
+
+
+def _typed(config):
+    return run_config.load(config)
 
 
 @pytest.fixture(scope="module")
@@ -374,16 +381,16 @@ def test_registry_and_settings():
         sreg.make_env(_config(max_steps=5, max_solution_moves=10).env)
     with pytest.raises(ValueError, match="env.num_boxes"):
         sreg.settings(_config(num_boxes=0).env)
-    starts = sreg.make_sampler(_config())(jax.random.PRNGKey(0), 64)
+    starts = sreg.make_sampler(_typed(_config()))(jax.random.PRNGKey(0), 64)
     assert (np.asarray(starts.split) == senv.TRAIN).all()
     assert 0 <= int(starts.room.min()) and int(starts.room.max()) < SMALL["num_train_rooms"]
-    suites = sreg.eval_suites(_config())
+    suites = sreg.eval_suites(_typed(_config()))
     assert suites["heldout"].num_episodes == SMALL["num_heldout_rooms"] and suites["heldout"].default
     assert not suites["train"].default
     config = _config()
     config.sft.explore = 0.3
     with pytest.raises(ValueError, match="soft_targets"):
-        sreg.make_teacher(config, sreg.make_env(config.env))
+        sreg.make_teacher(_typed(config), sreg.make_env(config.env))
 
 
 def _teacher_episodes(env, teacher, starts, key):
@@ -404,14 +411,14 @@ def _teacher_episodes(env, teacher, starts, key):
 def test_teacher_solves_every_room_optimally_and_random_play_rarely(env):
     n = SMALL["num_heldout_rooms"]
     starts = senv.SokobanStart(split=jnp.full((n,), senv.HELDOUT, jnp.int32), room=jnp.arange(n, dtype=jnp.int32))
-    teacher = sreg.make_teacher(_config(), env)
+    teacher = sreg.make_teacher(_typed(_config()), env)
     assert teacher.calls == tuple(("move", {"direction": d}) for d in ("up", "down", "left", "right"))
     info = _teacher_episodes(env, teacher, starts, jax.random.PRNGKey(0))
     assert info["solved"].all()
     np.testing.assert_array_equal(info["steps"], np.asarray(env.heldout.optimal))
     config = _config()
     config.sft.teacher = "random"
-    random_info = _teacher_episodes(env, sreg.make_teacher(config, env), starts, jax.random.PRNGKey(0))
+    random_info = _teacher_episodes(env, sreg.make_teacher(_typed(config), env), starts, jax.random.PRNGKey(0))
     assert random_info["solved"].mean() < 1.0
 
 
@@ -420,7 +427,7 @@ def test_teacher_calls_tokenize_with_their_enum_index():
     from reno_jax.rl import sft
     tok = load_tokenizer(None)
     env = sreg.make_env(_config().env)
-    teacher = sreg.make_teacher(_config(), env)
+    teacher = sreg.make_teacher(_typed(_config()), env)
     schemas = env.chat().tools
     table = sft.build_call_table(tok, teacher.calls, tok.eos_token_id or 0, 0, ["move"], schemas)
     np.testing.assert_array_equal(np.asarray(table.args)[:, 0], [0, 1, 2, 3])
@@ -439,6 +446,7 @@ def test_heldout_suite_on_a_tiny_model():
                            max_solution_moves=2))
     model_config = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=1)
     params = ling3.init_params(model_config, jax.random.PRNGKey(0))
+    config = run_config.load(config)
     suite = sreg.eval_suites(config)["heldout"]
     result = evaluation.run_suite(params, model_config, load_tokenizer(None), config, "heldout", suite,
                                   key=jax.random.PRNGKey(0), show_progress=False)

@@ -13,8 +13,7 @@ import os
 
 from reno_jax import parallel, run_config
 from reno_jax.errors import ConfigError, as_config_error
-from reno_jax.loop import build, evaluation, warmstart
-from reno_jax.rl import curriculum, recipe
+from reno_jax.loop import build, curriculum, evaluation, recipe, warmstart
 
 
 def validate_config(config) -> run_config.RunConfig:

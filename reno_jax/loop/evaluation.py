@@ -23,7 +23,6 @@ from reno_jax.errors import ConfigError
 from reno_jax.loop import build, hosts
 from reno_jax.rollout import rollout as rollout_lib
 
-
 UNBOUNDED_TURNS = 1 << 30  # `TextEnv.max_turns`' default: the environment sets no bound
 
 

@@ -12,8 +12,8 @@ import jax
 from reno_jax import parallel, run_config
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.errors import ConfigError, RunError
-from reno_jax.loop import adapters, build, warmstart
-from reno_jax.rl import recipe, trainer
+from reno_jax.loop import adapters, build, recipe, warmstart
+from reno_jax.rl import trainer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,12 +36,13 @@ import numpy as np
 from reno_jax import parallel, run_config
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.checkpoint.orbax import to_jsonable
 from reno_jax.envs import registry
 from reno_jax.errors import ConfigError
-from reno_jax.checkpoint.orbax import to_jsonable
-from reno_jax.loop import adapters, build, evaluation, hosts, warmstart
+from reno_jax.loop import adapters, build, curriculum, evaluation, hosts, recipe, warmstart
 from reno_jax.loop.config import validate_config
-from reno_jax.rl import curriculum, learner as learner_lib, policy, recipe, trainer
+from reno_jax.rl import learner as learner_lib
+from reno_jax.rl import policy, trainer
 from reno_jax.rollout import rollout as rollout_lib
 from reno_jax.rollout import summary as summary_lib
 

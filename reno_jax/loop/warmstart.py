@@ -34,8 +34,8 @@ from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError, as_config_error
-from reno_jax.loop import build, evaluation, hosts
-from reno_jax.rl import curriculum, policy, sft, trainer
+from reno_jax.loop import build, curriculum, evaluation, hosts
+from reno_jax.rl import policy, sft, trainer
 from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import rollout as rollout_lib
 from reno_jax.rollout import summary as summary_lib

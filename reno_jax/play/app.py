@@ -27,8 +27,8 @@ import logging
 import os
 
 import fastapi
-from fastapi import exceptions, responses, staticfiles
 import pydantic
+from fastapi import exceptions, responses, staticfiles
 
 from reno_jax.play import service as service_lib
 

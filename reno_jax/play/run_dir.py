@@ -13,11 +13,10 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-from reno_jax.loop import adapters, build
-from reno_jax.loop.runs import read_run_config
-from reno_jax.rl import recipe
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.loop import adapters, build, recipe
+from reno_jax.loop.runs import read_run_config
 from reno_jax.rl import trainer
 
 WARM_START_STEP = 0

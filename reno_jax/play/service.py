@@ -21,11 +21,10 @@ import time
 import jax
 import numpy as np
 
-from reno_jax.loop import build
-from reno_jax.rl import curriculum
-from reno_jax.rollout import summary as summary_lib
+from reno_jax.loop import build, curriculum
 from reno_jax.play import policy as policy_lib
 from reno_jax.play import run_dir as run_dir_lib
+from reno_jax.rollout import summary as summary_lib
 
 # Curves the page draws first (those present in metrics.jsonl), before the environment's plotted figures.
 LEADING_CURVES = ("rollout/rewards_mean", "rollout/tool_call_valid_rate")

@@ -91,13 +91,13 @@ def optimal_moves(state: sokoban_env.SokobanState, train_table: jax.Array, heldo
 
 def make_teacher(config, env: sokoban_env.SokobanEnv) -> interface.Teacher:
     """`config.sft.teacher` (default "solver"); call row k is ``move(direction=rules.DIRECTIONS[k])``."""
-    policy = str(config.sft.get("teacher", "solver"))
+    policy = config.sft.teacher or "solver"
     if policy not in TEACHERS:
         raise ConfigError(f"--config.sft.teacher must be one of {list(TEACHERS)}, got {policy!r}")
-    explore = float(config.sft.get("explore", 0.0))
+    explore = config.sft.explore
     if not 0.0 <= explore < 1.0:
         raise ConfigError(f"--config.sft.explore must be in [0, 1), got {explore}")
-    if explore and (policy != "solver" or not config.sft.get("soft_targets", False)):
+    if explore and (policy != "solver" or not config.sft.soft_targets):
         raise ConfigError(f"--config.sft.explore={explore} needs --config.sft.teacher=solver and "
                           "--config.sft.soft_targets=True (the explored move is played, the optimal ones are the "
                           "target)")

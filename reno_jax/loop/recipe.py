@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 
 from reno_jax import run_config
-from reno_jax.rl import curriculum, learner as learner_lib, losses, trainer
+from reno_jax.loop import curriculum
+from reno_jax.rl import learner as learner_lib
+from reno_jax.rl import losses, trainer
 
 
 def make_optimizer(config):
