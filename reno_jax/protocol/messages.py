@@ -14,10 +14,15 @@ import jax
 class Message:
     """A message as data: ``template`` (``int32 []``) picks one of the environment's templates of that role
     (user templates for `reset`, tool templates for `step`), ``values`` (``int32 [S]``, S =
-    ``chat().num_values``) gives every slot's option index."""
+    ``chat().num_values``) gives every slot's option index. A tool message whose templates hold span slots
+    (``chat.SpanSlot``) also gives ``span_ids`` (``int32 [J, W]``, J = the spans the templates read) and
+    ``span_len`` (``int32 [J]``): the token ids each span slot inserts (e.g. a ``ToolCall.text_ids`` row);
+    None otherwise (the pytree of messages without spans is unchanged)."""
 
     template: jax.Array
     values: jax.Array
+    span_ids: jax.Array | None = None
+    span_len: jax.Array | None = None
 
 
 @flax.struct.dataclass
