@@ -209,3 +209,74 @@ def test_mixed_schema_spans(byte_vocab):
     assert run([b'{"name": "pair", "arguments": {"b": "', b"hi", b'x', b'", "a": "', b"!", b'"}}']) == (
         0, 2, [0, 0], ["!", "hix"])
     assert run([b'{"name": "pair", "arguments": {"b": "', b"hi", b'", "a": "', b"!", b"!", b"!", b"!", b'"}}'])[0] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against the text reference: the token rules only ever turn a well-formed call into a bad one
+# ---------------------------------------------------------------------------------------------------------------
+
+# Call bodies of the MIXED schema with holes for free text (T0, T1) and an integer (N); a bytes part that is a
+# merge of the byte vocabulary is one token, any other one token a byte.
+BODIES = [
+    [b'{"name": "echo", "arguments": {"text": "', "T0", b'"}}'],
+    [b'{"arguments": {"text": "', "T0", b'"}, "name": "echo"}'],
+    [b'{"name": "say", "arguments": {"text": "', "T0", b'", "times": ', "N", b"}}"],
+    [b'{"arguments": {"times": ', "N", b', "text": "', "T0", b'"}, "name": "say"}'],
+    [b'{"name": "pair", "arguments": {"a": "', "T0", b'", "b": "', "T1", b'"}}'],
+]
+TEXT_PARTS = [b"hi", b"!", b" ", b"hi there", b"<", b"\xc3\xa9", b"\xc3", b'"hi', b'hi"', b"\\n", b"\t",
+              b"</tool_call>"]
+_PARSE_BATCH = jax.jit(tc.parse_full_batch, static_argnames="max_bytes")
+
+
+def _texts_of(spec, text):
+    """The called tool's free-text values per the JSON of the call (``parse_text`` said ok)."""
+    import json
+    start = text.find(tc.OPEN_TAG) + len(tc.OPEN_TAG)
+    obj = json.loads(text[start : text.find(tc.CLOSE_TAG, start)])
+    tool = next(t for t in spec if t.name == obj["name"])
+    return [obj["arguments"][a.name] for a in tool.args if a.kind == "text"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_token_rules_only_reject_more_than_the_text_reference(byte_vocab, data):
+    pieces, index = byte_vocab
+    tables = tc.compile_tool_calls(MIXED, pieces=pieces)
+    spec = tables.spec
+    rows = []
+    for _ in range(8):
+        parts = [b"<tool_call>"]
+        for p in data.draw(st.sampled_from(BODIES)):
+            if p == "N":
+                parts.append(data.draw(st.sampled_from([b"1", b"3", b"7"])))
+            elif isinstance(p, str):  # mostly plain text, sometimes a token the rules reject
+                plain = st.sampled_from(TEXT_PARTS[:5])
+                parts += data.draw(st.lists(st.one_of(plain, plain, plain, st.sampled_from(TEXT_PARTS)), max_size=8))
+            else:
+                parts.append(p)
+        parts.append(b"</tool_call>")
+        if data.draw(st.booleans()):  # a near miss: one part dropped
+            del parts[data.draw(st.integers(0, len(parts) - 1))]
+        rows.append(_ids(index, *parts))
+    cap = data.draw(st.sampled_from([None, 40, 90]))
+    width = max(1, max(len(r) for r in rows))
+    ids = np.zeros((len(rows), width), np.int32)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = row
+    lengths = np.array([len(r) for r in rows], np.int32)
+    kind, tool, args, text_ids, text_len = jax.device_get(
+        _PARSE_BATCH(tables, jnp.asarray(ids), jnp.asarray(lengths), max_bytes=cap))
+    for r, row in enumerate(rows):
+        data_bytes = b"".join(pieces[i] for i in row)[:cap]
+        text = data_bytes.decode("utf-8", errors="replace")
+        want = tc.parse_text(spec, text)
+        got = (int(kind[r]), int(tool[r]), tuple(int(a) for a in args[r]))
+        if got[0] == tc.KIND_BAD_CALL and want[0] in (tc.KIND_OK, tc.KIND_OUT_OF_RANGE):
+            continue  # a token rule (quote merged with text, over the bound) rejected a well-formed call
+        assert got == want, (text, want, got)
+        if got[0] == tc.KIND_OK:
+            texts = [b"".join(pieces[i] for i in text_ids[r, m, : text_len[r, m]]).decode("utf-8", "replace")
+                     for m in range(len(_texts_of(spec, text)))]
+            assert texts == _texts_of(spec, text)
+            assert not text_len[r, len(texts):].any()
