@@ -584,7 +584,7 @@ def _determinize(nfa: _BodyBuilder, start: int, stores: _Stores, num_symbols: in
     ``num_symbols``: 256 bytes, plus ``BOUNDARY`` with free text) with label ``t + 1`` for "accepted, tool t", 0
     otherwise; state 0 is the start, state 1 the empty set (dead)."""
     n = len(nfa.edges)
-    if num_symbols > BOUNDARY:  # a state without a boundary edge stays put at a token boundary
+    if num_symbols > BOUNDARY:  # a state without a boundary edge stays put at a token boundary (edits the NFA)
         for s in range(n):
             if not any(BOUNDARY in chars for chars, _, _ in nfa.edges[s]):
                 nfa.edge(s, (BOUNDARY,), s)
@@ -801,7 +801,8 @@ class ToolCallTables:
       tool_regs: ``int32 [N, A]`` register of each tool's argument (R = a register that is never written: padding).
       arg_lo, arg_hi: ``int32 [N, A]`` accepted range per argument (enums: every option index; padding: 0..0).
       class_pair_next: ``[S, C * C]`` two-token transitions (class pair ``c1 * C + c2``), halving the chain of
-        dependent lookups; None when ``S * C * C`` exceeds ``_MAX_PAIR_ENTRIES``.
+        dependent lookups; None when ``S * C * C`` exceeds ``_MAX_PAIR_ENTRIES``, and with free text (a pair of
+        tokens could append two ids).
       store_val: ``int32 [codes, R + 1]`` value each store code writes to each register (-1: keeps it); None with
         at most one register (the carry's code IS the register).
       code_value: ``int32 [2 ** reg_bits]`` the one register's value per code (0 for code 0); None otherwise.
