@@ -3,13 +3,15 @@ on adversarial input; the knowledge base is deterministic by seed and consistent
 by exactly their two gold lookups, and the random lookup control is wrong most of the time."""
 
 import math
+import random
+import re
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reno_jax.tools import calculator
+from reno_jax.tools import calculator, knowledge_base
 
 # ------------------------------------------------------------------------------------------------- calculator
 
@@ -124,3 +126,103 @@ def test_adversarial_input_answers_fast(expression):
     response = calculator.evaluate(expression)
     assert time.perf_counter() - start < 0.1, expression[:40]
     assert isinstance(response, str)
+
+
+# --------------------------------------------------------------------------------------------- knowledge base
+
+
+@pytest.fixture(scope="module")
+def kb():
+    return knowledge_base.generate_knowledge_base(seed=3)
+
+
+def test_the_world_is_deterministic_by_seed(kb):
+    again = knowledge_base.generate_knowledge_base(seed=3)
+    assert again.kinds == kb.kinds and again.facts == kb.facts
+    other = knowledge_base.generate_knowledge_base(seed=4)
+    assert other.kinds != kb.kinds
+    questions = knowledge_base.generate_two_hop_questions(kb, 50, seed=1)
+    assert questions == knowledge_base.generate_two_hop_questions(again, 50, seed=1)
+    assert questions != knowledge_base.generate_two_hop_questions(kb, 50, seed=2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_world_is_consistent(seed):
+    sizes = knowledge_base.WorldSizes()
+    kb = knowledge_base.generate_knowledge_base(seed, sizes)
+    normalized = [knowledge_base.normalize(name) for name in kb.kinds]
+    assert len(set(normalized)) == len(normalized)  # names unique, ignoring case and spacing
+    assert all(re.fullmatch(r"[A-Z][a-z]+( [A-Z][a-z]+)*", name) for name in kb.kinds)
+    counts = {kind: len(kb.entities(kind)) for kind in knowledge_base.KINDS}
+    assert counts == {
+        "person": sizes.people,
+        "city": sizes.countries * sizes.cities_per_country,
+        "country": sizes.countries,
+        "organisation": sizes.organisations,
+    }
+    # Exactly one fact per (entity, relation of its kind), its object of the relation's kind.
+    expected = {(name, r) for name, kind in kb.kinds.items() for r in kb.relations_of(kind)}
+    assert set(kb.facts) == expected
+    for (subject, relation), obj in kb.facts.items():
+        assert kb.kinds[obj] == knowledge_base.RELATIONS[relation].object_kind
+    for person in kb.entities("person"):
+        spouse = kb.facts[person, "married_to"]
+        assert spouse != person and kb.facts[spouse, "married_to"] == person
+    for country in kb.entities("country"):
+        assert kb.facts[kb.facts[country, "capital"], "located_in"] == country
+
+
+def test_lookup_answers_every_fact_and_tolerates_case_and_spaces(kb):
+    for (subject, relation), obj in kb.facts.items():
+        response = kb.lookup(f"{subject}: {relation}")
+        assert knowledge_base.parse_fact(response, relation) == (subject, obj)
+    person = kb.entities("person")[0]
+    fact = kb.lookup(f"{person}: born_in")
+    for query in (
+        f"  {person.upper()}:born in ",
+        f"'{person.lower()}' :  Born-In?",
+        f"{person.replace(' ', '  ')}: born_in.",
+    ):
+        assert kb.lookup(query) == fact
+
+
+def test_lookup_says_what_is_wrong(kb):
+    city = kb.entities("city")[0]
+    assert kb.lookup("Nobody Here: born_in") == "no entry for 'Nobody Here'"
+    assert kb.lookup(f"{city}: born_in") == f"no entry for 'born_in' of {city} (a city); its relations: located_in"
+    assert kb.lookup("where was everyone born") == (
+        "error: a query is '<entity>: <relation>', e.g. 'Alda Voren: born_in'"
+    )
+
+
+def test_every_two_hop_question_is_solved_by_exactly_its_two_gold_lookups(kb):
+    questions = knowledge_base.generate_two_hop_questions(kb, 200, seed=0)
+    assert len({q.question for q in questions}) == 200
+    assert {q.relations for q in questions} == {(t.first, t.second) for t in knowledge_base.TWO_HOP_TEMPLATES}
+    for q in questions:
+        solution = knowledge_base.solve_two_hop(q, kb.lookup)
+        assert [query for query, _ in solution.steps] == list(q.gold_queries)
+        assert solution.answer == q.answer != q.subject
+        first, second = (response for _, response in solution.steps)
+        assert q.bridge in first and q.gold_queries[1].startswith(q.bridge)  # the second query names hop one's answer
+        assert q.answer in second and q.answer not in first
+        assert q.subject in q.question and q.answer not in q.question and q.bridge not in q.question
+
+
+def test_the_random_lookup_is_wrong_most_of_the_time(kb):
+    rng = random.Random(0)
+    wrong = 0
+    for (subject, relation), obj in kb.facts.items():
+        response = knowledge_base.random_lookup(kb, f"{subject}: {relation}", rng)
+        parsed = knowledge_base.parse_fact(response, relation)
+        assert parsed is not None and parsed[0] == subject  # the real tool's format
+        assert kb.kinds[parsed[1]] == knowledge_base.RELATIONS[relation].object_kind
+        wrong += parsed[1] != obj
+    assert wrong / len(kb.facts) > 0.8
+    assert knowledge_base.random_lookup(kb, "Nobody Here: born_in", rng) == kb.lookup("Nobody Here: born_in")
+    questions = knowledge_base.generate_two_hop_questions(kb, 200, seed=0)
+    solved = sum(
+        knowledge_base.solve_two_hop(q, lambda query: knowledge_base.random_lookup(kb, query, rng)).answer == q.answer
+        for q in questions
+    )
+    assert solved / len(questions) < 0.3
