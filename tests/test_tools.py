@@ -119,6 +119,8 @@ def test_never_raises(text):
         "-" * 299 + "1",
         "1+" * 10_000 + "1",
         "1" * 10**6,
+        "math.factorial(10 ** 6)",
+        "(10 ** 6)!",
     ],
 )
 def test_adversarial_input_answers_fast(expression):
@@ -226,3 +228,12 @@ def test_the_random_lookup_is_wrong_most_of_the_time(kb):
         for q in questions
     )
     assert solved / len(questions) < 0.3
+
+
+def test_world_sizes_are_checked():
+    with pytest.raises(ValueError, match="even number of people"):
+        knowledge_base.generate_knowledge_base(0, knowledge_base.WorldSizes(people=7))
+    with pytest.raises(ValueError, match="at least 2"):
+        knowledge_base.generate_knowledge_base(0, knowledge_base.WorldSizes(countries=1))
+    small = knowledge_base.generate_knowledge_base(0, knowledge_base.WorldSizes(2, 2, 2, 4))
+    assert len(small.kinds) == 2 + 4 + 2 + 4

@@ -74,6 +74,7 @@ _CODAS = ("", "", "", "n", "r", "l", "s", "m")
 _CITY_ENDINGS = ("", "mar", "holm", "dun", "vik", "esk", "ora")
 _COUNTRY_ENDINGS = ("ia", "and", "esh", "ora", "istan", "ene")
 _MAX_WORD_CHARS = 10  # of the invented first word of a name
+_MAX_NAME_DRAWS = 10_000  # per name: a bound, far above what the default sizes need
 _ORGANISATION_WORDS = ("Guild", "Works", "Foundry", "Institute", "Collective", "Trading Company", "Mills", "Press")
 
 
@@ -104,6 +105,7 @@ class KnowledgeBase:
         return tuple(name for name, k in self.kinds.items() if k == kind)
 
     def relations_of(self, kind: str) -> tuple[str, ...]:
+        """The relations an entity of `kind` has, one fact each."""
         return tuple(r.name for r in RELATIONS.values() if r.subject_kind == kind)
 
     def fact(self, subject: str, relation: str) -> str:
@@ -177,11 +179,12 @@ def _organisation_name(rng: random.Random) -> str:
 
 def _unique_name(rng: random.Random, taken: set[str], draw) -> str:
     """A name from `draw(rng)` not yet in `taken` (compared as `normalize` writes them); adds it."""
-    while True:
+    for _ in range(_MAX_NAME_DRAWS):
         name = draw(rng)
         if 4 <= len(name.split()[0]) <= _MAX_WORD_CHARS and normalize(name) not in taken:
             taken.add(normalize(name))
             return name
+    raise ValueError(f"no new name in {_MAX_NAME_DRAWS} draws after {len(taken)} names: ask for a smaller world")
 
 
 # ---------------------------------------------------------------------------------------------------- queries
