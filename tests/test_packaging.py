@@ -1,5 +1,6 @@
 """Packaging: the core install (setup.py's install_requires) has no web server stack, and the core path (the loop,
-the losses, the train / evaluate CLIs) imports without it; the play page says in one line how to get it. Also:
+the losses, the train / evaluate CLIs) imports without it; the play page says in one line how to get it. Neither
+is a task library (reasoning-gym, the `tasks` extra) needed to import the package, its tools or tasks. Also:
 every test named in tests/conftest.py's SLOW table exists (a renamed test would silently join the fast tier), and
 the scripts in benchmarks/ and studies/ import the installed package, not each other, each with its row in
 docs/benchmarks.md."""
@@ -129,3 +130,19 @@ def test_every_script_has_a_row_in_docs_benchmarks():
         text = f.read()
     for path in _scripts():
         assert path in text, f"{path} is cited nowhere in docs/benchmarks.md"
+
+
+TASK_LIBRARIES = ("reasoning_gym",)
+
+
+def test_the_task_libraries_are_an_optional_extra_and_the_package_imports_without_them(monkeypatch):
+    kwargs = _setup_kwargs(monkeypatch)
+    core = {_name(r) for r in kwargs["install_requires"]}
+    tasks = {_name(r) for r in kwargs["extras_require"]["tasks"]}
+    assert "reasoning-gym" in tasks and not core & tasks
+    # Importing the package, its tools and the task adapters loads no task library (they import it when used).
+    out = _python("import reno_jax, reno_jax.tools, reno_jax.tools.calculator, reno_jax.tools.knowledge_base\n"
+                  "import reno_jax.tasks, reno_jax.tasks.reasoning_gym\n"
+                  f"print(sorted(m for m in sys.modules if m.split('.')[0] in {TASK_LIBRARIES!r}))\n")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

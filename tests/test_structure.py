@@ -1,8 +1,8 @@
 """The package's import structure, read from the source with `ast` (nothing is imported, no JAX needed).
 
     layers (low to high; a module may import its own layer and lower ones):
-        sharding < models < parallel < protocol (with assets) < envs < rollout < rl < checkpoint < the rest
-        (pipeline, play, the package root)
+        errors < tools and tasks < sharding < models < parallel < protocol (with assets) < envs < rollout < rl
+        < checkpoint < the rest (pipeline, play, the package root)
 
 Rules: no import cycles between reno_jax modules; no import inside a function except of an optional dependency;
 no import of a higher layer; no game (`reno_jax.envs.<game>`) named outside reno_jax/envs/, neither imported nor
@@ -21,6 +21,7 @@ PACKAGE = "reno_jax"
 
 LAYERS = (  # low to high; a reno_jax module not under any of these is in the top layer
     ("errors",),  # ConfigError, RunError: what every layer may raise
+    ("tools", "tasks"),  # host-side tools and task sources: plain Python that environments use
     ("sharding",),
     ("models",),
     ("parallel",),
@@ -34,8 +35,8 @@ TOP_LAYER = len(LAYERS)
 
 # Third-party modules a function may import where it needs them, so that the package imports without them.
 OPTIONAL_DEPENDENCIES = frozenset({
-    "fastapi", "matplotlib", "selenium", "starlette", "tensorboardX", "tokenizers", "torch", "transformers",
-    "uvicorn",
+    "fastapi", "matplotlib", "reasoning_gym", "selenium", "starlette", "tensorboardX", "tokenizers", "torch",
+    "transformers", "uvicorn",
 })
 
 GAMES = ("tictactoe", "connect4", "guess_number", "sokoban")
