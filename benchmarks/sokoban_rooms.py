@@ -13,20 +13,16 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import sokoban_tiny  # noqa: E402
-from reno_jax.envs import interface  # noqa: E402
-from reno_jax.envs.sokoban import env as sokoban_env  # noqa: E402
-from reno_jax.envs.sokoban import registration  # noqa: E402
+from configs import sokoban_tiny
+from reno_jax.envs import interface
+from reno_jax.envs.sokoban import env as sokoban_env
+from reno_jax.envs.sokoban import registration
 
 
 def play(env, teacher, num_rooms: int, passes: int, seed: int) -> dict:

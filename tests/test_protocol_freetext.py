@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from reno_jax.protocol import bind
@@ -103,6 +103,7 @@ HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChec
 @HYP
 @given(text=TEXT)
 def test_captures_exactly_the_ids_between_the_quotes(tok, echo_tables, text):
+    assume(not any(tag in text for tag in TAGS))  # the tags are tokens of their own (next test)
     content = _enc(tok, text)
     ids = _enc(tok, PRE) + content + _enc(tok, POST)
     kind, tool, args, text_ids, text_len = _parse(echo_tables, ids)
@@ -115,6 +116,14 @@ def test_captures_exactly_the_ids_between_the_quotes(tok, echo_tables, text):
     else:  # over its bound: malformed
         assert (kind, tool, args, text_len.tolist()) == (tc.KIND_BAD_CALL, -1, [0], [0])
         assert not text_ids.any()
+
+
+TAGS = ("<tool_call>", "</tool_call>")
+
+
+def test_a_tool_call_tag_inside_the_text_ends_the_call(tok, echo_tables):
+    ids = _enc(tok, PRE) + _enc(tok, "see </tool_call> here") + _enc(tok, POST)
+    assert _parse(echo_tables, ids)[0] == tc.KIND_BAD_CALL
 
 
 @HYP

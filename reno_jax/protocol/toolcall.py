@@ -925,49 +925,13 @@ def compile_tool_calls(tools, tokenizer=None, vocab_size: int | None = None, *,
     byte_next[:, :256] = (g.next[:, :256].astype(np.int64) << bits) | g.code[:, :256]
     byte_next[:, 256] = np.arange(s_count) << bits
 
-    a_max = max_args(spec)
-    offsets = np.cumsum([0] + [len(t.args) for t in spec])
-    tool_regs = np.full((len(spec), a_max), n_regs, np.int32)
-    lo = np.zeros((len(spec), a_max), np.int32)
-    hi = np.zeros((len(spec), a_max), np.int32)
-    for t, tool in enumerate(spec):
-        for i, a in enumerate(tool.args):
-            tool_regs[t, i] = offsets[t] + i
-            if a.kind != "text":  # a text argument's register is never written: 0..0
-                lo[t, i], hi[t, i] = (a.lo, a.hi) if a.kind == "integer" else (0, len(a.options) - 1)
-    store_val = code_value = result = None
-    code_appends = tool_text_regs = text_bound = None
+    tool_regs, lo, hi = _argument_tables(spec, n_regs)
     if n_regs > 1 or n_spans:
-        sv = np.full((n_codes, n_regs + 1), -1, np.int32)
-        appends = np.zeros((1 << bits, n_spans), bool)
-        for k, sets in enumerate(stores.sets):
-            for r, val in sets:
-                if r < n_regs:
-                    sv[k, r] = val
-                else:
-                    appends[k, r - n_regs] = True
-        store_val = jnp.asarray(sv)
-        if n_spans:
-            m = max_text_args(spec)
-            regs_np = np.full((len(spec), m), n_spans, np.int32)
-            bound = np.zeros((len(spec), m), np.int32)
-            for t, tool in enumerate(spec):
-                texts = [a for a in tool.args if a.kind == "text"]
-                regs_np[t, : len(texts)] = text_regs[t]
-                bound[t, : len(texts)] = [a.max_tokens for a in texts]
-            code_appends, tool_text_regs, text_bound = (jnp.asarray(x) for x in (appends, regs_np, bound))
+        store_val, code_appends, tool_text_regs, text_bound = _register_tables(spec, stores, n_regs, text_regs, bits)
+        code_value = result = None
     else:
-        cv = np.zeros(1 << bits, np.int32)
-        for k, sets in enumerate(stores.sets):
-            if sets:
-                cv[k] = sets[0][1]
-        code_value = jnp.asarray(cv)
-        if s_count << bits <= _MAX_RESULT_ENTRIES:
-            carry = np.arange(s_count << bits)
-            regs = np.stack([cv[carry & ((1 << bits) - 1)], np.zeros_like(carry)], axis=1)  # [.., R + 1]
-            kind, tool, args = _decide(np, g.label[carry >> bits], regs, tool_regs, lo, hi)
-            arg0 = args[:, 0] if a_max else 0
-            result = jnp.asarray((kind | (tool + 1) << 2 | arg0 << 16).astype(np.int32))
+        code_value, result = _single_register_tables(g, stores, bits, tool_regs, lo, hi, max_args(spec))
+        store_val = code_appends = tool_text_regs = text_bound = None
     return ToolCallTables(
         token_class=jnp.asarray(token_class),
         class_next=jnp.asarray(pack(cls_state, cls_code)),
@@ -991,6 +955,62 @@ def compile_tool_calls(tools, tokenizer=None, vocab_size: int | None = None, *,
         raw_states=g.raw_states,
         text_tokens=max_text_tokens(spec),
     )
+
+
+def _argument_tables(spec, n_regs: int):
+    """Per tool and argument: its value register (``n_regs`` where the tool has fewer arguments) and its range."""
+    a_max = max_args(spec)
+    offsets = np.cumsum([0] + [len(t.args) for t in spec])
+    tool_regs = np.full((len(spec), a_max), n_regs, np.int32)
+    lo = np.zeros((len(spec), a_max), np.int32)
+    hi = np.zeros((len(spec), a_max), np.int32)
+    for t, tool in enumerate(spec):
+        for i, a in enumerate(tool.args):
+            tool_regs[t, i] = offsets[t] + i
+            if a.kind != "text":  # a text argument's register is never written: 0..0
+                lo[t, i], hi[t, i] = (a.lo, a.hi) if a.kind == "integer" else (0, len(a.options) - 1)
+    return tool_regs, lo, hi
+
+
+def _register_tables(spec, stores, n_regs: int, text_regs, bits: int):
+    """Several registers or text spans: what each store code writes (``store_val``), which spans it appends to, and
+    per tool its text arguments' span registers and token bounds (None without text arguments)."""
+    n_spans = sum(len(r) for r in text_regs)
+    sv = np.full((len(stores.sets), n_regs + 1), -1, np.int32)
+    appends = np.zeros((1 << bits, n_spans), bool)
+    for k, sets in enumerate(stores.sets):
+        for r, val in sets:
+            if r < n_regs:
+                sv[k, r] = val
+            else:
+                appends[k, r - n_regs] = True
+    if not n_spans:
+        return jnp.asarray(sv), None, None, None
+    m = max_text_args(spec)
+    regs_np = np.full((len(spec), m), n_spans, np.int32)
+    bound = np.zeros((len(spec), m), np.int32)
+    for t, tool in enumerate(spec):
+        texts = [a for a in tool.args if a.kind == "text"]
+        regs_np[t, : len(texts)] = text_regs[t]
+        bound[t, : len(texts)] = [a.max_tokens for a in texts]
+    return (jnp.asarray(sv), *(jnp.asarray(x) for x in (appends, regs_np, bound)))
+
+
+def _single_register_tables(g, stores, bits: int, tool_regs, lo, hi, a_max: int):
+    """One register: the value each store code writes, and (when small enough) the verdict of every final carry."""
+    s_count = g.num_states
+    cv = np.zeros(1 << bits, np.int32)
+    for k, sets in enumerate(stores.sets):
+        if sets:
+            cv[k] = sets[0][1]
+    result = None
+    if s_count << bits <= _MAX_RESULT_ENTRIES:
+        carry = np.arange(s_count << bits)
+        regs = np.stack([cv[carry & ((1 << bits) - 1)], np.zeros_like(carry)], axis=1)  # [.., R + 1]
+        kind, tool, args = _decide(np, g.label[carry >> bits], regs, tool_regs, lo, hi)
+        arg0 = args[:, 0] if a_max else 0
+        result = jnp.asarray((kind | (tool + 1) << 2 | arg0 << 16).astype(np.int32))
+    return jnp.asarray(cv), result
 
 
 def _decide(xp, label, regs, tool_regs, lo, hi):
