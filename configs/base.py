@@ -12,4 +12,4 @@ from reno_jax import run_config
 
 
 def get_config() -> ml_collections.ConfigDict:
-  return run_config.default_config_dict()
+    return run_config.default_config_dict()

@@ -65,6 +65,7 @@ _NUM_GE0 = (_at_least(0), "a number >= 0")
 class TinyArchitecture:
     """The embedded tiny Ling-3.0 (bailing_hybrid) architecture: every layer kind (KDA, gated MLA, dense SwiGLU MLP,
     MoE with a shared expert); `Ling3Config` fields (the vocabulary is the tokenizer's)."""
+
     hidden_size: int = _field(64, "model width")
     intermediate_size: int = _field(128, "dense SwiGLU MLP width")
     num_hidden_layers: int = _field(2, "layers: groups of KDA layers then one MLA layer (a short tail is MLA)")
@@ -91,29 +92,51 @@ class ModelSettings:
     path: str = _field("", "a local HF directory to start from ('': draw the tiny model below)")
     dtype: str = _field("float32", "parameter dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}")
     tokenizer_path: str = _field("", "tokenizer directory ('': model.path's, else the one shipped in reno_jax/assets)")
-    quantize: str = _field("", "'int8': the frozen base of a LoRA run in int8 weight-only (reno_jax/models/quant.py)",
-                           lambda v: v in QUANTIZE, f"one of {list(QUANTIZE)} ('': a float base)")
+    quantize: str = _field(
+        "",
+        "'int8': the frozen base of a LoRA run in int8 weight-only (reno_jax/models/quant.py)",
+        lambda v: v in QUANTIZE,
+        f"one of {list(QUANTIZE)} ('': a float base)",
+    )
     tiny: TinyArchitecture = _field(TinyArchitecture(), "the embedded tiny architecture (without model.path)")
 
 
 @dataclasses.dataclass(frozen=True)
 class SftSettings:
     """The supervised warm start on the environment's scripted teacher (`reno_jax.loop.warmstart`)."""
+
     num_steps: int = _field(0, "warm-start steps (0: none)", _at_least(0), "an integer >= 0 (0: no warm start)")
     batch_size: int = _field(64, "transcripts per step", *_INT_GE1)
-    learning_rate: float = _field(3e-3, "peak learning rate (warmup, then cosine to a tenth)", lambda v: v > 0,
-                                  "a number > 0")
+    learning_rate: float = _field(
+        3e-3, "peak learning rate (warmup, then cosine to a tenth)", lambda v: v > 0, "a number > 0"
+    )
     warmup_steps: int = _field(10, "linear warmup steps", _at_least(0), "an integer >= 0")
-    length_pool: int = _field(1, "> 1: draw that many batches at once and train them as batches of similar lengths",
-                              _at_least(1), "an integer >= 1 (1: every batch drawn alone)")
+    length_pool: int = _field(
+        1,
+        "> 1: draw that many batches at once and train them as batches of similar lengths",
+        _at_least(1),
+        "an integer >= 1 (1: every batch drawn alone)",
+    )
     soft_targets: bool = _field(False, "learn from the teacher's whole choice (uniform over its support)")
-    eval_every: int = _field(0, "> 0: the run's evaluation suites every that many warm-start steps", _at_least(0),
-                             "an integer >= 0 (0: never)")
-    max_length: int = _field(0, "transcript length (0: the prompt and every turn's longest call)", _at_least(0),
-                             "an integer >= 0 (0: what the teacher's calls need)")
+    eval_every: int = _field(
+        0,
+        "> 0: the run's evaluation suites every that many warm-start steps",
+        _at_least(0),
+        "an integer >= 0 (0: never)",
+    )
+    max_length: int = _field(
+        0,
+        "transcript length (0: the prompt and every turn's longest call)",
+        _at_least(0),
+        "an integer >= 0 (0: what the teacher's calls need)",
+    )
     teacher: str = _field("", "the environment's teacher to imitate ('': its default; the names are the environment's)")
-    explore: float = _field(0.0, "teacher option: share of the teacher's moves played at random (environments that offer it)")
-    forced_weight: float = _field(1.0, "teacher option: loss weight of the forced decisions (environments that mark them)")
+    explore: float = _field(
+        0.0, "teacher option: share of the teacher's moves played at random (environments that offer it)"
+    )
+    forced_weight: float = _field(
+        1.0, "teacher option: loss weight of the forced decisions (environments that mark them)"
+    )
     env: ml_collections.ConfigDict = _field(ml_collections.ConfigDict(), "fields replacing `env`'s in the warm start")
 
 
@@ -123,58 +146,97 @@ class RolloutSettings:
     group_size: int = _field(8, "samples per start (a GSPO group)", *_INT_GE1)
     max_new_tokens: int = _field(_ROLLOUT.max_new_tokens, "policy tokens per turn", *_INT_GE1)
     max_turns: int = _field(_ROLLOUT.max_turns, "agent turns per episode", *_INT_GE1)
-    max_length: int = _field(_ROLLOUT.max_length, "conversation length (0: what every episode needs)", _at_least(0),
-                             "an integer >= 0 (0: the length every episode needs)")
+    max_length: int = _field(
+        _ROLLOUT.max_length,
+        "conversation length (0: what every episode needs)",
+        _at_least(0),
+        "an integer >= 0 (0: the length every episode needs)",
+    )
     temperature: float = _field(_ROLLOUT.temperature, "sampling temperature", lambda v: v > 0, "a number > 0")
-    top_k: int = _field(_ROLLOUT.top_k, "sample among the k most likely tokens", _at_least(0),
-                        "an integer >= 0 (0: off)")
+    top_k: int = _field(
+        _ROLLOUT.top_k, "sample among the k most likely tokens", _at_least(0), "an integer >= 0 (0: off)"
+    )
     top_p: float = _field(_ROLLOUT.top_p, "nucleus sampling mass", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
-    prefill_chunk: int = _field(_ROLLOUT.prefill_chunk, "tokens per model call when feeding prompts and responses",
-                                *_INT_GE1)
+    prefill_chunk: int = _field(
+        _ROLLOUT.prefill_chunk, "tokens per model call when feeding prompts and responses", *_INT_GE1
+    )
     stop_at_tool_call: bool = _field(_ROLLOUT.stop_at_tool_call, "end a turn as soon as '</tool_call>' is complete")
-    cache_dtype: str = _field(_ROLLOUT.cache_dtype, "MLA/conv cache dtype (bfloat16: behaviour log-probs drift)",
-                              lambda v: v in CACHE_DTYPES, "'float32' or 'bfloat16'")
-    parse_max_bytes: int = _field(0, "bytes of a turn the tool-call parser scans", _at_least(0),
-                                  "an integer >= 0 (0: no cap)")
+    cache_dtype: str = _field(
+        _ROLLOUT.cache_dtype,
+        "MLA/conv cache dtype (bfloat16: behaviour log-probs drift)",
+        lambda v: v in CACHE_DTYPES,
+        "'float32' or 'bfloat16'",
+    )
+    parse_max_bytes: int = _field(
+        0, "bytes of a turn the tool-call parser scans", _at_least(0), "an integer >= 0 (0: no cap)"
+    )
     share_prompt_prefill: bool = _field(_ROLLOUT.share_prompt_prefill, "prefill each group's prompt once")
 
-    def rollout_config(self, *, greedy: bool = False, group_size: int | None = None,
-                       record_routing: bool = False) -> rollout_lib.RolloutConfig:
+    def rollout_config(
+        self, *, greedy: bool = False, group_size: int | None = None, record_routing: bool = False
+    ) -> rollout_lib.RolloutConfig:
         """The static `RolloutConfig`; `greedy` and `group_size` override the section (evaluation decodes greedily,
         one episode per start)."""
         return rollout_lib.RolloutConfig(
-            max_new_tokens=self.max_new_tokens, max_turns=self.max_turns, max_length=self.max_length,
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, greedy=bool(greedy),
-            group_size=int(group_size or self.group_size), prefill_chunk=self.prefill_chunk,
-            stop_at_tool_call=self.stop_at_tool_call, cache_dtype=self.cache_dtype,
-            parse_max_bytes=self.parse_max_bytes or None, share_prompt_prefill=self.share_prompt_prefill,
-            record_routing=bool(record_routing))
+            max_new_tokens=self.max_new_tokens,
+            max_turns=self.max_turns,
+            max_length=self.max_length,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            greedy=bool(greedy),
+            group_size=int(group_size or self.group_size),
+            prefill_chunk=self.prefill_chunk,
+            stop_at_tool_call=self.stop_at_tool_call,
+            cache_dtype=self.cache_dtype,
+            parse_max_bytes=self.parse_max_bytes or None,
+            share_prompt_prefill=self.share_prompt_prefill,
+            record_routing=bool(record_routing),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class RlSettings:
-    loss: str = _field("gspo", "policy loss (reno_jax.rl.losses)", lambda v: v in losses.LOSSES,
-                       f"one of {sorted(losses.LOSSES)}")
+    loss: str = _field(
+        "gspo", "policy loss (reno_jax.rl.losses)", lambda v: v in losses.LOSSES, f"one of {sorted(losses.LOSSES)}"
+    )
     eps_low: float = _field(3e-4, "clip range below 1 (clipped losses)", *_NUM_GE0)
     eps_high: float = _field(4e-4, "clip range above 1 (clipped losses)", *_NUM_GE0)
     normalize_adv_std: bool = _field(_LEARNER.normalize_adv_std, "divide group-centred rewards by the group's std")
-    turn_advantage_coef: float = _field(_LEARNER.turn_advantage_coef, "multi-turn credit: weight of each turn's own "
-                                        "advantage (needs a token-level loss; 0: off)", _at_least(0.0),
-                                        ">= 0 (0: off)")
-    turn_discount: float = _field(_LEARNER.turn_discount, "discount of later turns' rewards in a turn's advantage",
-                                  lambda v: 0.0 < v <= 1.0, "in (0, 1]")
-    turn_scope: str = _field(_LEARNER.turn_scope, "turns compared within the 'group' or the whole 'batch'",
-                             lambda v: v in learner_lib.TURN_SCOPES, "'group' or 'batch'")
+    turn_advantage_coef: float = _field(
+        _LEARNER.turn_advantage_coef,
+        "multi-turn credit: weight of each turn's own advantage (needs a token-level loss; 0: off)",
+        _at_least(0.0),
+        ">= 0 (0: off)",
+    )
+    turn_discount: float = _field(
+        _LEARNER.turn_discount,
+        "discount of later turns' rewards in a turn's advantage",
+        lambda v: 0.0 < v <= 1.0,
+        "in (0, 1]",
+    )
+    turn_scope: str = _field(
+        _LEARNER.turn_scope,
+        "turns compared within the 'group' or the whole 'batch'",
+        lambda v: v in learner_lib.TURN_SCOPES,
+        "'group' or 'batch'",
+    )
     kl_coef: float = _field(0.0, "KL penalty to the behaviour policy", *_NUM_GE0)
     entropy_coef: float = _field(0.0, "entropy bonus on every response token", *_NUM_GE0)
     forking_entropy_coef: float = _field(0.0, "entropy bonus on each response's highest-entropy token(s)", *_NUM_GE0)
     forking_kl_coef: float = _field(0.0, "instead: k3 KL to the warm start on the forking token(s)", *_NUM_GE0)
     forking_top_k: int = _field(1, "forking tokens per response (or turn)", *_INT_GE1)
     forking_per_turn: bool = _field(False, "multi-turn: the forking tokens of every turn, not of every response")
-    entropy_top_k: int = _field(0, "entropies over the k most likely tokens only (renormalised)", _at_least(0),
-                                "an integer >= 0 (0: the full vocabulary)")
-    forking_entropy_hold: float = _field(_LEARNER.forking_entropy_hold, "full forking bonus / KL until this "
-                                         "fraction of the run, then linearly to 0 at forking_entropy_end")
+    entropy_top_k: int = _field(
+        0,
+        "entropies over the k most likely tokens only (renormalised)",
+        _at_least(0),
+        "an integer >= 0 (0: the full vocabulary)",
+    )
+    forking_entropy_hold: float = _field(
+        _LEARNER.forking_entropy_hold,
+        "full forking bonus / KL until this fraction of the run, then linearly to 0 at forking_entropy_end",
+    )
     forking_entropy_end: float = _field(_LEARNER.forking_entropy_end, "run fraction where the forking terms reach 0")
     tis_cap: float = _field(0.0, "truncated importance sampling cap on pi_train / pi_rollout (0: off, else >= 1)")
     icepop_low: float = _field(0.0, "IcePop: drop tokens with pi_train / pi_rollout below this (0: no lower bound)")
@@ -186,25 +248,43 @@ class RlSettings:
     b1: float = _field(0.9, "Adam beta1")
     b2: float = _field(0.999, "Adam beta2")
     clip_norm: float = _field(1.0, "global gradient-norm clip", _at_least(0), "a number >= 0 (0: no clipping)")
-    max_logp_shift: float = _field(_LEARNER.max_logp_shift, "update guard: an update moving the probe groups' "
-                                   "log-probs by more than this (mean |delta| per token) is halved", _at_least(0.0),
-                                   ">= 0 (0: off)")
+    max_logp_shift: float = _field(
+        _LEARNER.max_logp_shift,
+        "update guard: an update moving the probe groups' "
+        "log-probs by more than this (mean |delta| per token) is halved",
+        _at_least(0.0),
+        ">= 0 (0: off)",
+    )
     shift_probe_groups: int = _field(_LEARNER.shift_probe_groups, "groups the update guard scores again")
     num_minibatches: int = _field(_LEARNER.num_minibatches, "optimiser steps per rollout batch", *_INT_GE1)
-    num_microbatches: int = _field(_LEARNER.num_microbatches, "gradient accumulation splits per minibatch",
-                                   *_INT_GE1)
+    num_microbatches: int = _field(_LEARNER.num_microbatches, "gradient accumulation splits per minibatch", *_INT_GE1)
     remat: bool = _field(False, "recompute layers in the backward pass (memory for speed)")
-    logits_chunk: int = _field(0, "> 0: the train step makes the logits this many positions at a time",
-                               _at_least(0), "an integer >= 0 (0: all positions at once)")
+    logits_chunk: int = _field(
+        0,
+        "> 0: the train step makes the logits this many positions at a time",
+        _at_least(0),
+        "an integer >= 0 (0: all positions at once)",
+    )
     share_prompt_prefix: bool = _field(True, "encode each group's prompt once in the train step (exact)")
     share_common_prefix: bool = _field(True, "... and the part every prompt shares once per batch")
-    train_groups: int = _field(_LEARNER.train_groups, "train on the N groups with the largest reward spread",
-                               _at_least(0), "an integer >= 0 (0: every group)")
-    length_bucket: int = _field(_LEARNER.length_bucket, "> 0: train steps see the batch up to its last real token, "
-                                "rounded up to a multiple of this", _at_least(0),
-                                "an integer >= 0 (0: train at the full length)")
-    optimizer_state_dtype: str = _field("float32", "Adam moments' dtype", lambda v: v in OPTIMIZER_STATE_DTYPES,
-                                        f"one of {list(OPTIMIZER_STATE_DTYPES)}")
+    train_groups: int = _field(
+        _LEARNER.train_groups,
+        "train on the N groups with the largest reward spread",
+        _at_least(0),
+        "an integer >= 0 (0: every group)",
+    )
+    length_bucket: int = _field(
+        _LEARNER.length_bucket,
+        "> 0: train steps see the batch up to its last real token, rounded up to a multiple of this",
+        _at_least(0),
+        "an integer >= 0 (0: train at the full length)",
+    )
+    optimizer_state_dtype: str = _field(
+        "float32",
+        "Adam moments' dtype",
+        lambda v: v in OPTIMIZER_STATE_DTYPES,
+        f"one of {list(OPTIMIZER_STATE_DTYPES)}",
+    )
     routing_replay: bool = _field(False, "R3: the train forward replays the rollout's MoE expert choices")
     routing_metrics: bool = _field(False, "record the rollout's routing for train/routing_agreement")
 
@@ -212,32 +292,46 @@ class RlSettings:
 @dataclasses.dataclass(frozen=True)
 class LoraSettings:
     """rank 0: full fine-tuning; rank > 0: RL trains low-rank adapters over a frozen base (reno_jax/models/lora.py)."""
-    rank: int = _field(_LORA.rank, "adapter rank (0: full fine-tuning)", _at_least(0),
-                       "an integer >= 0 (0: full fine-tuning)")
-    alpha: float = _field(_LORA.alpha, "the adapted weight is W + (alpha / rank) A @ B", lambda v: v > 0,
-                          "a number > 0")
-    targets: tuple = _field(_LORA.targets, "weight kinds adapted",
-                            lambda v: len(v) >= 1 and all(t in lora_lib.ALL_TARGETS for t in v),
-                            f"a non-empty tuple of {list(lora_lib.ALL_TARGETS)}")
-    expert_adapters: str = _field(_LORA.expert_adapters, "routed experts: 'per_expert' (own A, B) or 'shared'",
-                                  lambda v: v in lora_lib.EXPERT_ADAPTERS, f"one of {list(lora_lib.EXPERT_ADAPTERS)}")
+
+    rank: int = _field(
+        _LORA.rank, "adapter rank (0: full fine-tuning)", _at_least(0), "an integer >= 0 (0: full fine-tuning)"
+    )
+    alpha: float = _field(
+        _LORA.alpha, "the adapted weight is W + (alpha / rank) A @ B", lambda v: v > 0, "a number > 0"
+    )
+    targets: tuple = _field(
+        _LORA.targets,
+        "weight kinds adapted",
+        lambda v: len(v) >= 1 and all(t in lora_lib.ALL_TARGETS for t in v),
+        f"a non-empty tuple of {list(lora_lib.ALL_TARGETS)}",
+    )
+    expert_adapters: str = _field(
+        _LORA.expert_adapters,
+        "routed experts: 'per_expert' (own A, B) or 'shared'",
+        lambda v: v in lora_lib.EXPERT_ADAPTERS,
+        f"one of {list(lora_lib.EXPERT_ADAPTERS)}",
+    )
 
     def lora_config(self) -> lora_lib.LoraConfig:
         """The run's `LoraConfig` (the plain default, no adapters, at rank 0)."""
         if not self.rank:
             return lora_lib.LoraConfig()
-        return lora_lib.LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.targets,
-                                   expert_adapters=self.expert_adapters)
+        return lora_lib.LoraConfig(
+            rank=self.rank, alpha=self.alpha, targets=self.targets, expert_adapters=self.expert_adapters
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole run: the sections above, the environment's own `env` section and the bookkeeping."""
+
     seed: int = _field(0, "the run's randomness (model draw, warm start, RL)")
     num_steps: int = _field(100, "GSPO steps (of the main stage)", *_INT_GE1)
     model: ModelSettings = _field(ModelSettings(), "the policy model")
-    env: ml_collections.ConfigDict = _field(ml_collections.ConfigDict(dict(name="", module="")), "the environment's "
-                                            "own: env.name, env.module (imported first) and its factories' fields")
+    env: ml_collections.ConfigDict = _field(
+        ml_collections.ConfigDict(dict(name="", module="")),
+        "the environment's own: env.name, env.module (imported first) and its factories' fields",
+    )
     sft: SftSettings = _field(SftSettings(), "the supervised warm start")
     rollout: RolloutSettings = _field(RolloutSettings(), "the rollout")
     rl: RlSettings = _field(RlSettings(), "the RL recipe: loss, regularisers, optimiser, learner")
@@ -245,8 +339,9 @@ class RunConfig:
     mesh: MeshConfig = _field(MeshConfig(), "device mesh sizes and sharding preset (all 1: one device)")
     checkpoint_every: int = _field(50, "GSPO steps between checkpoints", *_INT_GE1)
     keep_checkpoints: int = _field(0, "checkpoints kept", _at_least(0), "an integer >= 0 (0: keep every checkpoint)")
-    plot_every: int = _field(25, "steps between redraws of learning_curves.png", _at_least(0),
-                             "an integer >= 0 (0: never)")
+    plot_every: int = _field(
+        25, "steps between redraws of learning_curves.png", _at_least(0), "an integer >= 0 (0: never)"
+    )
     eval_every: int = _field(0, "steps between in-run evaluations", _at_least(0), "an integer >= 0 (0: never)")
     eval_suites: str = _field("", "in-run evaluations' suites, 'a,b' ('': the environment's defaults)")
     curriculum: dict = _field({}, "stages run before the main one: name -> num_steps and the fields they change")
@@ -264,22 +359,32 @@ class RunConfig:
         return self.rl.routing_replay or self.rl.routing_metrics
 
     def rollout_config(self, *, greedy: bool = False, group_size: int | None = None) -> rollout_lib.RolloutConfig:
-        return self.rollout.rollout_config(greedy=greedy, group_size=group_size,
-                                           record_routing=self.records_routing())
+        return self.rollout.rollout_config(greedy=greedy, group_size=group_size, record_routing=self.records_routing())
 
     def learner_config(self, step_offset: int = 0) -> learner_lib.LearnerConfig:
         """The `LearnerConfig` (the forking schedule is fed to the loss whenever a forking term is on).
         `step_offset`: the steps of the curriculum stages before this one."""
         r = self.rl
         return learner_lib.LearnerConfig(
-            group_size=self.rollout.group_size, train_groups=r.train_groups, normalize_adv_std=r.normalize_adv_std,
-            forking_schedule=bool(r.forking_entropy_coef or r.forking_kl_coef), num_steps=self.num_steps,
-            forking_entropy_hold=r.forking_entropy_hold, forking_entropy_end=r.forking_entropy_end,
-            share_prompt_prefix=r.share_prompt_prefix, share_common_prefix=r.share_common_prefix,
-            num_minibatches=r.num_minibatches, num_microbatches=r.num_microbatches, max_logp_shift=r.max_logp_shift,
-            shift_probe_groups=r.shift_probe_groups, step_offset=int(step_offset),
-            turn_advantage_coef=r.turn_advantage_coef, turn_discount=r.turn_discount, turn_scope=r.turn_scope,
-            length_bucket=r.length_bucket)
+            group_size=self.rollout.group_size,
+            train_groups=r.train_groups,
+            normalize_adv_std=r.normalize_adv_std,
+            forking_schedule=bool(r.forking_entropy_coef or r.forking_kl_coef),
+            num_steps=self.num_steps,
+            forking_entropy_hold=r.forking_entropy_hold,
+            forking_entropy_end=r.forking_entropy_end,
+            share_prompt_prefix=r.share_prompt_prefix,
+            share_common_prefix=r.share_common_prefix,
+            num_minibatches=r.num_minibatches,
+            num_microbatches=r.num_microbatches,
+            max_logp_shift=r.max_logp_shift,
+            shift_probe_groups=r.shift_probe_groups,
+            step_offset=int(step_offset),
+            turn_advantage_coef=r.turn_advantage_coef,
+            turn_discount=r.turn_discount,
+            turn_scope=r.turn_scope,
+            length_bucket=r.length_bucket,
+        )
 
 
 def default_config_dict() -> ml_collections.ConfigDict:
@@ -301,6 +406,7 @@ def as_plain(value):
 
 
 # --- loading -------------------------------------------------------------------------------------------------------
+
 
 def load(config) -> RunConfig:
     """The typed, checked `RunConfig` of a ConfigDict or dict (a `RunConfig` is returned as it is).
@@ -325,8 +431,7 @@ def _build(cls, values: Mapping, prefix: str):
     unknown = sorted(set(values) - set(known))
     if unknown:
         where = f"the {prefix[:-1]} section" if prefix else "the config"
-        raise ConfigError(f"--config.{prefix}{unknown[0]}: {where} has no such field (it has: "
-                          f"{', '.join(known)})")
+        raise ConfigError(f"--config.{prefix}{unknown[0]}: {where} has no such field (it has: {', '.join(known)})")
     hints = typing.get_type_hints(cls)
     fields = {}
     for name, value in values.items():
@@ -382,17 +487,22 @@ def _coerce(kind, value, path: str):
 
 # --- cross-field checks --------------------------------------------------------------------------------------------
 
+
 def check(config: RunConfig) -> None:
     """The rules that tie fields together (each single field is checked by `load`); raises `ConfigError`."""
     r, rollout = config.rl, config.rollout
     if config.model.quantize and not config.lora.rank:
-        raise ConfigError(f"--config.model.quantize={config.model.quantize} needs --config.lora.rank > 0: an int8 "
-                          "base is frozen, so only LoRA adapters can be trained over it")
+        raise ConfigError(
+            f"--config.model.quantize={config.model.quantize} needs --config.lora.rank > 0: an int8 "
+            "base is frozen, so only LoRA adapters can be trained over it"
+        )
     groups = rollout.boards_per_step
     trained = r.train_groups or groups
     if trained > groups:
-        raise ConfigError(f"--config.rl.train_groups={trained} is more than the "
-                          f"--config.rollout.boards_per_step={groups} groups rolled out per step")
+        raise ConfigError(
+            f"--config.rl.train_groups={trained} is more than the "
+            f"--config.rollout.boards_per_step={groups} groups rolled out per step"
+        )
     if r.share_common_prefix and not r.share_prompt_prefix:
         raise ConfigError("--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True")
     if r.max_logp_shift and r.shift_probe_groups < 1:
@@ -400,20 +510,27 @@ def check(config: RunConfig) -> None:
     splits = r.num_minibatches * r.num_microbatches
     rows = trained * rollout.group_size
     if rows % splits:
-        raise ConfigError(f"the {rows} trained rows per step (groups {trained} x --config.rollout.group_size="
-                          f"{rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
-                          f"--config.rl.num_microbatches = {splits}")
+        raise ConfigError(
+            f"the {rows} trained rows per step (groups {trained} x --config.rollout.group_size="
+            f"{rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
+            f"--config.rl.num_microbatches = {splits}"
+        )
     if config.sft.length_pool > 1 and not r.length_bucket:
-        raise ConfigError(f"--config.sft.length_pool={config.sft.length_pool} needs --config.rl.length_bucket > 0 "
-                          "(without it every batch is padded to the whole conversation length, sorted by length or "
-                          "not)")
+        raise ConfigError(
+            f"--config.sft.length_pool={config.sft.length_pool} needs --config.rl.length_bucket > 0 "
+            "(without it every batch is padded to the whole conversation length, sorted by length or "
+            "not)"
+        )
     if r.turn_advantage_coef and r.loss == "gspo":
-        raise ConfigError("--config.rl.turn_advantage_coef gives every token its own advantage; --config.rl.loss=gspo "
-                          "takes one per sequence: use --config.rl.loss=gspo_token (the same loss for sequence "
-                          "advantages) or a token-level loss")
+        raise ConfigError(
+            "--config.rl.turn_advantage_coef gives every token its own advantage; --config.rl.loss=gspo "
+            "takes one per sequence: use --config.rl.loss=gspo_token (the same loss for sequence "
+            "advantages) or a token-level loss"
+        )
     if r.forking_entropy_coef and r.forking_kl_coef:
-        raise ConfigError("--config.rl.forking_entropy_coef and --config.rl.forking_kl_coef are alternatives: "
-                          "set one of them to 0")
+        raise ConfigError(
+            "--config.rl.forking_entropy_coef and --config.rl.forking_kl_coef are alternatives: set one of them to 0"
+        )
     mismatch_corrections(r)
 
 
@@ -425,8 +542,9 @@ def mismatch_corrections(r: RlSettings) -> tuple[float, tuple[float, float] | No
     """
     cap = r.tis_cap
     if cap != 0.0 and not cap >= 1.0:  # "not >=" also rejects NaN
-        raise ConfigError(f"--config.rl.tis_cap must be 0 (off) or >= 1 (a cap below 1 down-weights on-policy tokens), "
-                          f"got {cap}")
+        raise ConfigError(
+            f"--config.rl.tis_cap must be 0 (off) or >= 1 (a cap below 1 down-weights on-policy tokens), got {cap}"
+        )
     low, high = r.icepop_low, r.icepop_high
     if low == 0.0 and high == 0.0:
         return cap, None

@@ -115,6 +115,7 @@ def scripted_forward():
         def forward(params, config, tokens, valid=None, **unused):
             nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
             return jax.nn.one_hot((nxt + shift) % config.vocab_size, config.vocab_size) * 10.0, None
+
         return forward
 
     return make

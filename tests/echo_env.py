@@ -13,18 +13,28 @@ from reno_jax.protocol.chat import ChatSpec, SpanSlot
 
 MAX_TOKENS = 8  # the echo argument's bound, in tokens
 COUNT_DIGITS = 2
-TOOL = {"type": "function", "function": {
-    "name": "echo", "description": "Repeat a text.",
-    "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxTokens": MAX_TOKENS}},
-                   "required": ["text"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "description": "Repeat a text.",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "maxTokens": MAX_TOKENS}},
+            "required": ["text"],
+        },
+    },
+}
 ECHOED, INVALID = range(2)
 TEXT_SPAN, COUNT_SPAN = range(2)
 CHAT = ChatSpec(
     system="Use the echo tool.",
     tools=(TOOL,),
     user=(("Say something with the echo tool.",),),
-    tool=(("You said: ", SpanSlot(TEXT_SPAN, MAX_TOKENS), " (", SpanSlot(COUNT_SPAN, COUNT_DIGITS), " tokens)"),
-          ("Invalid call.",)),
+    tool=(
+        ("You said: ", SpanSlot(TEXT_SPAN, MAX_TOKENS), " (", SpanSlot(COUNT_SPAN, COUNT_DIGITS), " tokens)"),
+        ("Invalid call.",),
+    ),
     tool_continues=(True, False),
     num_values=0,
 )
@@ -60,5 +70,10 @@ class EchoEnv(interface.TextEnv):
         template = jnp.where(call.ok, ECHOED, INVALID).astype(jnp.int32)
         message = interface.Message(template, jnp.zeros((0,), jnp.int32), span_ids=span_ids, span_len=span_len)
         done = ~call.ok | (turns >= self.turns)
-        return interface.Step(state=State(turns=turns), message=message, reward=call.ok.astype(jnp.float32),
-                              done=done, info=dict(echoed=call.ok, text_len=call.text_len[0]))
+        return interface.Step(
+            state=State(turns=turns),
+            message=message,
+            reward=call.ok.astype(jnp.float32),
+            done=done,
+            info=dict(echoed=call.ok, text_len=call.text_len[0]),
+        )

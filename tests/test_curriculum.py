@@ -17,10 +17,15 @@ def _curriculum_config(**stage):
     c = tictactoe_tiny_game.get_config()
     c.num_steps = 30
     c.curriculum = ml_collections.ConfigDict()
-    c.curriculum.move = ml_collections.ConfigDict(dict(
-        num_steps=20, env=dict(task="move", board_sides="both"), sft=dict(num_steps=7, soft_targets=False),
-        rollout=dict(max_turns=1, boards_per_step=8), rl=dict(learning_rate=3e-3, end_learning_rate=3e-4,
-                                                              warmup_steps=2, forking_entropy_coef=0.1)))
+    c.curriculum.move = ml_collections.ConfigDict(
+        dict(
+            num_steps=20,
+            env=dict(task="move", board_sides="both"),
+            sft=dict(num_steps=7, soft_targets=False),
+            rollout=dict(max_turns=1, boards_per_step=8),
+            rl=dict(learning_rate=3e-3, end_learning_rate=3e-4, warmup_steps=2, forking_entropy_coef=0.1),
+        )
+    )
     c.curriculum.move.update(stage)
     return c
 
@@ -28,8 +33,10 @@ def _curriculum_config(**stage):
 def test_curriculum_stages():
     c = _curriculum_config()
     stages = curriculum.curriculum_stages(c)
-    assert [(s.name, s.first_step, s.num_steps, s.last_step) for s in stages] == [("move", 0, 20, 20),
-                                                                                  ("main", 20, 30, 50)]
+    assert [(s.name, s.first_step, s.num_steps, s.last_step) for s in stages] == [
+        ("move", 0, 20, 20),
+        ("main", 20, 30, 50),
+    ]
     move, main = stages[0].config, stages[1].config
     assert (move.env.task, move.env.board_sides, move.rollout.max_turns, move.num_steps) == ("move", "both", 1, 20)
     assert (move.sft.num_steps, move.sft.soft_targets, move.rollout.group_size) == (7, False, 8)  # the rest kept
@@ -44,15 +51,20 @@ def test_curriculum_stages():
 def test_curriculum_learning_rate_follows_each_stage():
     c = _curriculum_config()
     schedule = recipe.make_optimizer(c)  # its last part scales by the learning rate
-    lr = lambda n: float(trainer.join_lr_schedules(  # noqa: E731
-        [trainer.make_lr_schedule(3e-3, 3e-4, 2, 20), trainer.make_lr_schedule(c.rl.learning_rate,
-                                                                                 c.rl.end_learning_rate,
-                                                                                 c.rl.warmup_steps, 30)],
-        [20, 30])(n))
+    lr = lambda n: float(
+        trainer.join_lr_schedules(  # noqa: E731
+            [
+                trainer.make_lr_schedule(3e-3, 3e-4, 2, 20),
+                trainer.make_lr_schedule(c.rl.learning_rate, c.rl.end_learning_rate, c.rl.warmup_steps, 30),
+            ],
+            [20, 30],
+        )(n)
+    )
     assert lr(0) == float(trainer.make_lr_schedule(3e-3, 3e-4, 2, 20)(0))
     assert lr(19) == float(trainer.make_lr_schedule(3e-3, 3e-4, 2, 20)(19))
-    assert lr(20) == float(trainer.make_lr_schedule(c.rl.learning_rate, c.rl.end_learning_rate,
-                                                    c.rl.warmup_steps, 30)(0))
+    assert lr(20) == float(
+        trainer.make_lr_schedule(c.rl.learning_rate, c.rl.end_learning_rate, c.rl.warmup_steps, 30)(0)
+    )
     # The optimiser applies that schedule: one SGD-like probe of the update size at a few counts.
     params = {"w": jnp.ones((2, 2))}
     state = schedule.init(params)

@@ -40,8 +40,11 @@ def _enc(tok, text):
 
 def _call_ids(tok, text):
     """A call whose quotes sit at token boundaries: the text is encoded on its own."""
-    return (_enc(tok, '<tool_call>{"name": "echo", "arguments": {"text": "') + _enc(tok, text)
-            + _enc(tok, '"}}</tool_call>'))
+    return (
+        _enc(tok, '<tool_call>{"name": "echo", "arguments": {"text": "')
+        + _enc(tok, text)
+        + _enc(tok, '"}}</tool_call>')
+    )
 
 
 @pytest.mark.parametrize("text, count", [("", 0), ("hi there!", 7), ("a < b", 123), ("é 中", 99)])
@@ -52,17 +55,28 @@ def test_render_splices_spans_like_the_host(tok, chat_tables, text, count):
     digits, n_digits = chat_lib.number_span(chat_tables, count, ee.COUNT_DIGITS)
     span_ids[1, : ee.COUNT_DIGITS] = np.asarray(digits)
     for template in (ee.ECHOED, ee.INVALID):
-        message = Message(jnp.int32(template), jnp.zeros((0,), jnp.int32), jnp.asarray(span_ids),
-                          jnp.asarray([len(ids), int(n_digits)], jnp.int32))
+        message = Message(
+            jnp.int32(template),
+            jnp.zeros((0,), jnp.int32),
+            jnp.asarray(span_ids),
+            jnp.asarray([len(ids), int(n_digits)], jnp.int32),
+        )
         for add_turn_end in (False, True):
             out, n = jax.jit(chat_lib.render_tool)(chat_tables, message, add_turn_end)
             got = tok.decode(np.asarray(out)[: int(n)].tolist(), skip_special_tokens=False)
             assert got == chat_lib.tool_text(tok, ee.CHAT, message, add_turn_end=add_turn_end)
-            assert not np.any(np.asarray(out)[int(n):] != chat_tables.pad_id)
+            assert not np.any(np.asarray(out)[int(n) :] != chat_tables.pad_id)
     shown = str(min(count, 10**ee.COUNT_DIGITS - 1))
     assert f"You said: {tok.decode(ids)} ({shown} tokens)" in chat_lib.tool_text(
-        tok, ee.CHAT, Message(jnp.int32(ee.ECHOED), jnp.zeros((0,), jnp.int32), jnp.asarray(span_ids),
-                              jnp.asarray([len(ids), int(n_digits)], jnp.int32)))
+        tok,
+        ee.CHAT,
+        Message(
+            jnp.int32(ee.ECHOED),
+            jnp.zeros((0,), jnp.int32),
+            jnp.asarray(span_ids),
+            jnp.asarray([len(ids), int(n_digits)], jnp.int32),
+        ),
+    )
 
 
 def test_number_span_digits(tok, chat_tables):
@@ -70,17 +84,28 @@ def test_number_span_digits(tok, chat_tables):
         ids, n = chat_lib.number_span(chat_tables, value, 3)
         want = str(min(max(value, 0), 999))
         assert tok.decode(np.asarray(ids)[: int(n)].tolist()) == want and int(n) == len(want)
-        assert not np.asarray(ids)[int(n):].any()
+        assert not np.asarray(ids)[int(n) :].any()
 
 
 def test_span_slot_validation():
     with pytest.raises(ValueError, match="tool templates only"):
-        chat_lib.ChatSpec(system="", tools=(ee.TOOL,), user=((chat_lib.SpanSlot(0, 2),),), tool=(("x",),),
-                          tool_continues=(False,), num_values=0)
+        chat_lib.ChatSpec(
+            system="",
+            tools=(ee.TOOL,),
+            user=((chat_lib.SpanSlot(0, 2),),),
+            tool=(("x",),),
+            tool_continues=(False,),
+            num_values=0,
+        )
     with pytest.raises(ValueError, match="different max_tokens"):
-        chat_lib.ChatSpec(system="", tools=(ee.TOOL,), user=(("u",),),
-                          tool=((chat_lib.SpanSlot(0, 2),), (chat_lib.SpanSlot(0, 3),)),
-                          tool_continues=(False, False), num_values=0)
+        chat_lib.ChatSpec(
+            system="",
+            tools=(ee.TOOL,),
+            user=(("u",),),
+            tool=((chat_lib.SpanSlot(0, 2),), (chat_lib.SpanSlot(0, 3),)),
+            tool_continues=(False, False),
+            num_values=0,
+        )
     with pytest.raises(ValueError, match="max_tokens"):
         chat_lib.SpanSlot(0, 0)
 
@@ -102,8 +127,9 @@ def test_rollout_echoes_the_argument(tok, chat_tables):
     forced[2, 0, : len(bad)] = bad
     params = _random_params(mc)
     fn = jax.jit(functools.partial(R.rollout, model_config=mc, rollout_config=rc), compiler_options=FAST_COMPILE)
-    traj = jax.device_get(fn(params, jax.random.key(0), jnp.zeros((3,), jnp.int32), env=env,
-                             forced_tokens=jnp.asarray(forced)))
+    traj = jax.device_get(
+        fn(params, jax.random.key(0), jnp.zeros((3,), jnp.int32), env=env, forced_tokens=jnp.asarray(forced))
+    )
     rows = [tok.decode(traj.tokens[r].tolist(), skip_special_tokens=False) for r in range(3)]
     for r, said in ((0, texts[0]), (1, texts[1])):
         n = len(_enc(tok, said))

@@ -16,8 +16,10 @@ from reno_jax.protocol import toolcall as tc
 
 
 def _fn(name, props):
-    return {"type": "function", "function": {"name": name, "parameters": {
-        "type": "object", "properties": props, "required": list(props)}}}
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": props, "required": list(props)}},
+    }
 
 
 BOUND = 12
@@ -67,14 +69,17 @@ def test_schema_accepts_max_tokens():
     assert tc.max_text_args(tc.normalize_tools([_fn("f", {"x": {"type": "integer", "minimum": 0, "maximum": 1}})])) == 0
 
 
-@pytest.mark.parametrize("prop, match", [
-    ({"type": "string", "maxTokens": 0}, "maxTokens"),
-    ({"type": "string", "maxTokens": tc.MAX_TEXT_TOKENS + 1}, "maxTokens"),
-    ({"type": "string", "maxTokens": 2.0}, "maxTokens"),
-    ({"type": "string", "maxTokens": 4, "enum": ["a"]}, "not both"),
-    ({"type": "integer", "minimum": 0, "maximum": 1, "maxTokens": 4}, "strings only"),
-    ({"type": "string", "maxLength": 4}, "maxLength"),
-])
+@pytest.mark.parametrize(
+    "prop, match",
+    [
+        ({"type": "string", "maxTokens": 0}, "maxTokens"),
+        ({"type": "string", "maxTokens": tc.MAX_TEXT_TOKENS + 1}, "maxTokens"),
+        ({"type": "string", "maxTokens": 2.0}, "maxTokens"),
+        ({"type": "string", "maxTokens": 4, "enum": ["a"]}, "not both"),
+        ({"type": "integer", "minimum": 0, "maximum": 1, "maxTokens": 4}, "strings only"),
+        ({"type": "string", "maxLength": 4}, "maxLength"),
+    ],
+)
 def test_schema_errors(prop, match):
     with pytest.raises(ValueError, match=match):
         tc.normalize_tools([_fn("f", {"s": prop})])
@@ -94,10 +99,12 @@ def test_schemas_without_text_have_no_span_fields(tok):
 # ---------------------------------------------------------------------------------------------------------------
 
 # JSON-string text without escapes: printable ASCII minus quote and backslash, plus some non-ASCII.
-TEXT = st.text(alphabet=st.sampled_from([chr(c) for c in range(0x20, 0x7F) if chr(c) not in '"\\'] + list("éü中😀")),
-               max_size=40)
-HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                        HealthCheck.too_slow])
+TEXT = st.text(
+    alphabet=st.sampled_from([chr(c) for c in range(0x20, 0x7F) if chr(c) not in '"\\'] + list("éü中😀")), max_size=40
+)
+HYP = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @HYP
@@ -111,7 +118,7 @@ def test_captures_exactly_the_ids_between_the_quotes(tok, echo_tables, text):
         assert (kind, tool, args) == (tc.KIND_OK, 0, [0])
         assert text_len.tolist() == [len(content)]
         assert text_ids[0, : len(content)].tolist() == content
-        assert not text_ids[0, len(content):].any()
+        assert not text_ids[0, len(content) :].any()
         assert tc.parse_text(ECHO, tok.decode(ids)) == (tc.KIND_OK, 0, (0,))  # the JSON itself is fine
     else:  # over its bound: malformed
         assert (kind, tool, args, text_len.tolist()) == (tc.KIND_BAD_CALL, -1, [0], [0])
@@ -159,7 +166,7 @@ def test_boundary_cases(tok, echo_tables):
 # Token merges across the quotes (a byte vocabulary with chosen merges)
 # ---------------------------------------------------------------------------------------------------------------
 
-MERGES = [b'"hi', b'hi"', b"hi", b'"}}', b'": "', b'""', b'<tool_call>', b'</tool_call>', b"\\n", b' "', b'"}']
+MERGES = [b'"hi', b'hi"', b"hi", b'"}}', b'": "', b'""', b"<tool_call>", b"</tool_call>", b"\\n", b' "', b'"}']
 
 
 @pytest.fixture(scope="module")
@@ -176,16 +183,31 @@ def _ids(index, *parts):
     return out
 
 
-@pytest.mark.parametrize("parts, kind, want", [
-    ((b'<tool_call>', b'{"name": "echo", "arguments": {"text', b'": "', b"hi", b'"}}', b"</tool_call>"), 0, ["hi"]),
-    ((b'<tool_call>', b'{"name": "echo", "arguments": {"text":', b' "', b"hi", b"!", b'"}', b"}", b"</tool_call>"),
-     0, ["hi", "!"]),
-    ((b'<tool_call>', b'{"name": "echo", "arguments": {"text": ', b'""', b"}}", b"</tool_call>"), 0, []),
-    ((b'<tool_call>', b'{"name": "echo", "arguments": {"text": ', b'"hi', b'"}}', b"</tool_call>"), 2, None),
-    ((b'<tool_call>', b'{"name": "echo", "arguments": {"text": "', b'hi"', b"}}", b"</tool_call>"), 2, None),
-    ((b'<tool_call>', b'{"name": "echo", "arguments": {"text": "', b"\\n", b'"}}', b"</tool_call>"), 2, None),
-    ((b'<tool_call>', b'{"name": "echo", "arguments": {"text": "', b"\t", b'"}}', b"</tool_call>"), 2, None),
-])
+@pytest.mark.parametrize(
+    "parts, kind, want",
+    [
+        ((b"<tool_call>", b'{"name": "echo", "arguments": {"text', b'": "', b"hi", b'"}}', b"</tool_call>"), 0, ["hi"]),
+        (
+            (
+                b"<tool_call>",
+                b'{"name": "echo", "arguments": {"text":',
+                b' "',
+                b"hi",
+                b"!",
+                b'"}',
+                b"}",
+                b"</tool_call>",
+            ),
+            0,
+            ["hi", "!"],
+        ),
+        ((b"<tool_call>", b'{"name": "echo", "arguments": {"text": ', b'""', b"}}", b"</tool_call>"), 0, []),
+        ((b"<tool_call>", b'{"name": "echo", "arguments": {"text": ', b'"hi', b'"}}', b"</tool_call>"), 2, None),
+        ((b"<tool_call>", b'{"name": "echo", "arguments": {"text": "', b'hi"', b"}}", b"</tool_call>"), 2, None),
+        ((b"<tool_call>", b'{"name": "echo", "arguments": {"text": "', b"\\n", b'"}}', b"</tool_call>"), 2, None),
+        ((b"<tool_call>", b'{"name": "echo", "arguments": {"text": "', b"\t", b'"}}', b"</tool_call>"), 2, None),
+    ],
+)
 def test_quote_merges(byte_vocab, parts, kind, want):
     pieces, index = byte_vocab
     tables = tc.compile_tool_calls(ECHO, pieces=pieces)
@@ -209,14 +231,17 @@ def test_mixed_schema_spans(byte_vocab):
     # Arguments first: "echo" and "say" are both candidates while the text is read.
     assert run([b'{"arguments": {"text": "', b"hi", b"!", b'"}, "name": "say"}']) == (2, -1, [0, 0], ["", ""])
     assert run([b'{"arguments": {"text": "', b"hi", b"!", b'"}, "name": "echo"}']) == (0, 0, [0, 0], ["hi!", ""])
-    assert run([b'{"arguments": {"times": 2, "text": "', b"hi", b'"}, "name": "say"}']) == (0, 1, [2, 0],
-                                                                                          ["hi", ""])
+    assert run([b'{"arguments": {"times": 2, "text": "', b"hi", b'"}, "name": "say"}']) == (0, 1, [2, 0], ["hi", ""])
     assert run([b'{"name": "say", "arguments": {"text": "', b"hi", b'", "times": 3}}']) == (0, 1, [3, 0], ["hi", ""])
     assert run([b'{"name": "say", "arguments": {"text": "', b"hi", b'", "times": 4}}'])[:2] == (3, 1)
     # Out of range and over-long: malformed wins.
     assert run([b'{"name": "say", "arguments": {"text": "', *[b"hi"] * 7, b'", "times": 4}}'])[:2] == (2, -1)
-    assert run([b'{"name": "pair", "arguments": {"b": "', b"hi", b'x', b'", "a": "', b"!", b'"}}']) == (
-        0, 2, [0, 0], ["!", "hix"])
+    assert run([b'{"name": "pair", "arguments": {"b": "', b"hi", b"x", b'", "a": "', b"!", b'"}}']) == (
+        0,
+        2,
+        [0, 0],
+        ["!", "hix"],
+    )
     assert run([b'{"name": "pair", "arguments": {"b": "', b"hi", b'", "a": "', b"!", b"!", b"!", b"!", b'"}}'])[0] == 2
 
 
@@ -233,14 +258,27 @@ BODIES = [
     [b'{"arguments": {"times": ', "N", b', "text": "', "T0", b'"}, "name": "say"}'],
     [b'{"name": "pair", "arguments": {"a": "', "T0", b'", "b": "', "T1", b'"}}'],
 ]
-TEXT_PARTS = [b"hi", b"!", b" ", b"hi there", b"<", b"\xc3\xa9", b"\xc3", b'"hi', b'hi"', b"\\n", b"\t",
-              b"</tool_call>"]
+TEXT_PARTS = [
+    b"hi",
+    b"!",
+    b" ",
+    b"hi there",
+    b"<",
+    b"\xc3\xa9",
+    b"\xc3",
+    b'"hi',
+    b'hi"',
+    b"\\n",
+    b"\t",
+    b"</tool_call>",
+]
 _PARSE_BATCH = jax.jit(tc.parse_full_batch, static_argnames="max_bytes")
 
 
 def _texts_of(spec, text):
     """The called tool's free-text values per the JSON of the call (``parse_text`` said ok)."""
     import json
+
     start = text.find(tc.OPEN_TAG) + len(tc.OPEN_TAG)
     obj = json.loads(text[start : text.find(tc.CLOSE_TAG, start)])
     tool = next(t for t in spec if t.name == obj["name"])
@@ -275,7 +313,8 @@ def test_token_rules_only_reject_more_than_the_text_reference(byte_vocab, data):
         ids[r, : len(row)] = row
     lengths = np.array([len(r) for r in rows], np.int32)
     kind, tool, args, text_ids, text_len = jax.device_get(
-        _PARSE_BATCH(tables, jnp.asarray(ids), jnp.asarray(lengths), max_bytes=cap))
+        _PARSE_BATCH(tables, jnp.asarray(ids), jnp.asarray(lengths), max_bytes=cap)
+    )
     for r, row in enumerate(rows):
         data_bytes = b"".join(pieces[i] for i in row)[:cap]
         text = data_bytes.decode("utf-8", errors="replace")
@@ -285,7 +324,9 @@ def test_token_rules_only_reject_more_than_the_text_reference(byte_vocab, data):
             continue  # a token rule (quote merged with text, over the bound) rejected a well-formed call
         assert got == want, (text, want, got)
         if got[0] == tc.KIND_OK:
-            texts = [b"".join(pieces[i] for i in text_ids[r, m, : text_len[r, m]]).decode("utf-8", "replace")
-                     for m in range(len(_texts_of(spec, text)))]
+            texts = [
+                b"".join(pieces[i] for i in text_ids[r, m, : text_len[r, m]]).decode("utf-8", "replace")
+                for m in range(len(_texts_of(spec, text)))
+            ]
             assert texts == _texts_of(spec, text)
-            assert not text_len[r, len(texts):].any()
+            assert not text_len[r, len(texts) :].any()

@@ -26,8 +26,15 @@ def test_base_config_is_the_library_defaults_and_has_no_game():
 
 
 def test_every_field_is_documented():
-    for cls in (run_config.RunConfig, run_config.ModelSettings, run_config.SftSettings, run_config.RolloutSettings,
-                run_config.RlSettings, run_config.LoraSettings, run_config.TinyArchitecture):
+    for cls in (
+        run_config.RunConfig,
+        run_config.ModelSettings,
+        run_config.SftSettings,
+        run_config.RolloutSettings,
+        run_config.RlSettings,
+        run_config.LoraSettings,
+        run_config.TinyArchitecture,
+    ):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
 
@@ -41,13 +48,16 @@ def test_load_gives_typed_sections():
     assert run_config.load(c) is c
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("rl.max_logp_shift", -1.0, "--config.rl.max_logp_shift must be >= 0 (0: off), got -1.0"),
-    ("rollout.top_p", 1.5, "--config.rollout.top_p must be a number in (0, 1]"),
-    ("num_steps", 0, "--config.num_steps must be an integer >= 1"),
-    ("rl.turn_scope", "world", "--config.rl.turn_scope must be 'group' or 'batch'"),
-    ("lora.targets", ("kda", "nope"), "--config.lora.targets must be a non-empty tuple"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("rl.max_logp_shift", -1.0, "--config.rl.max_logp_shift must be >= 0 (0: off), got -1.0"),
+        ("rollout.top_p", 1.5, "--config.rollout.top_p must be a number in (0, 1]"),
+        ("num_steps", 0, "--config.num_steps must be an integer >= 1"),
+        ("rl.turn_scope", "world", "--config.rl.turn_scope must be 'group' or 'batch'"),
+        ("lora.targets", ("kda", "nope"), "--config.lora.targets must be a non-empty tuple"),
+    ],
+)
 def test_bad_values_name_the_flag(field, value, message):
     values = tictactoe_tiny.get_config().to_dict()
     section, _, name = field.rpartition(".")
@@ -86,8 +96,9 @@ def _connect4(**sft):
     return c
 
 
-@pytest.mark.parametrize("sft, flag", [(dict(teacher="oracle"), "--config.sft.teacher"),
-                                       (dict(explore=0.5), "--config.sft.explore")])
+@pytest.mark.parametrize(
+    "sft, flag", [(dict(teacher="oracle"), "--config.sft.teacher"), (dict(explore=0.5), "--config.sft.explore")]
+)
 def test_teacher_options_are_checked_before_anything_is_written(tmp_path, sft, flag):
     workdir = str(tmp_path / "run")
     with pytest.raises(ConfigError) as info:
@@ -119,12 +130,23 @@ def test_older_saved_config_gets_the_old_defaults():
     upgraded = run_config.upgrade(saved)
     expected = _expected_old_run()
     expected = dataclasses.replace(
-        expected, eval_suites="", model=dataclasses.replace(expected.model, quantize=""),
+        expected,
+        eval_suites="",
+        model=dataclasses.replace(expected.model, quantize=""),
         sft=dataclasses.replace(expected.sft, length_pool=1, eval_every=0),
-        rl=dataclasses.replace(expected.rl, share_common_prefix=False, max_logp_shift=0.0, shift_probe_groups=8,
-                               turn_advantage_coef=0.0, turn_discount=1.0, turn_scope="group", logits_chunk=0,
-                               length_bucket=0),
-        lora=run_config.LoraSettings())
+        rl=dataclasses.replace(
+            expected.rl,
+            share_common_prefix=False,
+            max_logp_shift=0.0,
+            shift_probe_groups=8,
+            turn_advantage_coef=0.0,
+            turn_discount=1.0,
+            turn_scope="group",
+            logits_chunk=0,
+            length_bucket=0,
+        ),
+        lora=run_config.LoraSettings(),
+    )
     assert upgraded == expected
     assert upgraded.learner_config().share_common_prefix is False
     assert upgraded.lora.lora_config() == lora.LoraConfig()
@@ -148,4 +170,5 @@ def test_curriculum_stage_errors_name_the_stage():
     c.curriculum = ml_collections.ConfigDict(dict(a=dict(num_steps=2, rl=dict(max_logp_shift=-1.0))))
     with pytest.raises(ConfigError, match=r"curriculum stage 'a' \(--config.curriculum.a\): --config.rl.max_logp"):
         from reno_jax.loop import config as loop_config
+
         loop_config.validate_config(c)

@@ -56,8 +56,9 @@ def frozen_base(config, params):
     (a checkpoint read with `build_model` is int8 already)."""
     if not build.quantization(config):
         return params
-    already = any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
-        params, is_leaf=lambda x: isinstance(x, quant.QArray)))
+    already = any(
+        isinstance(x, quant.QArray) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, quant.QArray))
+    )
     return params if already else _quantize(params)
 
 
@@ -92,12 +93,15 @@ def restore_base(config, workdir: str, tokenizer, layout=None):
         return frozen_base(config, params)
     path = os.path.abspath(os.path.join(workdir, warmstart.CACHE_SUBDIR))
     if not os.path.isdir(path):
-        raise RunError(f"--workdir={workdir} is a LoRA run (lora.rank={build.lora_config(config).rank}) whose "
-                       f"checkpoints hold the adapters only; their base, the warm start cached in {path}, is missing")
+        raise RunError(
+            f"--workdir={workdir} is a LoRA run (lora.rank={build.lora_config(config).rank}) whose "
+            f"checkpoints hold the adapters only; their base, the warm start cached in {path}, is missing"
+        )
     _, abstract = build.abstract_model(config, tokenizer)
     if layout is not None:
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-                                layout.param_shardings)
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, layout.param_shardings
+        )
     return frozen_base(config, ckpt_lib.restore_item(path, {"params": abstract})["params"])
 
 

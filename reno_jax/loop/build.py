@@ -89,8 +89,9 @@ def build_model(config, key: jax.Array, tokenizer, layout: parallel.Layout | Non
     dtype = dtype_of(config.model.dtype)
     shardings = None if layout is None or layout.single_device else layout.param_shardings
     if config.model.path:
-        return conversion.from_pretrained(config.model.path, dtype=dtype, shardings=shardings,
-                                          quantize=config.model.quantize or None)
+        return conversion.from_pretrained(
+            config.model.path, dtype=dtype, shardings=shardings, quantize=config.model.quantize or None
+        )
     model_config = tiny_model_config(config, len(tokenizer))
     return model_config, ling3.init_params(model_config, key, dtype, shardings)
 

@@ -25,8 +25,7 @@ def validate_config(config) -> run_config.RunConfig:
         try:
             _check_runnable(stage.config)
         except ConfigError as error:
-            raise ConfigError(f"curriculum stage {stage.name!r} (--config.curriculum.{stage.name}): "
-                              f"{error}") from None
+            raise ConfigError(f"curriculum stage {stage.name!r} (--config.curriculum.{stage.name}): {error}") from None
     _check_runnable(stages[-1].config)
     if warmstart.runs_warm_start(config):
         warmstart.check_warm_start(stages[0].config)  # once, with the first stage's settings, as it runs
@@ -52,12 +51,14 @@ def _check_mesh(config: run_config.RunConfig) -> None:
         raise ConfigError(f"--config.mesh: {error}") from None
     groups = config.rollout.boards_per_step
     if groups % ways:
-        raise ConfigError(f"--config.rollout.boards_per_step={groups} groups do not split over the mesh's batch "
-                          f"axes ({described})")
+        raise ConfigError(
+            f"--config.rollout.boards_per_step={groups} groups do not split over the mesh's batch axes ({described})"
+        )
     sft_rows = config.sft.batch_size if config.sft.num_steps > 0 else 0
     if sft_rows % ways:
-        raise ConfigError(f"--config.sft.batch_size={sft_rows} rows do not split over the mesh's batch axes "
-                          f"({described})")
+        raise ConfigError(
+            f"--config.sft.batch_size={sft_rows} rows do not split over the mesh's batch axes ({described})"
+        )
 
 
 def check_env(config) -> None:
@@ -68,8 +69,9 @@ def check_env(config) -> None:
         entry = build.env_entry(config)
     except ValueError as error:
         message = str(error)
-        raise ConfigError(f"--config.{message}" if message.startswith("env.") else f"--config.env.name: {message}") \
-            from None
+        raise ConfigError(
+            f"--config.{message}" if message.startswith("env.") else f"--config.env.name: {message}"
+        ) from None
     try:
         entry.make_env(config.env)
         entry.make_sampler(config)

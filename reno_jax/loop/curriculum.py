@@ -18,14 +18,28 @@ from reno_jax.errors import ConfigError
 # What a curriculum stage may not change: the model and where it lives, the warm start (it runs once, before the
 # first stage, with that stage's settings), the bookkeeping, and the optimiser's structure (one optimiser state
 # carries across the stages; each stage has its own learning-rate schedule).
-_STAGE_FIXED = ("seed", "model", "mesh", "checkpoint_every", "keep_checkpoints", "plot_every", "eval_every",
-                "curriculum", "rl.b1", "rl.b2", "rl.weight_decay", "rl.clip_norm", "rl.optimizer_state_dtype")
+_STAGE_FIXED = (
+    "seed",
+    "model",
+    "mesh",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "plot_every",
+    "eval_every",
+    "curriculum",
+    "rl.b1",
+    "rl.b2",
+    "rl.weight_decay",
+    "rl.clip_norm",
+    "rl.optimizer_state_dtype",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One stage of a run: `config` is the whole experiment config of the stage (a `RunConfig`, no `curriculum` in
     it); its steps are the run's global steps `first_step + 1 .. first_step + num_steps`."""
+
     name: str
     config: run_config.RunConfig
     first_step: int
@@ -77,8 +91,9 @@ def curriculum_stages(config) -> list[Stage]:
     stages, first = [], 0
     for name, overrides in sorted(curriculum.items()):
         if not isinstance(overrides, (dict, ml_collections.ConfigDict)) or "num_steps" not in overrides:
-            raise ConfigError(f"--config.curriculum.{name} must be a section with num_steps and the fields the "
-                              "stage changes")
+            raise ConfigError(
+                f"--config.curriculum.{name} must be a section with num_steps and the fields the stage changes"
+            )
         steps = overrides["num_steps"]
         if not isinstance(steps, int) or steps < 1:
             raise ConfigError(f"--config.curriculum.{name}.num_steps must be an integer >= 1, got {steps!r}")
@@ -86,11 +101,14 @@ def curriculum_stages(config) -> list[Stage]:
         for fixed in _STAGE_FIXED:
             clash = [k for k in flat if k == fixed or k.startswith(fixed + ".")]
             if clash:
-                raise ConfigError(f"--config.curriculum.{name}.{clash[0]}: a curriculum stage cannot change "
-                                  f"{fixed} (one model, optimiser state and set of files for the whole run)")
+                raise ConfigError(
+                    f"--config.curriculum.{name}.{clash[0]}: a curriculum stage cannot change "
+                    f"{fixed} (one model, optimiser state and set of files for the whole run)"
+                )
         if any(k == "sft" or k.startswith("sft.") for k in flat) and stages:
-            raise ConfigError(f"--config.curriculum.{name}: only the first stage can set sft (the warm start "
-                              "runs once, before it)")
+            raise ConfigError(
+                f"--config.curriculum.{name}: only the first stage can set sft (the warm start runs once, before it)"
+            )
         stages.append(Stage(str(name), _stage_config(base_values, overrides, str(name)), first, int(steps)))
         first += int(steps)
     stages.append(Stage("main", base, first, config.num_steps))

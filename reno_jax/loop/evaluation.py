@@ -29,6 +29,7 @@ UNBOUNDED_TURNS = 1 << 30  # `TextEnv.max_turns`' default: the environment sets 
 @dataclasses.dataclass(frozen=True)
 class SuiteResult:
     """One suite's figures (host floats, the environment's names) and its episodes (a host `Trajectory`)."""
+
     name: str
     figures: dict
     trajectory: Any
@@ -56,13 +57,16 @@ def resolve_suites(config, names: Sequence[str] | None) -> dict[str, interface.E
     """`names` (None or empty: the defaults) as suites; ConfigError naming the unknown ones and the choices."""
     available = suites_of(config)
     if not available:
-        raise ConfigError(f"env.name={build.env_entry(config).name!r} declares no evaluation suites "
-                          "(registry.register(eval_suites=...))")
+        raise ConfigError(
+            f"env.name={build.env_entry(config).name!r} declares no evaluation suites "
+            "(registry.register(eval_suites=...))"
+        )
     names = list(names or [name for name, suite in available.items() if suite.default])
     unknown = [name for name in names if name not in available]
     if unknown:
-        raise ConfigError(f"unknown evaluation suite(s) {unknown}; {build.env_entry(config).name} offers "
-                          f"{sorted(available)}")
+        raise ConfigError(
+            f"unknown evaluation suite(s) {unknown}; {build.env_entry(config).name} offers {sorted(available)}"
+        )
     return {name: available[name] for name in names}
 
 
@@ -79,9 +83,21 @@ def _mesh_layout(params) -> parallel.Layout | None:
     return None
 
 
-def run_suite(params, model_config, tokenizer, config, name: str, suite: interface.EvalSuite, *, key: jax.Array,
-              greedy: bool = True, batch_size: int = 256, num_episodes: int | None = None, max_length: int = -1,
-              show_progress: bool = True) -> SuiteResult:
+def run_suite(
+    params,
+    model_config,
+    tokenizer,
+    config,
+    name: str,
+    suite: interface.EvalSuite,
+    *,
+    key: jax.Array,
+    greedy: bool = True,
+    batch_size: int = 256,
+    num_episodes: int | None = None,
+    max_length: int = -1,
+    show_progress: bool = True,
+) -> SuiteResult:
     """Plays `suite` and summarises it.
 
     num_episodes: None: the suite's; a scalable suite (random games) plays this many, a fixed set (every position)
@@ -104,11 +120,12 @@ def run_suite(params, model_config, tokenizer, config, name: str, suite: interfa
     k_starts, k_policy = jax.random.split(key)
     outs = []
     batches = range(0, total, size)
-    for start in (hosts.progress(len(batches), desc=f"evaluate {name}") if show_progress else range(len(batches))):
+    for start in hosts.progress(len(batches), desc=f"evaluate {name}") if show_progress else range(len(batches)):
         first = batches[start]
         ids = np.arange(first, first + size)
-        traj = hosts.to_host(fn(params, jax.random.fold_in(k_policy, first), place(suite.starts(k_starts, ids)),
-                                env=env))
+        traj = hosts.to_host(
+            fn(params, jax.random.fold_in(k_policy, first), place(suite.starts(k_starts, ids)), env=env)
+        )
         keep = min(size, total - first)
         outs.append(jax.tree.map(lambda x: np.asarray(x)[:keep], traj))
     traj = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
@@ -130,15 +147,22 @@ def run_suite(params, model_config, tokenizer, config, name: str, suite: interfa
     return SuiteResult(name=name, figures=figures, trajectory=traj)
 
 
-def evaluate(params, model_config, tokenizer, config, suites: Sequence[str] | None = None, *, key: jax.Array,
-             **kwargs) -> dict[str, SuiteResult]:
+def evaluate(
+    params, model_config, tokenizer, config, suites: Sequence[str] | None = None, *, key: jax.Array, **kwargs
+) -> dict[str, SuiteResult]:
     """`run_suite` for each named suite (None: the environment's defaults), in order."""
     config = run_config.load(config)
-    return {name: run_suite(params, model_config, tokenizer, config, name, suite, key=key, **kwargs)
-            for name, suite in resolve_suites(config, suites).items()}
+    return {
+        name: run_suite(params, model_config, tokenizer, config, name, suite, key=key, **kwargs)
+        for name, suite in resolve_suites(config, suites).items()
+    }
 
 
 def flat_figures(results: dict[str, SuiteResult], prefix: str = "") -> dict[str, float]:
     """`{prefix + suite/figure: value}` of every numeric figure (the one-line JSON and the logged metrics)."""
-    return {f"{prefix}{name}/{k}": v for name, result in results.items() for k, v in result.figures.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        f"{prefix}{name}/{k}": v
+        for name, result in results.items()
+        for k, v in result.figures.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }

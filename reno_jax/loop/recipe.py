@@ -23,15 +23,24 @@ def make_optimizer(config):
         for stage in stages:
             sr = stage.config.rl
             updates = stage.num_steps * sr.num_minibatches
-            pieces.append(trainer.make_lr_schedule(sr.learning_rate, sr.end_learning_rate,
-                                                   min(sr.warmup_steps, updates), updates))
+            pieces.append(
+                trainer.make_lr_schedule(sr.learning_rate, sr.end_learning_rate, min(sr.warmup_steps, updates), updates)
+            )
             lengths.append(updates)
         schedule = trainer.join_lr_schedules(pieces, lengths)
     total = config.num_steps * r.num_minibatches
     return trainer.make_optimizer(
-        r.learning_rate, r.end_learning_rate, min(r.warmup_steps, total), total,
-        b1=r.b1, b2=r.b2, weight_decay=r.weight_decay, clip_norm=r.clip_norm,
-        state_dtype=None if r.optimizer_state_dtype == "float32" else r.optimizer_state_dtype, schedule=schedule)
+        r.learning_rate,
+        r.end_learning_rate,
+        min(r.warmup_steps, total),
+        total,
+        b1=r.b1,
+        b2=r.b2,
+        weight_decay=r.weight_decay,
+        clip_norm=r.clip_norm,
+        state_dtype=None if r.optimizer_state_dtype == "float32" else r.optimizer_state_dtype,
+        schedule=schedule,
+    )
 
 
 def learner_config(config, step_offset: int = 0) -> learner_lib.LearnerConfig:
@@ -65,8 +74,9 @@ def make_loss_fn(config):
     if tis_cap:
         loss_fn = losses.with_tis(loss_fn, tis_cap)
     if r.forking_entropy_coef:
-        loss_fn = losses.with_forking_entropy_bonus(loss_fn, r.forking_entropy_coef, r.forking_top_k,
-                                                    per_turn=r.forking_per_turn)
+        loss_fn = losses.with_forking_entropy_bonus(
+            loss_fn, r.forking_entropy_coef, r.forking_top_k, per_turn=r.forking_per_turn
+        )
     elif r.forking_kl_coef:
         loss_fn = losses.with_forking_kl(loss_fn, r.forking_kl_coef, r.forking_top_k, per_turn=r.forking_per_turn)
     return loss_fn

@@ -48,13 +48,19 @@ from reno_jax.rollout import summary as summary_lib
 
 # Panels of learning_curves.png around the environment's own (`Metric(plot=True)`).
 LEADING_CURVES = ("rollout/rewards_mean", "rollout/tool_call_valid_rate")
-TRAILING_CURVES = ("rollout/informative_group_rate", "train/entropy", "train/forking_entropy", "train/grad_norm",
-                   "perf/step_seconds")
+TRAILING_CURVES = (
+    "rollout/informative_group_rate",
+    "train/entropy",
+    "train/forking_entropy",
+    "train/grad_norm",
+    "perf/step_seconds",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class StageRunner:
     """What one curriculum stage runs: its environment, learner and start sampler (the optimiser is the run's)."""
+
     stage: curriculum.Stage
     env: rollout_lib.CompiledEnv
     learner: learner_lib.Learner
@@ -64,6 +70,7 @@ class StageRunner:
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
     """What every phase of a run shares: the typed config, where it writes, and the model it trains."""
+
     config: run_config.RunConfig
     workdir: str
     layout: parallel.Layout
@@ -78,6 +85,7 @@ class RunSetup:
 class StartPoint:
     """Where the GSPO loop starts: its state and step, and the fixed trees beside it (the forking KL's anchor, a
     LoRA run's frozen base)."""
+
     state: Any
     step: int
     ref_params: Any
@@ -109,9 +117,16 @@ def train(config, workdir: str, *, env: registry.Entry | None = None) -> list[di
     tokenizer = build.build_tokenizer(config)
     model_config, abstract_params = build.abstract_model(config, tokenizer)
     layout = build.make_layout(config, model_config)
-    setup = RunSetup(config=config, workdir=workdir, layout=layout, tokenizer=tokenizer, model_config=model_config,
-                     abstract_params=abstract_params, stages=curriculum.curriculum_stages(config),
-                     optimizer=recipe.make_optimizer(config))
+    setup = RunSetup(
+        config=config,
+        workdir=workdir,
+        layout=layout,
+        tokenizer=tokenizer,
+        model_config=model_config,
+        abstract_params=abstract_params,
+        stages=curriculum.curriculum_stages(config),
+        optimizer=recipe.make_optimizer(config),
+    )
     with layout.activate():  # the programs' sharding constraints see the mesh (no-op on one device)
         return _train(setup)
 
@@ -124,8 +139,9 @@ def _train(setup: RunSetup) -> list[dict]:
         write_run_config(setup.config, setup.workdir)
     start = _start_point(setup, state, key_model, key_sft, key_rl)
     if start.step:
-        hosts.say(f"Resumed from step {start.step} onto {setup.layout.mesh.size} device(s) (checkpoint in "
-                  f"{ckpt.directory})")
+        hosts.say(
+            f"Resumed from step {start.step} onto {setup.layout.mesh.size} device(s) (checkpoint in {ckpt.directory})"
+        )
     try:
         return _run_stages(setup, start, ckpt)
     finally:
@@ -152,12 +168,16 @@ def _restore(setup: RunSetup, key_rl):
     """(checkpointer, the latest state or None), restored onto this run's mesh whatever mesh wrote it; the warm
     start's cache is checked against the model too when it will be read."""
     config = setup.config
-    ckpt = ckpt_lib.Checkpointer(setup.workdir, save_interval_steps=config.checkpoint_every,
-                                 max_to_keep=config.keep_checkpoints or None)
+    ckpt = ckpt_lib.Checkpointer(
+        setup.workdir, save_interval_steps=config.checkpoint_every, max_to_keep=config.keep_checkpoints or None
+    )
     # A LoRA run's state holds the adapters and their optimizer state; the frozen base is rebuilt from the config.
-    abstract = setup.layout.abstract_state(jax.eval_shape(
-        lambda p: trainer.create_train_state(adapters.init_trained(config, p), setup.optimizer, key_rl),
-        setup.abstract_params))
+    abstract = setup.layout.abstract_state(
+        jax.eval_shape(
+            lambda p: trainer.create_train_state(adapters.init_trained(config, p), setup.optimizer, key_rl),
+            setup.abstract_params,
+        )
+    )
     warm_cache = os.path.join(os.path.abspath(setup.workdir), warmstart.CACHE_SUBDIR)
     try:
         state = ckpt.restore(abstract)
@@ -179,24 +199,34 @@ def _start_point(setup: RunSetup, state, key_model, key_sft, key_rl) -> StartPoi
         # Drawn (or read) straight onto the mesh: each device makes only its own shards.
         _, params = build.build_model(config, key_model, setup.tokenizer, layout)
         if warmstart.runs_warm_start(config):  # the warm start runs once, with the first stage's settings
-            params = warmstart.cached_warm_start(setup.workdir, setup.stages[0].config, setup.model_config, params,
-                                                 setup.tokenizer, key_sft, layout=layout).params
+            params = warmstart.cached_warm_start(
+                setup.workdir,
+                setup.stages[0].config,
+                setup.model_config,
+                params,
+                setup.tokenizer,
+                key_sft,
+                layout=layout,
+            ).params
     if lora_run:  # never donated (it is no part of the state), so it is also the anchor as it is
         base = params = adapters.frozen_base(config, params)
         ref_params = base if anchored else None
     else:
         ref_params = jax.tree.map(jnp.copy, params) if anchored else None
     if state is None:
-        state = layout.place_state(trainer.create_train_state(adapters.init_trained(config, params), setup.optimizer,
-                                                              key_rl))
+        state = layout.place_state(
+            trainer.create_train_state(adapters.init_trained(config, params), setup.optimizer, key_rl)
+        )
         start = 0
     else:
         start = int(state.step)
     if lora_run and hosts.is_main_process():
         counts = adapters.count_trained(config, setup.abstract_params)
         size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(setup.abstract_params))
-        hosts.say(f"LoRA rank {config.lora.rank}: {counts['total']:,} adapter parameters trained over a "
-                  f"frozen {config.model.quantize or 'float'} base of {size:,}")
+        hosts.say(
+            f"LoRA rank {config.lora.rank}: {counts['total']:,} adapter parameters trained over a "
+            f"frozen {config.model.quantize or 'float'} base of {size:,}"
+        )
     return StartPoint(state=state, step=start, ref_params=ref_params, base=base)
 
 
@@ -215,8 +245,9 @@ def _run_stages(setup: RunSetup, start: StartPoint, ckpt) -> list[dict]:
     for index, stage in enumerate(stages):
         if stage.last_step <= start.step:
             continue
-        runner = stage_runner(stage, setup.model_config, setup.tokenizer, setup.optimizer, setup.layout,
-                              start.ref_params, start.base)
+        runner = stage_runner(
+            stage, setup.model_config, setup.tokenizer, setup.optimizer, setup.layout, start.ref_params, start.base
+        )
         panels = tuple(dict.fromkeys(panels + curve_keys(runner.env.env)))  # every stage's panels, in order
         desc = "GSPO" if len(stages) == 1 else f"GSPO {index + 1}/{len(stages)} {stage.name}"
         first_step = max(start.step, stage.first_step)
@@ -232,8 +263,9 @@ def _run_stages(setup: RunSetup, start: StartPoint, ckpt) -> list[dict]:
                 row.update(_evaluate(setup, runner, stage, state, eval_key))
             rows.append(writer.write(step, row) if writer is not None else {"step": step, **row})
             seen.update(dict.fromkeys(row))
-            bar.set_postfix(reward=f"{row['rollout/rewards_mean']:+.3f}",
-                            valid=f"{row['rollout/tool_call_valid_rate']:.2f}")
+            bar.set_postfix(
+                reward=f"{row['rollout/rewards_mean']:+.3f}", valid=f"{row['rollout/tool_call_valid_rate']:.2f}"
+            )
             ckpt.save(state, config, force=step == total or step == stage.last_step)
             if plotter is not None and step % config.plot_every == 0 and step < total:
                 plotter.request(present_panels(panels, seen))
@@ -263,14 +295,21 @@ def _step_row(traj, metrics, runner: StageRunner, t0: float, t_rollout: float, s
 def _evaluate(setup: RunSetup, runner: StageRunner, stage: curriculum.Stage, state, eval_key) -> dict:
     """The in-run evaluation's figures (`eval/<suite>/<figure>`) and its time."""
     t_eval = time.time()
-    results = evaluation.evaluate(runner.learner.policy_params(state.params), setup.model_config, setup.tokenizer,
-                                  stage.config, evaluation.in_run_suite_names(stage.config), key=eval_key,
-                                  show_progress=False)
+    results = evaluation.evaluate(
+        runner.learner.policy_params(state.params),
+        setup.model_config,
+        setup.tokenizer,
+        stage.config,
+        evaluation.in_run_suite_names(stage.config),
+        key=eval_key,
+        show_progress=False,
+    )
     return {**evaluation.flat_figures(results, prefix="eval/"), "perf/eval_seconds": time.time() - t_eval}
 
 
-def stage_runner(stage: curriculum.Stage, model_config, tokenizer, optimizer, layout: parallel.Layout,
-                 ref_params=None, base=None) -> StageRunner:
+def stage_runner(
+    stage: curriculum.Stage, model_config, tokenizer, optimizer, layout: parallel.Layout, ref_params=None, base=None
+) -> StageRunner:
     """One stage's environment, rollout, loss and schedules, and the sampler of its episode starts. `base`: the
     frozen base of a LoRA run (the state then trains its adapters)."""
     config = stage.config
@@ -286,16 +325,29 @@ def stage_runner(stage: curriculum.Stage, model_config, tokenizer, optimizer, la
     # routing train/routing_agreement), from the first minibatch, which is scored before any update.
     learner = learner_lib.Learner(
         config.learner_config(step_offset=stage.first_step),
-        policy.make_logp_fn(model_config, group_size=rc.group_size, remat=r.remat, entropy_top_k=r.entropy_top_k,
-                            routing_replay=r.routing_replay, temperature=rc.temperature,
-                            logits_chunk=r.logits_chunk),
-        recipe.make_loss_fn(config), optimizer, ref_logp_fn=ref_logp_fn,
+        policy.make_logp_fn(
+            model_config,
+            group_size=rc.group_size,
+            remat=r.remat,
+            entropy_top_k=r.entropy_top_k,
+            routing_replay=r.routing_replay,
+            temperature=rc.temperature,
+            logits_chunk=r.logits_chunk,
+        ),
+        recipe.make_loss_fn(config),
+        optimizer,
+        ref_logp_fn=ref_logp_fn,
         ref_params=ref_params if ref_logp_fn is not None else None,
-        rollout_fn=functools.partial(rollout_fn, env=env), num_groups=num_groups, rollout_metrics=True,
-        combine=adapters.combine(config), frozen=base)
+        rollout_fn=functools.partial(rollout_fn, env=env),
+        num_groups=num_groups,
+        rollout_metrics=True,
+        combine=adapters.combine(config),
+        frozen=base,
+    )
     sampler = build.env_entry(config).make_sampler(config)
-    return StageRunner(stage=stage, env=env, learner=learner,
-                       starts_fn=lambda k: layout.place_batch(sampler(k, num_groups)))
+    return StageRunner(
+        stage=stage, env=env, learner=learner, starts_fn=lambda k: layout.place_batch(sampler(k, num_groups))
+    )
 
 
 def curve_keys(env) -> tuple[str, ...]:

@@ -40,8 +40,11 @@ class RunDir:
         # The restore target of a checkpoint's TrainState, from shapes only (nothing is initialised); a LoRA run's
         # holds its adapters, whose frozen base is rebuilt once, when a checkpoint is first read.
         self._abstract_state = jax.eval_shape(
-            lambda p: trainer.create_train_state(adapters.init_trained(self.config, p), optimizer,
-                                                 jax.random.PRNGKey(0)), self._abstract_params)
+            lambda p: trainer.create_train_state(
+                adapters.init_trained(self.config, p), optimizer, jax.random.PRNGKey(0)
+            ),
+            self._abstract_params,
+        )
         self._base = None
 
     # -- steps ----------------------------------------------------------------------------------------------
@@ -60,8 +63,7 @@ class RunDir:
         except FileNotFoundError:
             names = []
         for name in names:
-            if name.isdigit() and int(name) > 0 and os.path.isfile(os.path.join(self._step_dir(int(name)),
-                                                                                _COMMITTED)):
+            if name.isdigit() and int(name) > 0 and os.path.isfile(os.path.join(self._step_dir(int(name)), _COMMITTED)):
                 found.append(int(name))
         return sorted(found)
 

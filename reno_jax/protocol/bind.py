@@ -44,8 +44,13 @@ def parse_batch(parser, ids, lengths, max_bytes=None) -> ToolCall:
     kind, tool, args, text_ids, text_len = toolcall.parse_full_batch(parser, ids, lengths, max_bytes=max_bytes)
     kind = kind.astype(jnp.int32)
     ok = kind == toolcall.KIND_OK
-    return ToolCall(kind=kind, tool=jnp.where(ok, tool, 0).astype(jnp.int32),
-                    args=jnp.where(ok[:, None], args, 0).astype(jnp.int32), text_ids=text_ids, text_len=text_len)
+    return ToolCall(
+        kind=kind,
+        tool=jnp.where(ok, tool, 0).astype(jnp.int32),
+        args=jnp.where(ok[:, None], args, 0).astype(jnp.int32),
+        text_ids=text_ids,
+        text_len=text_len,
+    )
 
 
 def empty_calls(batch: int, parser) -> ToolCall:
@@ -56,6 +61,10 @@ def empty_calls(batch: int, parser) -> ToolCall:
         m = toolcall.max_text_args(parser.spec)
         text_ids = jnp.zeros((batch, m, parser.text_tokens), jnp.int32)
         text_len = jnp.zeros((batch, m), jnp.int32)
-    return ToolCall(kind=z + toolcall.KIND_NO_CALL, tool=z,
-                    args=jnp.zeros((batch, toolcall.max_args(parser.spec)), jnp.int32), text_ids=text_ids,
-                    text_len=text_len)
+    return ToolCall(
+        kind=z + toolcall.KIND_NO_CALL,
+        tool=z,
+        args=jnp.zeros((batch, toolcall.max_args(parser.spec)), jnp.int32),
+        text_ids=text_ids,
+        text_len=text_len,
+    )

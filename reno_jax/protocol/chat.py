@@ -120,8 +120,10 @@ class ChatSpec:
         if not self.tool:
             raise ValueError("ChatSpec needs at least one tool template")
         if len(self.tool) != len(self.tool_continues):
-            raise ValueError(f"ChatSpec has {len(self.tool)} tool templates but {len(self.tool_continues)} "
-                             "tool_continues flags (one per tool template)")
+            raise ValueError(
+                f"ChatSpec has {len(self.tool)} tool templates but {len(self.tool_continues)} "
+                "tool_continues flags (one per tool template)"
+            )
         for t in self.tools:
             if not (isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")):
                 raise ValueError(f"tool schema without function.name: {t!r}")
@@ -147,14 +149,19 @@ class ChatSpec:
                             raise ValueError(f"tool template {k} reads span {p.span} twice")
                         continue
                     if not isinstance(p, Slot):
-                        raise ValueError(f"{role} template {k}: parts must be str or Slot (or SpanSlot in tool "
-                                         f"templates), got {p!r}")
+                        raise ValueError(
+                            f"{role} template {k}: parts must be str or Slot (or SpanSlot in tool templates), got {p!r}"
+                        )
                     if p.value >= self.num_values:
-                        raise ValueError(f"{role} template {k}: slot value index {p.value} out of range "
-                                         f"(num_values={self.num_values})")
+                        raise ValueError(
+                            f"{role} template {k}: slot value index {p.value} out of range "
+                            f"(num_values={self.num_values})"
+                        )
                     if options.setdefault(p.value, len(p.options)) != len(p.options):
-                        raise ValueError(f"slots reading value {p.value} offer different numbers of options "
-                                         f"({options[p.value]} and {len(p.options)})")
+                        raise ValueError(
+                            f"slots reading value {p.value} offer different numbers of options "
+                            f"({options[p.value]} and {len(p.options)})"
+                        )
 
     def span_tokens(self) -> tuple[int, ...]:
         """``max_tokens`` per span index (0 where no template reads it): the ``span_ids`` width per row."""
@@ -213,14 +220,20 @@ def span_texts(tokenizer, message) -> list[str]:
     if ids is None:
         return []
     ids, lens = np.asarray(ids), np.asarray(message.span_len)
-    return [tokenizer.decode(ids[j, : max(0, int(lens[j]))].tolist(), skip_special_tokens=False,
-                             clean_up_tokenization_spaces=False) for j in range(ids.shape[0])]
+    return [
+        tokenizer.decode(
+            ids[j, : max(0, int(lens[j]))].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        for j in range(ids.shape[0])
+    ]
 
 
 def user_messages(spec: ChatSpec, message) -> list[dict]:
     """Host: the system and user chat messages of ``message`` (a ``Message`` or ``(template, values)``)."""
-    return [{"role": "system", "content": spec.system},
-            {"role": "user", "content": _host_message(spec.user, message, "user")}]
+    return [
+        {"role": "system", "content": spec.system},
+        {"role": "user", "content": _host_message(spec.user, message, "user")},
+    ]
 
 
 def tool_message(spec: ChatSpec, message, spans: Sequence[str] = ()) -> dict:
@@ -234,17 +247,28 @@ def _apply(tokenizer, spec, messages, add_generation_prompt, chat_template=None,
     if chat_template is not None:
         kw["chat_template"] = chat_template
     return tokenizer.apply_chat_template(
-        messages, tools=list(spec.tools) or None, add_generation_prompt=add_generation_prompt, **kw)
+        messages, tools=list(spec.tools) or None, add_generation_prompt=add_generation_prompt, **kw
+    )
 
 
-def chat_text(tokenizer, spec: ChatSpec, messages: list[dict], add_generation_prompt: bool = True,
-              chat_template: str | None = None) -> str:
+def chat_text(
+    tokenizer,
+    spec: ChatSpec,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> str:
     """Host: the chat template's text for ``messages`` with the spec's tools."""
     return _apply(tokenizer, spec, messages, add_generation_prompt, chat_template)
 
 
-def prompt_ids(tokenizer, spec: ChatSpec, messages: list[dict], add_generation_prompt: bool = True,
-               chat_template: str | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer,
+    spec: ChatSpec,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[int]:
     """Host: ``apply_chat_template(..., tools=spec.tools, tokenize=True)`` as a list of ints."""
     out = _apply(tokenizer, spec, messages, add_generation_prompt, chat_template, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "keys"):
@@ -264,8 +288,14 @@ def _after_assistant(text: str) -> str:
     return text.split(_ASSISTANT_MARK, 1)[1]
 
 
-def tool_text(tokenizer, spec: ChatSpec, message, add_turn_end: bool = False, chat_template: str | None = None,
-              spans: Sequence[str] | None = None) -> str:
+def tool_text(
+    tokenizer,
+    spec: ChatSpec,
+    message,
+    add_turn_end: bool = False,
+    chat_template: str | None = None,
+    spans: Sequence[str] | None = None,
+) -> str:
     """Host reference of `render_tool`: the template text after an assistant message's content, without the
     turn-end marker unless ``add_turn_end``; span slots hold ``spans`` (default: the message's decoded spans)."""
     template, _ = _unpack(message)
@@ -275,7 +305,7 @@ def tool_text(tokenizer, spec: ChatSpec, message, add_turn_end: bool = False, ch
     text = _apply(tokenizer, spec, [*_context(spec), tool_message(spec, message, spans)], cont, chat_template)
     after = _after_assistant(text)
     turn_end, _ = _find_turn_end(tokenizer, after)
-    return after if add_turn_end else after[len(turn_end):]
+    return after if add_turn_end else after[len(turn_end) :]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -626,8 +656,6 @@ def _in_range(x, n: int) -> jax.Array:
     return jnp.minimum(jnp.asarray(x).astype(jnp.uint32), jnp.uint32(n - 1)).astype(jnp.int32)
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Compiled tables and in-jit rendering
 # ----------------------------------------------------------------------------------------------------------------
@@ -685,8 +713,9 @@ def _internal(parts: Parts) -> Parts:
     return tuple(Slot(p.value + 1, p.options) if isinstance(p, Slot) else p for p in parts)
 
 
-def compile_chat(tokenizer, spec: ChatSpec, chat_template: str | None = None,
-                 max_stencil_rows: int = 4096) -> ChatTables:
+def compile_chat(
+    tokenizer, spec: ChatSpec, chat_template: str | None = None, max_stencil_rows: int = 4096
+) -> ChatTables:
     """Compile ``spec`` for ``tokenizer`` and its chat template (or ``chat_template`` if given); host, once.
 
     Every template is rendered with placeholder strings in its slots; the text around them becomes literal
@@ -724,7 +753,7 @@ def compile_chat(tokenizer, spec: ChatSpec, chat_template: str | None = None,
         if not after.startswith(turn_end_text):
             raise ValueError(f"tool-turn text {after[:40]!r} does not start with turn end {turn_end_text!r}")
         turn_end_slot = Slot(spec.num_values + 1, ("", turn_end_text))
-        response_programs.append(table.program([turn_end_slot, *_split_rendered(after[len(turn_end_text):], slots)]))
+        response_programs.append(table.program([turn_end_slot, *_split_rendered(after[len(turn_end_text) :], slots)]))
         response_span_segments.append(list(table.spans))
 
     def stack(programs):
@@ -758,8 +787,11 @@ def compile_chat(tokenizer, spec: ChatSpec, chat_template: str | None = None,
         response_spans = jnp.asarray(segs)
     digits = [table.encode(str(d)) for d in range(10)]
     # number_span writes one token per digit: only when the tokenizer spells numbers digit by digit.
-    digit_ids = tuple(d[0] for d in digits) if all(len(d) == 1 for d in digits) and (
-        table.encode("9876543210") == [d[0] for d in digits[::-1]]) else ()
+    digit_ids = (
+        tuple(d[0] for d in digits)
+        if all(len(d) == 1 for d in digits) and (table.encode("9876543210") == [d[0] for d in digits[::-1]])
+        else ()
+    )
 
     tables = ChatTables(
         piece_ids=jnp.asarray(piece_ids),
@@ -811,8 +843,17 @@ def _self_check(tables: ChatTables, tokenizer, spec: ChatSpec, chat_template) ->
             width = max([1] + [len(x) for x in span_ids])
             padded = np.array([x + [0] * (width - len(x)) for x in span_ids], np.int64).reshape(len(span_ids), width)
             seg_len = np.asarray(tables.piece_len)[np.asarray(base) + source[np.asarray(src)]]
-            ids, n = _splice(np, ids, n, seg_len, segments, padded, np.array([len(x) for x in span_ids]),
-                             np.array(tables.span_tokens), tables.pad_id)
+            ids, n = _splice(
+                np,
+                ids,
+                n,
+                seg_len,
+                segments,
+                padded,
+                np.array([len(x) for x in span_ids]),
+                np.array(tables.span_tokens),
+                tables.pad_id,
+            )
         return tokenizer.decode(ids[:n].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     for k in range(len(spec.user)):
@@ -820,22 +861,32 @@ def _self_check(tables: ChatTables, tokenizer, spec: ChatSpec, chat_template) ->
             want = chat_text(tokenizer, spec, user_messages(spec, (k, values)), True, chat_template)
             got = decoded(tables.prompt_base[k], tables.prompt_src[k], values, False, tables.prompt_len)
             if got != want:
-                raise ValueError(f"in-jit user-template {k} pieces do not reproduce the chat template:\n"
-                                 f"{got!r}\n!=\n{want!r}")
+                raise ValueError(
+                    f"in-jit user-template {k} pieces do not reproduce the chat template:\n{got!r}\n!=\n{want!r}"
+                )
     sample = [int(i) for i in tokenizer.encode(" echo: 42!", add_special_tokens=False)]
     for k in range(len(spec.tool)):
         for i, values in enumerate(vectors()):
             # Spans empty, then the sample's first tokens (cut to each slot's max_tokens).
-            span_ids = [sample[: w] if i else [] for w in tables.span_tokens]
-            texts = [tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                     for ids in span_ids]
-            want = tool_text(tokenizer, spec, (k, values), add_turn_end=bool(i % 2), chat_template=chat_template,
-                             spans=texts)
-            got = decoded(tables.response_base[k], tables.response_src[k], values, i % 2, tables.response_len,
-                          None if tables.response_spans is None else (np.asarray(tables.response_spans[k]), span_ids))
+            span_ids = [sample[:w] if i else [] for w in tables.span_tokens]
+            texts = [
+                tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) for ids in span_ids
+            ]
+            want = tool_text(
+                tokenizer, spec, (k, values), add_turn_end=bool(i % 2), chat_template=chat_template, spans=texts
+            )
+            got = decoded(
+                tables.response_base[k],
+                tables.response_src[k],
+                values,
+                i % 2,
+                tables.response_len,
+                None if tables.response_spans is None else (np.asarray(tables.response_spans[k]), span_ids),
+            )
             if got != want:
-                raise ValueError(f"in-jit tool-template {k} pieces do not reproduce the chat template:\n"
-                                 f"{got!r}\n!=\n{want!r}")
+                raise ValueError(
+                    f"in-jit tool-template {k} pieces do not reproduce the chat template:\n{got!r}\n!=\n{want!r}"
+                )
 
     source_opts = np.concatenate([[1], n_opts, [2]])
     for stencils, base, src, out_len in (
@@ -880,7 +931,8 @@ def _source(tables: ChatTables, values, add_turn_end) -> list:
 
 def render_user(tables: ChatTables, message):
     """System + user turn + assistant header of ``message`` (a ``Message`` or ``(template, values)``, values an
-    ``int [S]`` array or a list of S int scalars; jit/vmap friendly). Returns ``(ids int32 [tables.prompt_len], length int32 [])``; ids past ``length`` are ``pad_id``.
+    ``int [S]`` array or a list of S int scalars; jit/vmap friendly). Returns ``(ids int32 [tables.prompt_len],
+    length int32 [])``; ids past ``length`` are ``pad_id``.
     The template index is clipped into range, every value into its slot's options."""
     template, values = _unpack(message)
     row = jnp.clip(jnp.asarray(template, jnp.int32), 0, tables.prompt_base.shape[0] - 1)
@@ -901,19 +953,29 @@ def render_tool(tables: ChatTables, message, add_turn_end: Any = False):
     if tables.response_stencils is not None:
         ids, n = _render_stencil(tables.response_stencils, row, source)
     else:
-        ids, n = _render(tables, tables.response_base[row], tables.response_src[row], jnp.stack(source),
-                         tables.response_len)
+        ids, n = _render(
+            tables, tables.response_base[row], tables.response_src[row], jnp.stack(source), tables.response_len
+        )
     if tables.response_spans is None:
         return ids, n
     span_ids, span_len = getattr(message, "span_ids", None), getattr(message, "span_len", None)
     n_spans = len(tables.span_tokens)
     if span_ids is None or span_ids.shape[0] < n_spans:
-        raise ValueError(f"the tool templates read {n_spans} token spans: the Message needs span_ids [{n_spans}, W] "
-                         "and span_len")
+        raise ValueError(
+            f"the tool templates read {n_spans} token spans: the Message needs span_ids [{n_spans}, W] and span_len"
+        )
     seg_len = tables.piece_len[tables.response_base[row] + jnp.stack(source)[tables.response_src[row]]]
-    return _splice(jnp, ids, n, seg_len, tables.response_spans[row], jnp.asarray(span_ids, jnp.int32)[:n_spans],
-                   jnp.asarray(span_len, jnp.int32)[:n_spans], jnp.asarray(tables.span_tokens, jnp.int32),
-                   tables.pad_id)
+    return _splice(
+        jnp,
+        ids,
+        n,
+        seg_len,
+        tables.response_spans[row],
+        jnp.asarray(span_ids, jnp.int32)[:n_spans],
+        jnp.asarray(span_len, jnp.int32)[:n_spans],
+        jnp.asarray(tables.span_tokens, jnp.int32),
+        tables.pad_id,
+    )
 
 
 def number_span(tables: ChatTables, value, width: int):
@@ -923,7 +985,7 @@ def number_span(tables: ChatTables, value, width: int):
     if len(tables.digit_ids) != 10:
         raise ValueError("number_span needs a tokenizer that encodes every number one token per digit")
     value = jnp.clip(jnp.asarray(value, jnp.int32), 0, 10**width - 1)
-    powers = jnp.asarray([10**(width - 1 - i) for i in range(width)], jnp.int32)  # most significant first
+    powers = jnp.asarray([10 ** (width - 1 - i) for i in range(width)], jnp.int32)  # most significant first
     digits = (value // powers) % 10
     length = jnp.maximum(1, jnp.sum(value >= powers)).astype(jnp.int32)
     # Drop the leading zeros: digit i of the output is digit (width - length + i) of the zero-padded number.

@@ -182,8 +182,10 @@ def _arg_spec(tool: str, key: str, prop: Any) -> ArgSpec:
             raise ValueError(f"{where}: integer enums are not supported (use minimum/maximum)")
         lo, hi = prop.get("minimum"), prop.get("maximum")
         if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi <= MAX_INT):
-            raise ValueError(f"{where}: integers need integer 'minimum' and 'maximum' with 0 <= minimum <= maximum "
-                             f"<= {MAX_INT}, got minimum={lo!r}, maximum={hi!r}")
+            raise ValueError(
+                f"{where}: integers need integer 'minimum' and 'maximum' with 0 <= minimum <= maximum "
+                f"<= {MAX_INT}, got minimum={lo!r}, maximum={hi!r}"
+            )
         return ArgSpec(key, "integer", lo=lo, hi=hi)
     if kind == "string":
         if "minimum" in prop or "maximum" in prop:
@@ -193,13 +195,13 @@ def _arg_spec(tool: str, key: str, prop: Any) -> ArgSpec:
             if "enum" in prop:
                 raise ValueError(f"{where}: give either an 'enum' list or a 'maxTokens' bound, not both")
             if not (_is_int(bound) and 1 <= bound <= MAX_TEXT_TOKENS):
-                raise ValueError(f"{where}: free text needs an integer 'maxTokens' in 1..{MAX_TEXT_TOKENS}, "
-                                 f"got {bound!r}")
+                raise ValueError(
+                    f"{where}: free text needs an integer 'maxTokens' in 1..{MAX_TEXT_TOKENS}, got {bound!r}"
+                )
             return ArgSpec(key, "text", max_tokens=bound)
         options = prop.get("enum")
         if not isinstance(options, (list, tuple)) or not options:
-            raise ValueError(f"{where}: strings need a non-empty 'enum' list, or a 'maxTokens' bound for free "
-                             "text")
+            raise ValueError(f"{where}: strings need a non-empty 'enum' list, or a 'maxTokens' bound for free text")
         for o in options:
             _check_literal(f"{where}: enum option", o, allow_empty=True)
         if len(set(options)) != len(options):
@@ -342,8 +344,9 @@ def parse_text(tools, text: str) -> tuple[int, int, tuple[int, ...]]:
     if "\\" in body:
         return bad
     try:
-        obj = json.loads(body, object_pairs_hook=_pairs_to_dict, parse_float=_reject, parse_constant=_reject,
-                         parse_int=_parse_int)
+        obj = json.loads(
+            body, object_pairs_hook=_pairs_to_dict, parse_float=_reject, parse_constant=_reject, parse_int=_parse_int
+        )
     except (ValueError, RecursionError, _Reject):
         return bad
     if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or not isinstance(obj["name"], str):
@@ -637,8 +640,10 @@ def _determinize(nfa: _BodyBuilder, start: int, stores: _Stores, num_symbols: in
                 index[key] = len(order)
                 order.append(key)
                 if len(order) > MAX_PRODUCT_STATES:
-                    raise ValueError("tool schemas too large: the body automaton exceeds "
-                                     f"{MAX_PRODUCT_STATES} states (narrow the integer ranges)")
+                    raise ValueError(
+                        "tool schemas too large: the body automaton exceeds "
+                        f"{MAX_PRODUCT_STATES} states (narrow the integer ranges)"
+                    )
             nxt[c] = index[key]
             code[c] = stores.id(st.items()) if st else 0
         rows_next.append(nxt[byte_class])
@@ -763,8 +768,10 @@ def build_grammar(spec: Sequence[ToolSpec]) -> Grammar:
                 keys[k] = len(order)
                 order.append(k)
         if len(order) > MAX_PRODUCT_STATES:
-            raise ValueError(f"tool schemas too large: the grammar automaton exceeds {MAX_PRODUCT_STATES} states "
-                             "(narrow the integer ranges)")
+            raise ValueError(
+                f"tool schemas too large: the grammar automaton exceeds {MAX_PRODUCT_STATES} states "
+                "(narrow the integer ranges)"
+            )
         nexts.append(np.array([keys[k] for k in uniq.tolist()], np.int64)[inv.ravel()])
         codes.append(code)
     nxt, code = np.stack(nexts), np.stack(codes)
@@ -774,8 +781,14 @@ def build_grammar(spec: Sequence[ToolSpec]) -> Grammar:
         if key >= off2:
             label[s] = 1 + (key - off2)  # 1: rejected (saved label 0), 2 + t: accepted as tool t
     cls, rep = _minimize(nxt, code, label)
-    return Grammar(next=cls[nxt[rep]].astype(np.int32), code=code[rep], label=label[rep], raw_states=raw,
-                   stores=stores, body_states=nb)
+    return Grammar(
+        next=cls[nxt[rep]].astype(np.int32),
+        code=code[rep],
+        label=label[rep],
+        raw_states=raw,
+        stores=stores,
+        body_states=nb,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -879,8 +892,9 @@ def grammar(tools) -> Grammar:
     return _cached_grammar(_as_spec(tools))
 
 
-def compile_tool_calls(tools, tokenizer=None, vocab_size: int | None = None, *,
-                       pieces: Sequence[bytes] | None = None) -> ToolCallTables:
+def compile_tool_calls(
+    tools, tokenizer=None, vocab_size: int | None = None, *, pieces: Sequence[bytes] | None = None
+) -> ToolCallTables:
     """Tables of ``tools`` for ``tokenizer`` (or the token ``pieces``, bytes per id); ``vocab_size`` (e.g. the
     model's padded vocab) adds ids without text.
 
@@ -1023,8 +1037,9 @@ def _decide(xp, label, regs, tool_regs, lo, hi):
     else:
         vals = xp.zeros(label.shape + (0,), np.int32)
         in_range = xp.ones(label.shape, bool)
-    kind = xp.where(accepted, xp.where(in_range, KIND_OK, KIND_OUT_OF_RANGE),
-                    xp.where(label == 1, KIND_BAD_CALL, KIND_NO_CALL))
+    kind = xp.where(
+        accepted, xp.where(in_range, KIND_OK, KIND_OUT_OF_RANGE), xp.where(label == 1, KIND_BAD_CALL, KIND_NO_CALL)
+    )
     tool = xp.where(accepted, t, -1)
     args = xp.where((kind == KIND_OK)[..., None], vals, 0)
     return kind.astype(np.int32), tool.astype(np.int32), args.astype(np.int32)
@@ -1037,9 +1052,16 @@ def _decide(xp, label, regs, tool_regs, lo, hi):
 _UNROLL_MAX = 32  # sequences up to this many symbols are unrolled in Python (no scan, no transposes)
 
 
-def _run(table: jax.Array, symbols: jax.Array, bits: int, carry: Any = 0, regs: jax.Array | None = None,
-         store_val: jax.Array | None = None, symbol_class: jax.Array | None = None,
-         pair_table: jax.Array | None = None):
+def _run(
+    table: jax.Array,
+    symbols: jax.Array,
+    bits: int,
+    carry: Any = 0,
+    regs: jax.Array | None = None,
+    store_val: jax.Array | None = None,
+    symbol_class: jax.Array | None = None,
+    pair_table: jax.Array | None = None,
+):
     """Feed ``symbols [N]`` (columns of the packed ``table [S, C]``, or ids mapped to columns by
     ``symbol_class``) to the automaton. Returns ``(carry, regs)``.
 
@@ -1143,8 +1165,9 @@ def _text_result(tables: ToolCallTables, kind, tool, span_ids, span_len):
     regs = tables.tool_text_regs[t]  # [M]
     text_len = span_len[regs]
     too_long = jnp.any(text_len > tables.text_bound[t])
-    kind = jnp.where((kind == KIND_OK) | (kind == KIND_OUT_OF_RANGE),
-                     jnp.where(too_long, KIND_BAD_CALL, kind), kind).astype(jnp.int32)
+    kind = jnp.where(
+        (kind == KIND_OK) | (kind == KIND_OUT_OF_RANGE), jnp.where(too_long, KIND_BAD_CALL, kind), kind
+    ).astype(jnp.int32)
     ok = kind == KIND_OK
     text_len = jnp.where(ok, text_len, 0)
     keep = jnp.arange(tables.text_tokens)[None, :] < text_len[:, None]
@@ -1205,9 +1228,15 @@ def parse_full(tables: ToolCallTables, token_ids: jax.Array, length: Any = None,
     if tables.has_text:
         carry, regs, span_ids, span_len = _run_text(tables, jnp.where(valid, ids, v), regs)
     else:
-        carry, regs = _run(tables.class_next, jnp.where(valid, ids, v), tables.reg_bits, regs=regs,
-                           store_val=tables.store_val, symbol_class=tables.token_class,
-                           pair_table=tables.class_pair_next)
+        carry, regs = _run(
+            tables.class_next,
+            jnp.where(valid, ids, v),
+            tables.reg_bits,
+            regs=regs,
+            store_val=tables.store_val,
+            symbol_class=tables.token_class,
+            pair_table=tables.class_pair_next,
+        )
     if cap is not None:  # the first cut_bytes bytes of the straddling token, one byte at a time
         col = jnp.arange(tables.max_bytes)
         symbols = jnp.where(col < cut_bytes, tables.token_bytes[cut_id].astype(jnp.int32), 256)
