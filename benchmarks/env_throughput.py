@@ -160,7 +160,8 @@ def ours_with_parse_render(batch, steps, sampler, parse=True, render=True):
     ``parse``/``render`` switch the two text stages (both on for the reported variant; ``--breakdown`` times each
     alone).
     """
-    from reno_jax.envs.tictactoe import wording as text, tool_parser
+    from reno_jax.envs.tictactoe import tool_parser
+    from reno_jax.envs.tictactoe import wording as text
     from reno_jax.protocol import toolcall
     from reno_jax.protocol.tokenizer import load_tokenizer
 
@@ -196,8 +197,9 @@ def ours_with_parse_render(batch, steps, sampler, parse=True, render=True):
         status = jnp.where(
             new.invalid,
             text.STATUS_INVALID,
-            jnp.where(new.done, jnp.where(new.winner != ttt.EMPTY, text.STATUS_WIN, text.STATUS_DRAW),
-                      text.STATUS_ONGOING),
+            jnp.where(
+                new.done, jnp.where(new.winner != ttt.EMPTY, text.STATUS_WIN, text.STATUS_DRAW), text.STATUS_ONGOING
+            ),
         )
         resp_ids, resp_len = text.render_tool_response(spec, new.board, new.last_move + 1, status)
         return new, resp_ids, resp_len
@@ -243,9 +245,13 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=200, help="env steps per timed run (one lax.scan)")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs; the best is reported")
-    parser.add_argument("--sampler", default="hash", choices=sorted(SAMPLERS),
-                        help="action sampler, the same for every variant: 'hash' (counter-based, cheap) or 'jax' "
-                             "(jax.random with --prng keys)")
+    parser.add_argument(
+        "--sampler",
+        default="hash",
+        choices=sorted(SAMPLERS),
+        help="action sampler, the same for every variant: 'hash' (counter-based, cheap) or 'jax' "
+        "(jax.random with --prng keys)",
+    )
     parser.add_argument("--prng", default="rbg", help="PRNG impl for the 'jax' sampler and pgx's init keys")
     parser.add_argument("--breakdown", action="store_true", help="also time parse-only and render-only variants")
     args = parser.parse_args(argv)
@@ -290,14 +296,18 @@ def main(argv=None):
             continue
         result[f"{name}_steps_per_s"] = None if t is None else t.steps_per_s
         if t is not None:
-            print(f"{t.name}: {t.steps_per_s:.3e} steps/s (best {t.best:.3f}s per run, compile {t.compile_s:.1f}s, "
-                  f"{t.episodes} episodes in the last run)")
+            print(
+                f"{t.name}: {t.steps_per_s:.3e} steps/s (best {t.best:.3f}s per run, compile {t.compile_s:.1f}s, "
+                f"{t.episodes} episodes in the last run)"
+            )
 
     # Same key, same sampler, same start positions: every variant must play the very same games.
     result["same_games"] = len({t.episodes for t in timers.values()}) == 1
     pgx_sps = result["pgx_steps_per_s"]
-    for name, key_ in (("ratio_vs_pgx", "ours_steps_per_s"),
-                       ("ratio_with_parse_render_vs_pgx", "ours_with_parse_render_steps_per_s")):
+    for name, key_ in (
+        ("ratio_vs_pgx", "ours_steps_per_s"),
+        ("ratio_with_parse_render_vs_pgx", "ours_with_parse_render_steps_per_s"),
+    ):
         ours_sps = result[key_]
         result[name] = None if (pgx_sps is None or ours_sps is None) else ours_sps / pgx_sps
     print(json.dumps(result))

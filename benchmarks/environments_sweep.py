@@ -33,6 +33,7 @@ SWEEP_FILE = "sweep.json"  # what seed_sweep.py writes into its root
 class Target:
     """`figure op value` for every seed (`over="each"`) or for the mean over seeds (`over="mean"`). `figure` names
     a seed_sweep row entry; several names joined by "+" are summed (e.g. invalid + illegal moves)."""
+
     figure: str
     op: str
     value: float
@@ -59,15 +60,21 @@ class Target:
             measured, met = float(np.mean(values)), self.holds(float(np.mean(values)))
         else:
             measured, met = values, all(self.holds(v) for v in values)
-        return {"figure": self.figure, "op": self.op, "value": self.value, "over": self.over,
-                "measured": measured, "met": bool(met)}
+        return {
+            "figure": self.figure,
+            "op": self.op,
+            "value": self.value,
+            "over": self.over,
+            "measured": measured,
+            "met": bool(met),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class Environment:
     config: str
-    evals: tuple[str, ...]           # seed_sweep --eval specs
-    headlines: tuple[str, ...]       # the figures compared between warm start and after RL
+    evals: tuple[str, ...]  # seed_sweep --eval specs
+    headlines: tuple[str, ...]  # the figures compared between warm start and after RL
     targets: tuple[Target, ...]
     overrides: tuple[str, ...] = ()  # --config.* flags for every training
 
@@ -79,61 +86,88 @@ ENVIRONMENTS = {
         config="configs/tictactoe_tiny.py",
         evals=("greedy:--suites=positions",),
         headlines=("greedy/positions/optimal_move_rate", "greedy/positions/illegal_rate"),
-        targets=(Target("greedy/positions/optimal_move_rate", ">=", 0.90, over="mean"),
-                 Target("train_wall_s", "<=", 8 * MIN))),
+        targets=(
+            Target("greedy/positions/optimal_move_rate", ">=", 0.90, over="mean"),
+            Target("train_wall_s", "<=", 8 * MIN),
+        ),
+    ),
     "guess_number": Environment(
         config="configs/guess_number_tiny.py",
         evals=("greedy:--suites=secrets",),
         headlines=("greedy/secrets/found_rate", "greedy/secrets/guesses_mean"),
-        targets=(Target("greedy/secrets/found_rate", ">=", 0.98),
-                 Target("greedy/secrets/guesses_mean", "<=", 3.6),
-                 Target("train_wall_s", "<=", 20 * MIN)),
-        overrides=("--config.eval_every=20",)),
+        targets=(
+            Target("greedy/secrets/found_rate", ">=", 0.98),
+            Target("greedy/secrets/guesses_mean", "<=", 3.6),
+            Target("train_wall_s", "<=", 20 * MIN),
+        ),
+        overrides=("--config.eval_every=20",),
+    ),
     "connect4": Environment(
         config="configs/connect4_tiny.py",
         evals=("greedy:--suites=random,greedy",),
         headlines=("greedy/random/win_rate", "greedy/greedy/win_rate"),
-        targets=(Target("greedy/random/win_rate", ">=", 0.95),
-                 Target("greedy/greedy/win_rate", ">=", 0.30),
-                 Target("greedy/random/invalid_rate+greedy/random/illegal_rate", "<=", 0.01),
-                 Target("greedy/greedy/invalid_rate+greedy/greedy/illegal_rate", "<=", 0.01),
-                 Target("greedy/random/cut_off_rate", "<=", 0.01),
-                 Target("greedy/greedy/cut_off_rate", "<=", 0.01),
-                 Target("train_wall_s", "<=", 30 * MIN))),
+        targets=(
+            Target("greedy/random/win_rate", ">=", 0.95),
+            Target("greedy/greedy/win_rate", ">=", 0.30),
+            Target("greedy/random/invalid_rate+greedy/random/illegal_rate", "<=", 0.01),
+            Target("greedy/greedy/invalid_rate+greedy/greedy/illegal_rate", "<=", 0.01),
+            Target("greedy/random/cut_off_rate", "<=", 0.01),
+            Target("greedy/greedy/cut_off_rate", "<=", 0.01),
+            Target("train_wall_s", "<=", 30 * MIN),
+        ),
+    ),
 }
 
 
 def sweep_command(env: Environment, seeds: str, root: str) -> list[str]:
-    cmd = [sys.executable, os.path.join(HERE, "seed_sweep.py"), f"--config={env.config}", f"--seeds={seeds}",
-           f"--root={root}", f"--headline={','.join(env.headlines)}"]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "seed_sweep.py"),
+        f"--config={env.config}",
+        f"--seeds={seeds}",
+        f"--root={root}",
+        f"--headline={','.join(env.headlines)}",
+    ]
     return cmd + [f"--eval={spec}" for spec in env.evals] + list(env.overrides)
 
 
 def summarize(env: Environment, sweep: dict) -> dict:
     """One environment's entry of the JSON line from its seed sweep's figures."""
     rows = sweep["per_seed"]
-    per_seed = [{"seed": r["seed"], "train_wall_s": r["train_wall_s"],
-                 "warm_start": {h: r.get(f"warm_start/{h}") for h in env.headlines},
-                 "rl": {h: r.get(h) for h in env.headlines}} for r in rows]
+    per_seed = [
+        {
+            "seed": r["seed"],
+            "train_wall_s": r["train_wall_s"],
+            "warm_start": {h: r.get(f"warm_start/{h}") for h in env.headlines},
+            "rl": {h: r.get(h) for h in env.headlines},
+        }
+        for r in rows
+    ]
     targets = [t.check(rows) for t in env.targets]
-    return {"config": sweep.get("config", env.config), "overrides": sweep.get("overrides", []),
-            "per_seed": per_seed, "targets": targets, "met": all(t["met"] for t in targets)}
+    return {
+        "config": sweep.get("config", env.config),
+        "overrides": sweep.get("overrides", []),
+        "per_seed": per_seed,
+        "targets": targets,
+        "met": all(t["met"] for t in targets),
+    }
 
 
 def table(results: dict) -> str:
     lines = ["| environment | seed | warm start -> after RL | training |", "| --- | --- | --- | --- |"]
     for name, res in results.items():
         for s in res["per_seed"]:
-            pairs = "; ".join(f"{h.split('/', 1)[1]} {_fmt(s['warm_start'][h])} -> {_fmt(s['rl'][h])}"
-                              for h in s["rl"])
+            pairs = "; ".join(f"{h.split('/', 1)[1]} {_fmt(s['warm_start'][h])} -> {_fmt(s['rl'][h])}" for h in s["rl"])
             lines.append(f"| {name} | {s['seed']} | {pairs} | {s['train_wall_s'] / MIN:.1f} min |")
     lines += ["", "| environment | target | measured | holds |", "| --- | --- | --- | --- |"]
     for name, res in results.items():
         for t in res["targets"]:
             measured = t["measured"]
             shown = " / ".join(_fmt(v) for v in measured) if isinstance(measured, list) else _fmt(measured)
-            lines.append(f"| {name} | {t['figure']} {t['op']} {t['value']:g} ({t['over']}) | {shown} | "
-                         f"{'yes' if t['met'] else 'no'} |")
+            lines.append(
+                f"| {name} | {t['figure']} {t['op']} {t['value']:g} ({t['over']}) | {shown} | "
+                f"{'yes' if t['met'] else 'no'} |"
+            )
     return "\n".join(lines)
 
 
@@ -146,16 +180,19 @@ def run_sweep(name: str, cmd: list[str], log_path: str) -> None:
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     lines = []
-    with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True) as proc:
+    with (
+        open(log_path, "w") as log,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
+    ):
         for line in proc.stdout:
             log.write(line)
             lines.append(line.rstrip())
             if not line.startswith("{"):  # the sweep's own JSON line stays in the log
                 print("   " + line.rstrip(), flush=True)
     if proc.returncode:
-        raise SystemExit(f"the {name} sweep failed (exit {proc.returncode}); log {log_path}:\n"
-                         + "\n".join(lines[-10:]))
+        raise SystemExit(
+            f"the {name} sweep failed (exit {proc.returncode}); log {log_path}:\n" + "\n".join(lines[-10:])
+        )
 
 
 def main(argv=None) -> None:
@@ -163,8 +200,9 @@ def main(argv=None) -> None:
     parser.add_argument("--root", required=True, help="parent of the per-environment sweep roots")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {sorted(ENVIRONMENTS)}")
-    parser.add_argument("--collect", action="store_true",
-                        help="do not train: read ROOT/<environment>/sweep.json of finished sweeps")
+    parser.add_argument(
+        "--collect", action="store_true", help="do not train: read ROOT/<environment>/sweep.json of finished sweeps"
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(ENVIRONMENTS)
     unknown = [n for n in names if n not in ENVIRONMENTS]
@@ -180,8 +218,11 @@ def main(argv=None) -> None:
             raise SystemExit(f"{path} does not exist: run the {name} sweep first (without --collect)")
         with open(path) as f:
             results[name] = summarize(env, json.load(f))
-        print(f"   {name}: targets {'met' if results[name]['met'] else 'not met'} (curves: "
-              f"{os.path.join(root, 'seed_sweep.png')})", flush=True)
+        print(
+            f"   {name}: targets {'met' if results[name]['met'] else 'not met'} (curves: "
+            f"{os.path.join(root, 'seed_sweep.png')})",
+            flush=True,
+        )
     print("\n" + table(results))
     print(json.dumps({"environments": results, "all_met": all(r["met"] for r in results.values())}))
 

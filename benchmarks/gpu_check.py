@@ -63,9 +63,22 @@ PLANNED_BYTES = {"rollout": 16.89e9, "train_full": 92.37e9, "train_lora/int8": 4
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, FLOP/s, by a substring of
 # `device_kind` (first match wins).
 PEAK_BF16_FLOPS = (
-    ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
-    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
-    ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("A6000", 155e12),
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("A6000", 155e12),
 )
 
 
@@ -141,23 +154,48 @@ class Check:
             self.limit = args.memory_limit_bytes
         kind = str(jax.local_devices()[0].device_kind)
         self.peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else default_peak_flops(kind)
-        self.res = {"check": "gpu_check", "backend": jax.default_backend(), "device": kind, "jax": jax.__version__,
-                    "model": args.model, "device_memory_bytes": self.limit, "peak_bf16_flops": self.peak_flops,
-                    "boards": args.boards, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
-                    "microbatches": args.microbatches, "lora_rank": args.lora_rank, "lora_base": args.lora_base,
-                    "phases": {}}
-        self.published_shape = (args.model == "real" and (args.boards, args.group_size, args.max_new_tokens,
-                                                           args.microbatches, args.lora_rank, args.logits_chunk)
-                                 == (4, 4, 1471, 4, 8, 0))  # the settings the plans in PLANNED_BYTES were made with
+        self.res = {
+            "check": "gpu_check",
+            "backend": jax.default_backend(),
+            "device": kind,
+            "jax": jax.__version__,
+            "model": args.model,
+            "device_memory_bytes": self.limit,
+            "peak_bf16_flops": self.peak_flops,
+            "boards": args.boards,
+            "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens,
+            "microbatches": args.microbatches,
+            "lora_rank": args.lora_rank,
+            "lora_base": args.lora_base,
+            "phases": {},
+        }
+        self.published_shape = args.model == "real" and (
+            args.boards,
+            args.group_size,
+            args.max_new_tokens,
+            args.microbatches,
+            args.lora_rank,
+            args.logits_chunk,
+        ) == (4, 4, 1471, 4, 8, 0)  # the settings the plans in PLANNED_BYTES were made with
 
     # -- helpers
 
     def step_args(self, lora_rank: int = 0, quantize: str = ""):
         a = self.args
-        return argparse.Namespace(boards=a.boards, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
-                                  microbatches=a.microbatches, state_dtype="int8", entropy=False, remat=True,
-                                  share_prefix=self.whole_groups(), lora_rank=lora_rank, quantize=quantize,
-                                  logits_chunk=a.logits_chunk)
+        return argparse.Namespace(
+            boards=a.boards,
+            group_size=a.group_size,
+            max_new_tokens=a.max_new_tokens,
+            microbatches=a.microbatches,
+            state_dtype="int8",
+            entropy=False,
+            remat=True,
+            share_prefix=self.whole_groups(),
+            lora_rank=lora_rank,
+            quantize=quantize,
+            logits_chunk=a.logits_chunk,
+        )
 
     def whole_groups(self) -> bool:
         """Whether each micro-batch holds whole groups (then the prompt is encoded once per group)."""
@@ -178,8 +216,10 @@ class Check:
             return
         planned = PLANNED_BYTES.get(key) if self.published_shape and not self.args.ignore_known_plans else None
         if planned and planned > self.limit:
-            raise Skip(f"XLA plans {planned / 1e9:.1f} GB for it at the real shape (docs/benchmarks.md); "
-                       f"the device has {self.limit / 1e9:.1f} GB")
+            raise Skip(
+                f"XLA plans {planned / 1e9:.1f} GB for it at the real shape (docs/benchmarks.md); "
+                f"the device has {self.limit / 1e9:.1f} GB"
+            )
         if lower_bound > self.limit:
             raise Skip(f"its {what} alone are {_size(lower_bound)}; the device has {_size(self.limit)}")
 
@@ -191,8 +231,10 @@ class Check:
         need = plan["estimated_peak_bytes"] - resident_bytes
         free = self.free_bytes()
         if free is not None and need > free:
-            raise Skip(f"its compiled plan needs {_size(plan['estimated_peak_bytes'])} ({_size(need)} beyond "
-                       f"what is resident); {_size(free)} free of {_size(self.limit)}")
+            raise Skip(
+                f"its compiled plan needs {_size(plan['estimated_peak_bytes'])} ({_size(need)} beyond "
+                f"what is resident); {_size(free)} free of {_size(self.limit)}"
+            )
 
     def budget(self):
         spent = time.perf_counter() - self.t0
@@ -330,8 +372,12 @@ class Check:
                 shapes = rs.base_params(args, self.config, jax.random.PRNGKey(0), abstract=True)
                 adapters, _ = rs.trained_and_frozen(lora_of(args), shapes, abstract=True)
                 optimizer, _ = rs.make_step(args, self.config, lora_of(args))
-                self.precheck(f"train_lora/{a.lora_base}", rs.tree_bytes(shapes) + rs.tree_bytes(adapters)
-                              + rs.tree_bytes(jax.eval_shape(optimizer.init, adapters)))
+                self.precheck(
+                    f"train_lora/{a.lora_base}",
+                    rs.tree_bytes(shapes)
+                    + rs.tree_bytes(adapters)
+                    + rs.tree_bytes(jax.eval_shape(optimizer.init, adapters)),
+                )
                 base = self.quantized(params) if a.lora_base == "int8" else params
                 params = base
                 out["base_bytes"] = rs.tree_bytes(base)
@@ -360,19 +406,35 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=1471)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--lora-rank", type=int, default=8)
-    ap.add_argument("--logits-chunk", type=int, default=128,
-                    help="train steps make the logits this many positions at a time (0: all at once)")
+    ap.add_argument(
+        "--logits-chunk",
+        type=int,
+        default=128,
+        help="train steps make the logits this many positions at a time (0: all at once)",
+    )
     ap.add_argument("--lora-base", choices=["int8", "bf16"], default="int8")
     ap.add_argument("--steps", type=int, default=1, help="timed calls of each phase after the first")
-    ap.add_argument("--peak-tflops", type=float, default=0.0,
-                    help="the device's dense bf16 peak, TFLOP/s (default: from the table in this script)")
-    ap.add_argument("--time-budget-s", type=float, default=480.0,
-                    help="phases that would start after this many seconds are skipped")
-    ap.add_argument("--memory-limit-bytes", type=int, default=0,
-                    help="pretend the device has this much memory (tests the skip path; default: the device's)")
-    ap.add_argument("--ignore-known-plans", action="store_true",
-                    help="compile a phase even when its known plan at the real shape exceeds the device (the "
-                         "compiled program's own plan is still checked before it runs)")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="the device's dense bf16 peak, TFLOP/s (default: from the table in this script)",
+    )
+    ap.add_argument(
+        "--time-budget-s", type=float, default=480.0, help="phases that would start after this many seconds are skipped"
+    )
+    ap.add_argument(
+        "--memory-limit-bytes",
+        type=int,
+        default=0,
+        help="pretend the device has this much memory (tests the skip path; default: the device's)",
+    )
+    ap.add_argument(
+        "--ignore-known-plans",
+        action="store_true",
+        help="compile a phase even when its known plan at the real shape exceeds the device (the "
+        "compiled program's own plan is still checked before it runs)",
+    )
     ap.add_argument("--out", default="", help="also write the JSON object to this file")
     args = ap.parse_args(argv)
     if args.lora_rank < 1:

@@ -26,9 +26,9 @@ import numpy as np
 from configs import tictactoe_tiny
 from reno_jax.envs.tictactoe import boards as boards_lib
 from reno_jax.envs.tictactoe import wording as text
-from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.models import conversion, ling3
 from reno_jax.models.hf_native import compare_logits
+from reno_jax.protocol.tokenizer import load_tokenizer
 
 
 def default_tiny_config(vocab_size: int) -> ling3.Ling3Config:
@@ -68,8 +68,11 @@ def main(argv=None) -> dict:
         figures = compare_logits(hf_dir, tokens)
     figures["checkpoint"] = args.hf_dir or "random default tiny (configs/tictactoe_tiny.py)"
     figures["tokens"] = "random ids" if args.random_tokens > 0 else "move-task prompts"
-    print(f"max |logit diff| {figures['max_abs_logit_diff']:.3g} (largest |logit| {figures['max_abs_logit']:.3g}); "
-          f"transformers' schedule {figures['layer_types']} {figures['mlp_layer_types']}", flush=True)
+    print(
+        f"max |logit diff| {figures['max_abs_logit_diff']:.3g} (largest |logit| {figures['max_abs_logit']:.3g}); "
+        f"transformers' schedule {figures['layer_types']} {figures['mlp_layer_types']}",
+        flush=True,
+    )
     print(json.dumps(figures))
     return figures
 

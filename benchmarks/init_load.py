@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def timed(fn, *args, **kwargs):
     import jax
+
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args, **kwargs))
     return out, round(time.perf_counter() - t0, 3)
@@ -51,21 +52,38 @@ def main():
 
     # The checkout whose reno_jax Python imports (the installed one, or another one on PYTHONPATH).
     repo = os.path.dirname(os.path.dirname(os.path.abspath(reno_jax.__file__)))
-    res = {"repo": repo, "jax": jax.__version__, "devices": jax.device_count(),
-           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    res = {
+        "repo": repo,
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
     c = tictactoe_tiny.get_config()
-    models = {"default_tiny": build.tiny_model_config(c, len(build.build_tokenizer(c))),
-              "tiny_test_config": ling3.tiny_test_config()}
+    models = {
+        "default_tiny": build.tiny_model_config(c, len(build.build_tokenizer(c))),
+        "tiny_test_config": ling3.tiny_test_config(),
+    }
     for name, config in models.items():
         res[f"{name}_params"] = ling3.count_params(config)["total"]
         for call in (1, 2):
             _, res[f"init_{name}_call{call}_s"] = timed(ling3.init_params, config, jax.random.PRNGKey(call))
     # The load / save model: hidden H, 4 layers (KDA, MLA, KDA, MLA), 16 experts, 32k vocabulary.
     h = args.load_hidden
-    mid = ling3.tiny_test_config(hidden_size=h, intermediate_size=2 * h, num_attention_heads=h // 64, head_dim=64,
-                                 moe_intermediate_size=h // 2, moe_shared_expert_intermediate_size=h // 2,
-                                 num_experts=16, vocab_size=32768, q_lora_rank=h // 2, kv_lora_rank=h // 2,
-                                 qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+    mid = ling3.tiny_test_config(
+        hidden_size=h,
+        intermediate_size=2 * h,
+        num_attention_heads=h // 64,
+        head_dim=64,
+        moe_intermediate_size=h // 2,
+        moe_shared_expert_intermediate_size=h // 2,
+        num_experts=16,
+        vocab_size=32768,
+        q_lora_rank=h // 2,
+        kv_lora_rank=h // 2,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+    )
     res["mid_params"] = ling3.count_params(mid)["total"]
     params, res["init_mid_s"] = timed(ling3.init_params, mid, jax.random.PRNGKey(0))
     if repo != ROOT:  # another checkout: its init only
@@ -74,20 +92,24 @@ def main():
 
     from reno_jax import parallel
     from reno_jax.models import conversion
+
     layout = None
     if args.mesh:
         mesh_config = parallel.MeshConfig.from_string(args.mesh)
         for name, config in models.items():
             layout = parallel.Layout.create(config, mesh_config)
             for call in (1, 2):
-                _, res[f"init_{name}_mesh_call{call}_s"] = timed(ling3.init_params, config, jax.random.PRNGKey(call),
-                                                                 shardings=layout.param_shardings)
+                _, res[f"init_{name}_mesh_call{call}_s"] = timed(
+                    ling3.init_params, config, jax.random.PRNGKey(call), shardings=layout.param_shardings
+                )
         layout = parallel.Layout.create(mid, mesh_config)
-        _, res["init_mid_mesh_s"] = timed(ling3.init_params, mid, jax.random.PRNGKey(0),
-                                          shardings=layout.param_shardings)
+        _, res["init_mid_mesh_s"] = timed(
+            ling3.init_params, mid, jax.random.PRNGKey(0), shardings=layout.param_shardings
+        )
     real = ling3.ling3_tiny_real()
-    _, res["eval_shape_real_s"] = timed(jax.eval_shape, lambda k: ling3.init_params(real, k, jnp.bfloat16),
-                                        jax.random.PRNGKey(0))
+    _, res["eval_shape_real_s"] = timed(
+        jax.eval_shape, lambda k: ling3.init_params(real, k, jnp.bfloat16), jax.random.PRNGKey(0)
+    )
 
     config = mid
     with tempfile.TemporaryDirectory() as tmp:

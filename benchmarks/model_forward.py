@@ -148,14 +148,20 @@ def main():
 
     out = {"tiny": tiny_throughput(args.batch, args.seq, args.max_length, args.repeats)}
     t = out["tiny"]
-    print(f"tiny: forward {t['forward_tokens_per_s']:.0f} tok/s ({args.batch}x{args.seq}), "
-          f"decode {t['decode_tokens_per_s']:.0f} tok/s (batch {args.batch})", flush=True)
+    print(
+        f"tiny: forward {t['forward_tokens_per_s']:.0f} tok/s ({args.batch}x{args.seq}), "
+        f"decode {t['decode_tokens_per_s']:.0f} tok/s (batch {args.batch})",
+        flush=True,
+    )
     if not args.skip_real:
         out["real"] = r = real_footprint(args.real_batch, args.real_max_length, not args.no_f32)
-        gib = 2.0 ** 30
-        print(f"real: {r['params_total'] / 1e9:.2f}B params, {r['params_active_per_token'] / 1e9:.2f}B active/token, "
-              f"bf16 params {r['param_bytes_bf16'] / gib:.1f} GiB, cache {r['cache_bytes_bf16'] / gib:.2f} GiB, "
-              f"bf16 decode-step temp {r['decode_step_bf16'].get('temp_size_in_bytes', 0) / gib:.2f} GiB", flush=True)
+        gib = 2.0**30
+        print(
+            f"real: {r['params_total'] / 1e9:.2f}B params, {r['params_active_per_token'] / 1e9:.2f}B active/token, "
+            f"bf16 params {r['param_bytes_bf16'] / gib:.1f} GiB, cache {r['cache_bytes_bf16'] / gib:.2f} GiB, "
+            f"bf16 decode-step temp {r['decode_step_bf16'].get('temp_size_in_bytes', 0) / gib:.2f} GiB",
+            flush=True,
+        )
     print(json.dumps(out))
 
 

@@ -63,7 +63,6 @@ from reno_jax.models import layers, ling3
 from reno_jax.rl import policy, trainer
 
 
-
 def lora_of(args):
     """The published setting's LoRA (configs/areno_ling3_tiny.py's block) at rank --lora-rank; None: the full
     fine-tune."""
@@ -86,9 +85,11 @@ def compile_only_device(target_path: str):
     try:
         topo = topologies.get_topology_desc("compile-only", "cuda", target_config=target, topology="1x1x1")
     except NotImplementedError as e:
-        raise SystemExit(f"--compile-only needs JAX's CUDA plugin (benchmark-only extra: pip install "
-                         f"'jax[cuda12]=={jax.__version__}'; without a driver also set "
-                         f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1): {e}") from e
+        raise SystemExit(
+            f"--compile-only needs JAX's CUDA plugin (benchmark-only extra: pip install "
+            f"'jax[cuda12]=={jax.__version__}'; without a driver also set "
+            f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1): {e}"
+        ) from e
     return topo.devices[0]
 
 
@@ -119,9 +120,12 @@ def compile_only(args, config, res):
     if not args.synthetic_batch:  # the rollout program too (its tables and start boards as abstract arguments)
         rollout_fn, key, starts, env = rs.rollout_setup(args, config, *move_task(args))
         t0 = time.perf_counter()
-        compiled = rollout_fn.lower(on_device(rs.model_params(lora_of(args), trained, frozen), device),
-                                    on_device(key, device), on_device(starts, device),
-                                    env=on_device(env, device)).compile()
+        compiled = rollout_fn.lower(
+            on_device(rs.model_params(lora_of(args), trained, frozen), device),
+            on_device(key, device),
+            on_device(starts, device),
+            env=on_device(env, device),
+        ).compile()
         res["rollout_compile_s"] = time.perf_counter() - t0
         res.update({f"rollout_{k}": v for k, v in rs.memory_figures(compiled).items()})
         print("[rollout] " + json.dumps(res), flush=True)
@@ -168,36 +172,64 @@ def main(argv=None):
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--state-dtype", default="int8", choices=["int8", "bfloat16", "float32"])
     ap.add_argument("--steps", type=int, default=2, help="timed calls of each phase after the compiling one")
-    ap.add_argument("--synthetic-batch", action="store_true",
-                    help="skip the rollout; train on random tokens of the rollout's shape (prompt + max-new-tokens)")
+    ap.add_argument(
+        "--synthetic-batch",
+        action="store_true",
+        help="skip the rollout; train on random tokens of the rollout's shape (prompt + max-new-tokens)",
+    )
     ap.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass")
     ap.add_argument("--share-prefix", action="store_true", help="encode each group's prompt once (rl.shared_prefix)")
-    ap.add_argument("--entropy", action="store_true",
-                    help="also compute the per-token entropy in the train step, as the training loop "
-                         "does (a logged metric)")
-    ap.add_argument("--compile-only", default="", metavar="TARGET",
-                    help="no device: compile the train step for the GPU described by this GpuTargetConfig text "
-                         "proto and report XLA's memory plan (the rollout's too, unless --synthetic-batch)")
-    ap.add_argument("--lora-rank", type=int, default=0,
-                    help="train LoRA adapters of this rank over a frozen base (configs/areno_ling3_tiny.py's lora "
-                         "block); 0: the full fine-tune")
-    ap.add_argument("--quantize", default="", choices=["", "int8"],
-                    help="the frozen base in int8 weight-only (needs --lora-rank)")
-    ap.add_argument("--cpu-dense-moe", action="store_true",
-                    help="on CPU, run every routed expert on every token (`layers.moe_dense_reference`, the "
-                         "model's CPU choice for <= 16 experts): E*N expert rows instead of the E*N*K of XLA:CPU's "
-                         "dense ragged_dot fallback (decode and short sequences; for a CPU run at the real shape); "
-                         "also sets XLA:CPU's memory-minimising scheduler and turns its CSE pass off (see main)")
-    ap.add_argument("--logits-chunk", type=int, default=0,
-                    help="make the train step's logits this many positions at a time (`policy.make_logp_fn("
-                         "logits_chunk=)`): no [rows, tokens, vocab] array; 0: all at once")
-    ap.add_argument("--recompute-old-logp", action="store_true",
-                    help="score the rollout with the train forward and use that as old_logp (GSPO's ratio then "
-                         "starts at 1); default: the rollout's own log-probs, whose gap to the train forward can put "
-                         "the ratio outside the published clip range (3e-4 / 4e-4), where the gradient is zero")
-    ap.add_argument("--num-layers", type=int, default=0,
-                    help="keep only the first N decoder layers of the model (same widths; for memory studies: "
-                         "XLA compiles a few layers in minutes, and a plan's per-layer part scales with N)")
+    ap.add_argument(
+        "--entropy",
+        action="store_true",
+        help="also compute the per-token entropy in the train step, as the training loop does (a logged metric)",
+    )
+    ap.add_argument(
+        "--compile-only",
+        default="",
+        metavar="TARGET",
+        help="no device: compile the train step for the GPU described by this GpuTargetConfig text "
+        "proto and report XLA's memory plan (the rollout's too, unless --synthetic-batch)",
+    )
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank over a frozen base (configs/areno_ling3_tiny.py's lora "
+        "block); 0: the full fine-tune",
+    )
+    ap.add_argument(
+        "--quantize", default="", choices=["", "int8"], help="the frozen base in int8 weight-only (needs --lora-rank)"
+    )
+    ap.add_argument(
+        "--cpu-dense-moe",
+        action="store_true",
+        help="on CPU, run every routed expert on every token (`layers.moe_dense_reference`, the "
+        "model's CPU choice for <= 16 experts): E*N expert rows instead of the E*N*K of XLA:CPU's "
+        "dense ragged_dot fallback (decode and short sequences; for a CPU run at the real shape); "
+        "also sets XLA:CPU's memory-minimising scheduler and turns its CSE pass off (see main)",
+    )
+    ap.add_argument(
+        "--logits-chunk",
+        type=int,
+        default=0,
+        help="make the train step's logits this many positions at a time (`policy.make_logp_fn("
+        "logits_chunk=)`): no [rows, tokens, vocab] array; 0: all at once",
+    )
+    ap.add_argument(
+        "--recompute-old-logp",
+        action="store_true",
+        help="score the rollout with the train forward and use that as old_logp (GSPO's ratio then "
+        "starts at 1); default: the rollout's own log-probs, whose gap to the train forward can put "
+        "the ratio outside the published clip range (3e-4 / 4e-4), where the gradient is zero",
+    )
+    ap.add_argument(
+        "--num-layers",
+        type=int,
+        default=0,
+        help="keep only the first N decoder layers of the model (same widths; for memory studies: "
+        "XLA compiles a few layers in minutes, and a plan's per-layer part scales with N)",
+    )
     ap.add_argument("--out", default="", help="also write the JSON figures to this file after each phase")
     args = ap.parse_args(argv)
     if args.cpu_dense_moe:
@@ -207,19 +239,33 @@ def main(argv=None):
         # subexpression pass merges the backward pass's recomputed dequantization with the forward's, keeping
         # every layer's float32 experts live from one to the other (1.3 GB per MoE layer, 31.5 GB in all).
         # Read when the CPU backend starts (nothing has started it yet).
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-                                   + " --xla_disable_hlo_passes=cse").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+            + " --xla_disable_hlo_passes=cse"
+        ).strip()
     if args.quantize and not args.lora_rank:
         ap.error("--quantize int8 needs --lora-rank > 0 (an int8 base is frozen)")
 
-    res = {"backend": jax.default_backend(), "device": str(jax.local_devices()[0].device_kind),
-           "jax": jax.__version__, "model": args.model, "boards": args.boards, "group_size": args.group_size,
-           "max_new_tokens": args.max_new_tokens, "microbatches": args.microbatches,
-           "optimizer_state_dtype": args.state_dtype, "remat": args.remat, "share_prefix": args.share_prefix,
-           "entropy": args.entropy, "num_layers": args.num_layers or None, "logits_chunk": args.logits_chunk,
-           "recompute_old_logp": args.recompute_old_logp, "lora_rank": args.lora_rank,
-           "quantize": args.quantize or None}
+    res = {
+        "backend": jax.default_backend(),
+        "device": str(jax.local_devices()[0].device_kind),
+        "jax": jax.__version__,
+        "model": args.model,
+        "boards": args.boards,
+        "group_size": args.group_size,
+        "max_new_tokens": args.max_new_tokens,
+        "microbatches": args.microbatches,
+        "optimizer_state_dtype": args.state_dtype,
+        "remat": args.remat,
+        "share_prefix": args.share_prefix,
+        "entropy": args.entropy,
+        "num_layers": args.num_layers or None,
+        "logits_chunk": args.logits_chunk,
+        "recompute_old_logp": args.recompute_old_logp,
+        "lora_rank": args.lora_rank,
+        "quantize": args.quantize or None,
+    }
 
     def report(phase):
         res["peak_bytes_in_use"] = rs.peak_bytes()
@@ -265,8 +311,9 @@ def main(argv=None):
     batch = rs.train_batch(args, traj, adv, int(jnp.min(traj.prompt_length)))
     del traj
     if args.recompute_old_logp:  # the ratio starts at exactly 1: inside any clip range, so the gradient is not zero
-        logp_fn = jax.jit(policy.make_logp_fn(config, with_entropy=False, group_size=args.group_size,
-                                              logits_chunk=args.logits_chunk))
+        logp_fn = jax.jit(
+            policy.make_logp_fn(config, with_entropy=False, group_size=args.group_size, logits_chunk=args.logits_chunk)
+        )
         batch = batch.replace(old_logp=logp_fn(rs.model_params(lora_of(args), state.params, frozen), batch).logp)
     (state, metrics), res["train_first_call_s"] = rs.timed(step_fn, state, batch, *extra)
     report("train first call")

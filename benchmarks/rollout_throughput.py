@@ -43,11 +43,11 @@ import numpy as np
 
 from configs import tictactoe_tiny
 from reno_jax.envs.tictactoe import boards as boards_lib
-from reno_jax.envs.tictactoe import wording as text
-from reno_jax.protocol.tokenizer import load_tokenizer
-from reno_jax.models import conversion, ling3
-from reno_jax.rollout import generate as gen
 from reno_jax.envs.tictactoe import env as ttt_env
+from reno_jax.envs.tictactoe import wording as text
+from reno_jax.models import conversion, ling3
+from reno_jax.protocol.tokenizer import load_tokenizer
+from reno_jax.rollout import generate as gen
 from reno_jax.rollout import rollout as R
 
 GROUP = 8
@@ -74,8 +74,9 @@ def model_config(vocab_size: int) -> ling3.Ling3Config:
 
 def rollout_runner(params, mc, env, boards, new_tokens, share_prompt_prefill=True):
     """The jitted move-task rollout; the runner stores the last Trajectory in `out`."""
-    rc = R.RolloutConfig(group_size=GROUP, max_new_tokens=new_tokens, prefill_chunk=64,
-                         share_prompt_prefill=share_prompt_prefill)
+    rc = R.RolloutConfig(
+        group_size=GROUP, max_new_tokens=new_tokens, prefill_chunk=64, share_prompt_prefill=share_prompt_prefill
+    )
     fn = R.make_rollout_fn(mc, rc)
     starts = ttt_env.move_starts(boards)
     out = {}
@@ -92,8 +93,9 @@ def jax_generate_runner(params, mc, prompts, new_tokens):
     ids = jnp.asarray(prompts)
 
     def run():
-        jax.block_until_ready(gen.generate(params, jax.random.key(2), ids, lengths, model_config=mc,
-                                           max_new_tokens=new_tokens, chunk=64))
+        jax.block_until_ready(
+            gen.generate(params, jax.random.key(2), ids, lengths, model_config=mc, max_new_tokens=new_tokens, chunk=64)
+        )
 
     return run
 
@@ -155,9 +157,18 @@ def transformers_runner(torch, model, prompts, new_tokens, pad_id):
 
     def run():
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 pad_token_id=pad_id, use_cache=True)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=pad_id,
+                use_cache=True,
+            )
         assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens), out.shape
 
     return run
@@ -180,8 +191,11 @@ def main(argv=None):
     params = ling3.init_params(mc, jax.random.key(0))
     env = R.compile_env(ttt_env.TicTacToeEnv.create("move"), tok, vocab_size=mc.vocab_size)
     pool = np.asarray(boards_lib.generate_boards(max(batches) // GROUP, seed=0), np.int8)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; model "
-          f"{ling3.count_params(mc)['total']} params; new tokens {args.new_tokens}", flush=True)
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores; model "
+        f"{ling3.count_params(mc)['total']} params; new tokens {args.new_tokens}",
+        flush=True,
+    )
 
     torch = model = None
     hf_note = "skipped (--skip_transformers)"
@@ -202,8 +216,11 @@ def main(argv=None):
         r = {"batch": b, "prompt_length": int(prompts.shape[1])}
         run_rollout, out = rollout_runner(params, mc, env, boards, args.new_tokens)
         run_unshared, out_unshared = rollout_runner(params, mc, env, boards, args.new_tokens, False)
-        runners = {"rollout": run_rollout, "rollout_unshared": run_unshared,
-                   "jax_generate": jax_generate_runner(params, mc, prompts, args.new_tokens)}
+        runners = {
+            "rollout": run_rollout,
+            "rollout_unshared": run_unshared,
+            "jax_generate": jax_generate_runner(params, mc, prompts, args.new_tokens),
+        }
         if not args.skip_host_loop:
             runners["host_loop"] = host_loop_runner(params, mc, prompts, args.new_tokens)
         if model is not None:
@@ -214,8 +231,11 @@ def main(argv=None):
         traj = out["traj"]
         assert int(np.asarray(traj.prompt_length)[0]) == prompts.shape[1]
         generated = int(np.asarray(traj.info["generated_tokens"]).sum())
-        r.update(tokens_per_s=generated / sec["rollout"], episodes_per_s=b / sec["rollout"],
-                 rollout_generated_tokens=generated)
+        r.update(
+            tokens_per_s=generated / sec["rollout"],
+            episodes_per_s=b / sec["rollout"],
+            rollout_generated_tokens=generated,
+        )
         unshared = int(np.asarray(out_unshared["traj"].info["generated_tokens"]).sum())
         r["rollout_unshared_tokens_per_s"] = unshared / sec["rollout_unshared"]
         for name in runners:
@@ -226,13 +246,24 @@ def main(argv=None):
         if "transformers" in runners:
             r["ratio_vs_transformers"] = r["tokens_per_s"] / r["transformers_tokens_per_s"]
         results[b] = r
-        print(json.dumps({k: (float(f'{v:.4g}') if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+        print(json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
 
     first = results[batches[0]]
-    summary = {k: first.get(k) for k in ("batch", "tokens_per_s", "episodes_per_s", "transformers_tokens_per_s",
-                                         "ratio_vs_transformers", "host_loop_tokens_per_s", "ratio_vs_host_loop",
-                                         "rollout_unshared_tokens_per_s", "jax_generate_tokens_per_s",
-                                         "logit_max_abs_diff_vs_transformers")}
+    summary = {
+        k: first.get(k)
+        for k in (
+            "batch",
+            "tokens_per_s",
+            "episodes_per_s",
+            "transformers_tokens_per_s",
+            "ratio_vs_transformers",
+            "host_loop_tokens_per_s",
+            "ratio_vs_host_loop",
+            "rollout_unshared_tokens_per_s",
+            "jax_generate_tokens_per_s",
+            "logit_max_abs_diff_vs_transformers",
+        )
+    }
     summary["new_tokens"] = args.new_tokens
     summary["transformers"] = hf_note
     summary["batches"] = {str(b): results[b] for b in batches}

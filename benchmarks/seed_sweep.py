@@ -53,8 +53,11 @@ def read_metrics(path: str) -> list[dict]:
 def curve_figures(rows: list[dict], first: int = 5, last: int = 20) -> dict:
     rewards = np.array([r[REWARD] for r in rows if REWARD in r], np.float64)
     valid = np.array([r[VALID] for r in rows if VALID in r], np.float64)
-    out = {"steps": len(rows), "first5_reward": float(rewards[:first].mean()),
-           "last20_reward": float(rewards[-last:].mean())}
+    out = {
+        "steps": len(rows),
+        "first5_reward": float(rewards[:first].mean()),
+        "last20_reward": float(rewards[-last:].mean()),
+    }
     if valid.size:
         out["last20_valid"] = float(valid[-last:].mean())
     return out
@@ -71,8 +74,11 @@ def last_json_line(text: str) -> dict:
 def eval_figures(name: str, figures: dict) -> dict:
     """An evaluation's last JSON line (`{"checkpoint_step", "env", "greedy", "<suite>/<figure>": ...}`) as the
     row's `<name>/<suite>/<figure>` numbers (the step, the environment and the decoding flag are left out)."""
-    return {f"{name}/{k}": v for k, v in figures.items()
-            if "/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        f"{name}/{k}": v
+        for k, v in figures.items()
+        if "/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def run(cmd: list[str], log_path: str) -> tuple[str, float]:
@@ -111,11 +117,18 @@ def eval_curve(rows: list[dict], headline: str) -> tuple[list[int], list[float]]
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot(curves: dict[int, list[dict]], path: str, title: str, rows: list[dict] | None = None,
-         headlines: list[str] | None = None) -> None:
+def plot(
+    curves: dict[int, list[dict]],
+    path: str,
+    title: str,
+    rows: list[dict] | None = None,
+    headlines: list[str] | None = None,
+) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows, headlines = rows or [], headlines or []
     compared = [h for h in headlines if rows and all(h in r and f"{WARM}/{h}" in r for r in rows)]
     if compared:
@@ -127,8 +140,8 @@ def plot(curves: dict[int, list[dict]], path: str, title: str, rows: list[dict] 
         rewards = np.array([r[REWARD] for r in metrics if REWARD in r])
         window = max(1, min(20, len(rewards) // 5))  # a short run still shows its smoothed line
         smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
-        line, = ax.plot(steps, rewards, alpha=0.25)
-        ax.plot(steps[window - 1:], smooth, color=line.get_color(), label=f"seed {seed} ({window}-step mean)")
+        (line,) = ax.plot(steps, rewards, alpha=0.25)
+        ax.plot(steps[window - 1 :], smooth, color=line.get_color(), label=f"seed {seed} ({window}-step mean)")
     ax.set_xlabel("GSPO step")
     ax.set_ylabel(REWARD)
     ax.set_title(title)
@@ -138,10 +151,21 @@ def plot(curves: dict[int, list[dict]], path: str, title: str, rows: list[dict] 
         width = 0.8 / (2 * len(rows))
         for j, r in enumerate(rows):
             x = np.arange(len(compared))
-            bars.bar(x + (2 * j) * width, [r[f"{WARM}/{h}"] for h in compared], width, color=f"C{j}", alpha=0.35,
-                     label=f"seed {r['seed']}: warm start")
-            bars.bar(x + (2 * j + 1) * width, [r[h] for h in compared], width, color=f"C{j}",
-                     label=f"seed {r['seed']}: after GSPO")
+            bars.bar(
+                x + (2 * j) * width,
+                [r[f"{WARM}/{h}"] for h in compared],
+                width,
+                color=f"C{j}",
+                alpha=0.35,
+                label=f"seed {r['seed']}: warm start",
+            )
+            bars.bar(
+                x + (2 * j + 1) * width,
+                [r[h] for h in compared],
+                width,
+                color=f"C{j}",
+                label=f"seed {r['seed']}: after GSPO",
+            )
         bars.set_xticks(np.arange(len(compared)) + 0.4 - width / 2)
         bars.set_xticklabels([h.split("/", 1)[1].replace("/", "\n") for h in compared], fontsize=8)
         bars.set_title("warm start (light) vs after GSPO (dark), greedy evaluation")
@@ -167,15 +191,25 @@ def main(argv=None) -> None:
     parser.add_argument("--config", default="configs/tictactoe_tiny.py")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated config.seed values")
     parser.add_argument("--root", required=True, help="parent of the per-seed workdirs (must not hold them yet)")
-    parser.add_argument("--eval", action="append", default=[], metavar="NAME:FLAGS",
-                        help="an evaluation: a name and the experiments.evaluate flags (repeatable; default: "
-                             "'greedy:' = the environment's default suites, greedy)")
+    parser.add_argument(
+        "--eval",
+        action="append",
+        default=[],
+        metavar="NAME:FLAGS",
+        help="an evaluation: a name and the experiments.evaluate flags (repeatable; default: "
+        "'greedy:' = the environment's default suites, greedy)",
+    )
     parser.add_argument("--trainer", default="experiments.train")
     parser.add_argument("--plot", default="", help="PNG of every seed's curve (default: ROOT/seed_sweep.png)")
-    parser.add_argument("--headline", default="", help="comma-separated <eval>/<suite>/<figure> names the PNG "
-                        "compares between warm start and after GSPO (default: the first evaluation's rates)")
-    parser.add_argument("--no-warm-start", dest="warm_start", action="store_false",
-                        help="do not evaluate the warm starts")
+    parser.add_argument(
+        "--headline",
+        default="",
+        help="comma-separated <eval>/<suite>/<figure> names the PNG "
+        "compares between warm start and after GSPO (default: the first evaluation's rates)",
+    )
+    parser.add_argument(
+        "--no-warm-start", dest="warm_start", action="store_false", help="do not evaluate the warm starts"
+    )
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -196,21 +230,32 @@ def main(argv=None) -> None:
     for i, seed in enumerate(seeds):
         workdir = os.path.join(args.root, f"seed{seed}")
         print(f"[{i + 1}/{len(seeds)}] seed {seed}: training into {workdir}", flush=True)
-        cmd = [sys.executable, "-m", args.trainer, f"--config={args.config}", f"--workdir={workdir}",
-               f"--config.seed={seed}", *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            args.trainer,
+            f"--config={args.config}",
+            f"--workdir={workdir}",
+            f"--config.seed={seed}",
+            *overrides,
+        ]
         _, train_wall = run(cmd, os.path.join(args.root, f"seed{seed}.train.log"))
         metrics = read_metrics(os.path.join(workdir, "metrics.jsonl"))
         curves[seed] = metrics
         row = {"seed": seed, "train_wall_s": round(train_wall, 1), **curve_figures(metrics)}
         for name, flags in evals:
             print(f"      evaluating {name} {shlex.join(flags)}", flush=True)
-            out, wall = run([sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", *flags],
-                            os.path.join(args.root, f"seed{seed}.eval_{name}.log"))
+            out, wall = run(
+                [sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", *flags],
+                os.path.join(args.root, f"seed{seed}.eval_{name}.log"),
+            )
             row[f"{name}/eval_wall_s"] = round(wall, 1)
             row.update(eval_figures(name, last_json_line(out)))
             if args.warm_start and os.path.isdir(os.path.join(workdir, "warmstart")):
-                out, _ = run([sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", "--warm_start",
-                              *flags], os.path.join(args.root, f"seed{seed}.eval_{name}.warm_start.log"))
+                out, _ = run(
+                    [sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", "--warm_start", *flags],
+                    os.path.join(args.root, f"seed{seed}.eval_{name}.warm_start.log"),
+                )
                 row.update({f"{WARM}/{k}": v for k, v in eval_figures(name, last_json_line(out)).items()})
         rows.append(row)
         print("      " + json.dumps(row), flush=True)

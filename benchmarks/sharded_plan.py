@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from reno_jax import parallel
 from reno_jax import real_shape as rs
 from reno_jax.envs.tictactoe import boards as boards_lib
 from reno_jax.envs.tictactoe import env as ttt_env
-from reno_jax import parallel
 from reno_jax.models import layers, ling3
 from reno_jax.parallel import hlo_stats
 from reno_jax.rl import trainer
@@ -52,7 +52,7 @@ GB = 1e9
 
 
 def parse_mesh(text: str) -> parallel.MeshConfig:
-    """"fsdp=4,expert=2:fsdp_ep" -> MeshConfig(fsdp=4, expert=2, preset="fsdp_ep")."""
+    """ "fsdp=4,expert=2:fsdp_ep" -> MeshConfig(fsdp=4, expert=2, preset="fsdp_ep")."""
     axes, _, preset = text.partition(":")
     sizes = {k: int(v) for k, v in (p.split("=") for p in axes.split(",") if p)}
     return parallel.MeshConfig(preset=preset or "fsdp", **sizes)
@@ -67,10 +67,13 @@ def devices_for(n: int, args):
     if args.cpu_devices:
         devs = jax.devices("cpu")
         if len(devs) < n:
-            raise SystemExit(f"--cpu-devices needs XLA_FLAGS=--xla_force_host_platform_device_count={n} "
-                             f"(have {len(devs)} CPU devices)")
+            raise SystemExit(
+                f"--cpu-devices needs XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+                f"(have {len(devs)} CPU devices)"
+            )
         return devs[:n]
     from jax.experimental import topologies
+
     with open(args.target) as f:
         target = f.read()
     topo = topologies.get_topology_desc("compile-only", "cuda", target_config=target, topology=f"1x1x{n}")
@@ -83,11 +86,13 @@ def abstract_with(tree, shardings):
 
 def batch_shardings(tree, mesh):
     """The training loop's `Layout.place_batch`: rows over the batch axes (scalars replicated)."""
+
     def one(x):
         if not x.ndim:
             return NamedSharding(mesh, PartitionSpec())
         parallel.check_batch_divides(x.shape[0], mesh)
         return parallel.batch_sharding(mesh, x.ndim)
+
     return jax.tree.map(one, tree)
 
 
@@ -126,9 +131,12 @@ def compile_program(label, fn_lower, res, key):
     del text, compiled, lowered
     res["programs"][key] = figs
     c = figs["collectives"]["total"]
-    print(f"[{key}] args {figs['argument_bytes'] / GB:.2f} GB, temp {figs['temp_bytes'] / GB:.2f} GB, "
-          f"peak {figs['estimated_peak_bytes'] / GB:.2f} GB, collectives {c['count']} ops / "
-          f"{c['traffic_bytes'] / GB:.2f} GB sent per device; compile {figs['compile_s']} s", flush=True)
+    print(
+        f"[{key}] args {figs['argument_bytes'] / GB:.2f} GB, temp {figs['temp_bytes'] / GB:.2f} GB, "
+        f"peak {figs['estimated_peak_bytes'] / GB:.2f} GB, collectives {c['count']} ops / "
+        f"{c['traffic_bytes'] / GB:.2f} GB sent per device; compile {figs['compile_s']} s",
+        flush=True,
+    )
     return figs
 
 
@@ -164,23 +172,23 @@ def plan(args, mc: parallel.MeshConfig, layers_n: int, res):
         batch_s = abstract_with(batch, batch_shardings(batch, mesh))
         with layout.activate():  # the programs' sharding constraints see the mesh, as in the training loop
             figs = compile_program("train", lambda: step_fn.lower(state_s, batch_s), res, f"train / {base}")
-        figs.update(mesh=mc.sizes(), preset=mc.preset, layers=layers_n, program="train", microbatches=micro,
-                    devices=n)
+        figs.update(mesh=mc.sizes(), preset=mc.preset, layers=layers_n, program="train", microbatches=micro, devices=n)
     if "rollout" in args.programs:
         rollout_fn, key, starts, env = rs.rollout_setup(ns, config, *move_task(ns))
         rep = NamedSharding(mesh, PartitionSpec())
         starts_split = all(np.ndim(x) == 0 or np.shape(x)[0] % ways == 0 for x in jax.tree.leaves(starts))
         starts_sh = batch_shardings(starts, mesh) if starts_split else jax.tree.map(lambda _: rep, starts)
-        as_abstract = lambda t, s: jax.tree.map(
-            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), t, s)
+        as_abstract = lambda t, s: jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), t, s)
         key_s = as_abstract(key, rep)
         starts_a = as_abstract(starts, starts_sh)
         env_a = as_abstract(env, jax.tree.map(lambda _: rep, env))
         with layout.activate():
-            figs = compile_program("rollout", lambda: rollout_fn.lower(params_s, key_s, starts_a, env=env_a), res,
-                                   f"rollout / {base}")
-        figs.update(mesh=mc.sizes(), preset=mc.preset, layers=layers_n, program="rollout", devices=n,
-                    starts_split=starts_split)
+            figs = compile_program(
+                "rollout", lambda: rollout_fn.lower(params_s, key_s, starts_a, env=env_a), res, f"rollout / {base}"
+            )
+        figs.update(
+            mesh=mc.sizes(), preset=mc.preset, layers=layers_n, program="rollout", devices=n, starts_split=starts_split
+        )
 
 
 def plan_moe_layer(args, mc: parallel.MeshConfig, res):
@@ -197,8 +205,9 @@ def plan_moe_layer(args, mc: parallel.MeshConfig, res):
         rows = args.boards * args.group_size // args.microbatches_for_8
     params = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
     p = abstract_with(params["model"]["layers_1"]["mlp"], layout.param_shardings["model"]["layers_1"]["mlp"])
-    x = jax.ShapeDtypeStruct((rows, args.max_new_tokens, config.hidden_size), jnp.bfloat16,
-                             sharding=parallel.batch_sharding(mesh, 3))
+    x = jax.ShapeDtypeStruct(
+        (rows, args.max_new_tokens, config.hidden_size), jnp.bfloat16, sharding=parallel.batch_sharding(mesh, 3)
+    )
 
     def loss(p, x):
         return jnp.sum(layers.moe(p, x, config).astype(jnp.float32))
@@ -210,8 +219,9 @@ def plan_moe_layer(args, mc: parallel.MeshConfig, res):
     key = f"moe layer / {mesh_label(mc)} / {rows} x {args.max_new_tokens} tokens"
     with layout.activate():
         figs = compile_program("moe", lambda: fn.lower(p, x), res, key)
-    figs.update(mesh=mc.sizes(), preset=mc.preset, program="moe layer", devices=n, rows=rows,
-                tokens=rows * args.max_new_tokens)
+    figs.update(
+        mesh=mc.sizes(), preset=mc.preset, program="moe layer", devices=n, rows=rows, tokens=rows * args.max_new_tokens
+    )
 
 
 FIELDS = ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "estimated_peak_bytes")
@@ -229,8 +239,13 @@ def fit(res, target_layers: int = 24):
         if len({f["layers"] for f in fs}) < 2:
             continue
         x = np.array([f["layers"] for f in fs], float)
-        row = {"program": program, "mesh": json.loads(mesh), "preset": preset, "from_layers": x.tolist(),
-               "devices": fs[0]["devices"]}
+        row = {
+            "program": program,
+            "mesh": json.loads(mesh),
+            "preset": preset,
+            "from_layers": x.tolist(),
+            "devices": fs[0]["devices"],
+        }
         series = {k: [f[k] for f in fs] for k in FIELDS}
         for kind in hlo_stats.KINDS + ("total",):
             series[f"{kind}_traffic_bytes"] = [f["collectives"][kind]["traffic_bytes"] for f in fs]
@@ -247,9 +262,11 @@ def fit(res, target_layers: int = 24):
 
 def decode_table(rows, steps: int) -> str:
     """Rollouts: collectives per decode step (the decode loop's body, sent per device) and for `steps` steps."""
-    lines = ["| rollout | mesh / preset | layers | per decode step: all-gather / reduce-scatter / all-reduce / "
-             "all-to-all / permute | per step, total | x " + str(steps) + " steps | outside the decode loop |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| rollout | mesh / preset | layers | per decode step: all-gather / reduce-scatter / all-reduce / "
+        "all-to-all / permute | per step, total | x " + str(steps) + " steps | outside the decode loop |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for key, f in rows.items():
         if not key.startswith("rollout"):
             continue
@@ -261,33 +278,47 @@ def decode_table(rows, steps: int) -> str:
             continue
         total = f["collectives"]["total"]["traffic_bytes"] if "collectives" in f else f["total_traffic_bytes"]
         parts = key.split(" / ")
-        lines.append(f"| rollout | {' / '.join(parts[1:-1])} | {parts[-1]} | "
-                     + " / ".join(f"{step[k] / 1e6:.2f}" for k in hlo_stats.KINDS)
-                     + f" MB | {step['total'] / 1e6:.2f} MB | {step['total'] * steps / GB:.2f} GB | "
-                     f"{(total - step['total']) / GB:.2f} GB |")
+        lines.append(
+            f"| rollout | {' / '.join(parts[1:-1])} | {parts[-1]} | "
+            + " / ".join(f"{step[k] / 1e6:.2f}" for k in hlo_stats.KINDS)
+            + f" MB | {step['total'] / 1e6:.2f} MB | {step['total'] * steps / GB:.2f} GB | "
+            f"{(total - step['total']) / GB:.2f} GB |"
+        )
     return "\n".join(lines)
 
 
 def table(rows) -> str:
-    lines = ["| program | mesh / preset | layers | arguments | temporaries | outputs - aliased | estimated peak |"
-             " collectives sent per device: all-gather / reduce-scatter / all-reduce / all-to-all / permute |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| program | mesh / preset | layers | arguments | temporaries | outputs - aliased | estimated peak |"
+        " collectives sent per device: all-gather / reduce-scatter / all-reduce / all-to-all / permute |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for key, f in rows.items():
-        coll = f["collectives"] if "collectives" in f else {k: {"traffic_bytes": f[f"{k}_traffic_bytes"]}
-                                                              for k in hlo_stats.KINDS}
+        coll = (
+            f["collectives"]
+            if "collectives" in f
+            else {k: {"traffic_bytes": f[f"{k}_traffic_bytes"]} for k in hlo_stats.KINDS}
+        )
         c = " / ".join(f"{coll[k]['traffic_bytes'] / GB:.2f}" for k in hlo_stats.KINDS)
         prog, label = key.split(" / ", 1)[0], " / ".join(key.split(" / ")[1:-1])
-        lines.append(f"| {prog} | {label} | {key.split(' / ')[-1]} | {f['argument_bytes'] / GB:.2f} GB | "
-                     f"{f['temp_bytes'] / GB:.2f} GB | {(f['output_bytes'] - f['alias_bytes']) / GB:.2f} GB | "
-                     f"**{f['estimated_peak_bytes'] / GB:.2f} GB** | {c} GB |")
+        lines.append(
+            f"| {prog} | {label} | {key.split(' / ')[-1]} | {f['argument_bytes'] / GB:.2f} GB | "
+            f"{f['temp_bytes'] / GB:.2f} GB | {(f['output_bytes'] - f['alias_bytes']) / GB:.2f} GB | "
+            f"**{f['estimated_peak_bytes'] / GB:.2f} GB** | {c} GB |"
+        )
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", action="append", default=[], help="AXIS=N[,AXIS=N]:PRESET (repeatable)")
-    ap.add_argument("--layers", action="append", type=int, default=[],
-                    help="real shape with this many layers (repeatable; default 24, the real model)")
+    ap.add_argument(
+        "--layers",
+        action="append",
+        type=int,
+        default=[],
+        help="real shape with this many layers (repeatable; default 24, the real model)",
+    )
     ap.add_argument("--programs", default="train,rollout")
     ap.add_argument("--target", default=os.path.join(HERE, "gpu_targets", "h100_80g.txtpb"))
     ap.add_argument("--cpu-devices", action="store_true", help="compile for CPU devices instead (no CUDA plugin)")
@@ -295,19 +326,32 @@ def main():
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=1471)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--microbatches-for-8", type=int, default=2,
-                    help="micro-batches where a --microbatches one does not split over the batch axes")
+    ap.add_argument(
+        "--microbatches-for-8",
+        type=int,
+        default=2,
+        help="micro-batches where a --microbatches one does not split over the batch axes",
+    )
     ap.add_argument("--state-dtype", default="int8", choices=["int8", "bfloat16", "float32"])
-    ap.add_argument("--moe-layer", action="store_true",
-                    help="only one MoE layer's forward + backward at a micro-batch's shape (the dispatch's "
-                         "collectives)")
-    ap.add_argument("--global-dispatch", action="store_true",
-                    help="one MoE dispatch over all rows, partitioned by GSPMD (layers.GROUPED_DISPATCH = False)")
+    ap.add_argument(
+        "--moe-layer",
+        action="store_true",
+        help="only one MoE layer's forward + backward at a micro-batch's shape (the dispatch's collectives)",
+    )
+    ap.add_argument(
+        "--global-dispatch",
+        action="store_true",
+        help="one MoE dispatch over all rows, partitioned by GSPMD (layers.GROUPED_DISPATCH = False)",
+    )
     ap.add_argument("--dump-dir", default="", help="also write each optimised HLO module here")
     ap.add_argument("--out", default="", help="write the JSON figures here after each program")
-    ap.add_argument("--reread", default="", metavar="JSON",
-                    help="compile nothing: re-read the collectives of a previous run's programs from the HLO it "
-                         "wrote to --dump-dir (after a change to reno_jax.parallel.hlo_stats) and print the tables")
+    ap.add_argument(
+        "--reread",
+        default="",
+        metavar="JSON",
+        help="compile nothing: re-read the collectives of a previous run's programs from the HLO it "
+        "wrote to --dump-dir (after a change to reno_jax.parallel.hlo_stats) and print the tables",
+    )
     args = ap.parse_args()
     args.programs = tuple(p for p in args.programs.split(",") if p)
     if args.reread:
@@ -319,12 +363,20 @@ def main():
         return report(args, res)
     meshes = [parse_mesh(m) for m in (args.mesh or ["fsdp=2:fsdp"])]
     layers.GROUPED_DISPATCH = not args.global_dispatch
-    res = {"jax": jax.__version__, "backend": "cpu" if args.cpu_devices else "compile-only gpu",
-           "target_config": None if args.cpu_devices else args.target, "boards": args.boards,
-           "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "remat": True,
-           "share_prefix": True, "optimizer_state_dtype": args.state_dtype, "programs": {},
-           "moe_dispatch": "global (GSPMD)" if args.global_dispatch else "per device's rows on a mesh",
-           "dump_dir": args.dump_dir}
+    res = {
+        "jax": jax.__version__,
+        "backend": "cpu" if args.cpu_devices else "compile-only gpu",
+        "target_config": None if args.cpu_devices else args.target,
+        "boards": args.boards,
+        "group_size": args.group_size,
+        "max_new_tokens": args.max_new_tokens,
+        "remat": True,
+        "share_prefix": True,
+        "optimizer_state_dtype": args.state_dtype,
+        "programs": {},
+        "moe_dispatch": "global (GSPMD)" if args.global_dispatch else "per device's rows on a mesh",
+        "dump_dir": args.dump_dir,
+    }
     if args.dump_dir:
         os.makedirs(args.dump_dir, exist_ok=True)
     with layers.trace_for_platform("cpu" if args.cpu_devices else "gpu"):
@@ -333,7 +385,7 @@ def main():
                 plan_moe_layer(args, mc, res)
             meshes = []
         for mc in meshes:
-            for n_layers in (args.layers or [24]):
+            for n_layers in args.layers or [24]:
                 plan(args, mc, n_layers, res)
                 if args.out:
                     with open(args.out, "w") as f:

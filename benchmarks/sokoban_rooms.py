@@ -13,34 +13,34 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import sokoban_tiny  # noqa: E402
-from reno_jax.envs import interface  # noqa: E402
-from reno_jax.envs.sokoban import env as sokoban_env  # noqa: E402
-from reno_jax.envs.sokoban import registration  # noqa: E402
+from configs import sokoban_tiny
+from reno_jax.envs import interface
+from reno_jax.envs.sokoban import env as sokoban_env
+from reno_jax.envs.sokoban import registration
 
 
 def play(env, teacher, num_rooms: int, passes: int, seed: int) -> dict:
     """Every held-out room ``passes`` times with ``teacher``: the environment's figures and the mean return."""
     n = num_rooms * passes
-    starts = sokoban_env.SokobanStart(split=jnp.full((n,), sokoban_env.HELDOUT, jnp.int32),
-                                      room=jnp.tile(jnp.arange(num_rooms, dtype=jnp.int32), passes))
+    starts = sokoban_env.SokobanStart(
+        split=jnp.full((n,), sokoban_env.HELDOUT, jnp.int32),
+        room=jnp.tile(jnp.arange(num_rooms, dtype=jnp.int32), passes),
+    )
     state, _ = jax.vmap(env.reset)(starts)
     policy, step = jax.jit(jax.vmap(teacher.policy)), jax.jit(jax.vmap(env.step))
     info, total = None, jnp.zeros((n,))
     for turn in range(env.max_turns()):
         row = policy(state, jax.random.split(jax.random.PRNGKey(seed * 1000 + turn), n))[0]
-        out = step(state, interface.ToolCall(kind=jnp.zeros((n,), jnp.int32), tool=jnp.zeros((n,), jnp.int32),
-                                             args=row[:, None]))
+        out = step(
+            state,
+            interface.ToolCall(kind=jnp.zeros((n,), jnp.int32), tool=jnp.zeros((n,), jnp.int32), args=row[:, None]),
+        )
         live = state.outcome == sokoban_env.OUTCOME_ONGOING
         total = total + jnp.where(live, out.reward, 0.0)
         info = out.info if info is None else jax.tree.map(lambda new, old: jnp.where(live, new, old), out.info, info)
@@ -64,11 +64,15 @@ def main():
     start = time.time()
     env = registration.make_env(config.env)
     train, heldout = registration.splits(config.env)
-    out = {"build_seconds": round(time.time() - start, 1), "train_rooms": len(train), "heldout_rooms": len(heldout),
-           "heldout_optimal_moves": {int(k): int(v) for k, v in zip(*np.unique(heldout.optimal, return_counts=True))},
-           "heldout_optimal_mean": round(float(heldout.optimal.mean()), 3),
-           "heldout_pushes": {int(k): int(v) for k, v in zip(*np.unique(heldout.pushes, return_counts=True))},
-           "train_optimal_moves": {int(k): int(v) for k, v in zip(*np.unique(train.optimal, return_counts=True))}}
+    out = {
+        "build_seconds": round(time.time() - start, 1),
+        "train_rooms": len(train),
+        "heldout_rooms": len(heldout),
+        "heldout_optimal_moves": {int(k): int(v) for k, v in zip(*np.unique(heldout.optimal, return_counts=True))},
+        "heldout_optimal_mean": round(float(heldout.optimal.mean()), 3),
+        "heldout_pushes": {int(k): int(v) for k, v in zip(*np.unique(heldout.pushes, return_counts=True))},
+        "train_optimal_moves": {int(k): int(v) for k, v in zip(*np.unique(train.optimal, return_counts=True))},
+    }
     print(json.dumps({k: out[k] for k in list(out)[:4]}))
     runs = [("random", 0.0), ("solver", 0.0)] + [("solver", p) for p in args.explore]
     for teacher_name, explore in runs:

@@ -28,32 +28,32 @@ from configs import tictactoe_tiny
 
 
 def get_config():
-  c = tictactoe_tiny.get_config()
-  c.model.tiny.num_hidden_layers = 3  # measured with three layers (the move task's default has two)
-  c.num_steps = 300
-  c.eval_every = 0                 # --config.eval_every=20: every secret played greedily (eval/secrets/...)
-  c.env = ml_collections.ConfigDict()
-  c.env.module = ""
-  c.env.name = "guess_number"
+    c = tictactoe_tiny.get_config()
+    c.model.tiny.num_hidden_layers = 3  # measured with three layers (the move task's default has two)
+    c.num_steps = 300
+    c.eval_every = 0  # --config.eval_every=20: every secret played greedily (eval/secrets/...)
+    c.env = ml_collections.ConfigDict()
+    c.env.module = ""
+    c.env.name = "guess_number"
 
-  c.sft.num_steps = 360
-  c.sft.batch_size = 32
-  c.sft.soft_targets = True
+    c.sft.num_steps = 360
+    c.sft.batch_size = 32
+    c.sft.soft_targets = True
 
-  c.rollout.boards_per_step = 4    # secrets per step
-  c.rollout.group_size = 16
-  c.rollout.max_new_tokens = 20    # a call is 14-15 tokens with the turn end
-  c.rollout.max_turns = 5
-  c.rollout.max_length = 0
-  c.rollout.temperature = 0.7      # sampled calls stay well-formed; the train forward scores the same policy
+    c.rollout.boards_per_step = 4  # secrets per step
+    c.rollout.group_size = 16
+    c.rollout.max_new_tokens = 20  # a call is 14-15 tokens with the turn end
+    c.rollout.max_turns = 5
+    c.rollout.max_length = 0
+    c.rollout.temperature = 0.7  # sampled calls stay well-formed; the train forward scores the same policy
 
-  c.rl.loss = "gspo_token"         # per-token advantages: the turn credit below
-  c.rl.turn_advantage_coef = 1.0
-  c.rl.turn_scope = "batch"
-  c.rl.forking_entropy_coef = 0.0  # tic-tac-toe's one-token exploration bonus does not apply here
-  c.rl.entropy_top_k = 0
-  # 1e-3 undid the warm start (sampled found rate 0.67 -> 0.55 and more invalid calls once the warmup was over);
-  # 3e-4 with the update guard (rl.max_logp_shift, on from tictactoe_tiny) learns.
-  c.rl.learning_rate = 3e-4
-  c.rl.end_learning_rate = 3e-5
-  return c
+    c.rl.loss = "gspo_token"  # per-token advantages: the turn credit below
+    c.rl.turn_advantage_coef = 1.0
+    c.rl.turn_scope = "batch"
+    c.rl.forking_entropy_coef = 0.0  # tic-tac-toe's one-token exploration bonus does not apply here
+    c.rl.entropy_top_k = 0
+    # 1e-3 undid the warm start (sampled found rate 0.67 -> 0.55 and more invalid calls once the warmup was over);
+    # 3e-4 with the update guard (rl.max_logp_shift, on from tictactoe_tiny) learns.
+    c.rl.learning_rate = 3e-4
+    c.rl.end_learning_rate = 3e-5
+    return c

@@ -20,39 +20,39 @@ from configs import tictactoe_tiny
 
 
 def get_config():
-  c = tictactoe_tiny.get_config()
-  c.model.tiny.num_hidden_layers = 3  # the multi-turn tasks' depth (guess_number_tiny)
-  c.num_steps = 200
-  c.eval_every = 0                 # --config.eval_every=50: the held-out rooms played greedily (eval/heldout/...)
-  c.env = ml_collections.ConfigDict()
-  c.env.module = ""
-  c.env.name = "sokoban"
-  c.env.room_size = 6              # gym-sokoban's dim_room: the wall ring included
-  c.env.num_boxes = 1
-  c.env.max_steps = 15             # move budget per room
-  c.env.num_train_rooms = 1000
-  c.env.num_heldout_rooms = 200
-  c.env.room_seed = 0
-  c.env.min_pushes = 2
-  c.env.max_solution_moves = 10
+    c = tictactoe_tiny.get_config()
+    c.model.tiny.num_hidden_layers = 3  # the multi-turn tasks' depth (guess_number_tiny)
+    c.num_steps = 200
+    c.eval_every = 0  # --config.eval_every=50: the held-out rooms played greedily (eval/heldout/...)
+    c.env = ml_collections.ConfigDict()
+    c.env.module = ""
+    c.env.name = "sokoban"
+    c.env.room_size = 6  # gym-sokoban's dim_room: the wall ring included
+    c.env.num_boxes = 1
+    c.env.max_steps = 15  # move budget per room
+    c.env.num_train_rooms = 1000
+    c.env.num_heldout_rooms = 200
+    c.env.room_seed = 0
+    c.env.min_pushes = 2
+    c.env.max_solution_moves = 10
 
-  c.sft.num_steps = 200
-  c.sft.batch_size = 8
-  c.sft.soft_targets = True        # every optimal move is a target
-  c.sft.teacher = "solver"
-  c.sft.explore = 0.0              # e.g. 0.2: a fifth of the teacher's moves random, the targets still optimal
+    c.sft.num_steps = 200
+    c.sft.batch_size = 8
+    c.sft.soft_targets = True  # every optimal move is a target
+    c.sft.teacher = "solver"
+    c.sft.explore = 0.0  # e.g. 0.2: a fifth of the teacher's moves random, the targets still optimal
 
-  c.rollout.boards_per_step = 4    # rooms per step
-  c.rollout.group_size = 4
-  c.rollout.max_new_tokens = 26    # a call is 21-24 tokens with the turn end (the direction takes 2-4)
-  c.rollout.max_turns = 15
-  c.rollout.max_length = 0
-  c.rollout.temperature = 1.0
+    c.rollout.boards_per_step = 4  # rooms per step
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 26  # a call is 21-24 tokens with the turn end (the direction takes 2-4)
+    c.rollout.max_turns = 15
+    c.rollout.max_length = 0
+    c.rollout.temperature = 1.0
 
-  c.rl.loss = "gspo_token"
-  c.rl.num_microbatches = 2        # a conversation is ~1.5k tokens: the train step in two halves (memory)
-  c.rl.forking_entropy_coef = 0.0  # tic-tac-toe's one-token exploration bonus does not apply here
-  c.rl.entropy_top_k = 0
-  c.rl.learning_rate = 3e-4
-  c.rl.end_learning_rate = 3e-5
-  return c
+    c.rl.loss = "gspo_token"
+    c.rl.num_microbatches = 2  # a conversation is ~1.5k tokens: the train step in two halves (memory)
+    c.rl.forking_entropy_coef = 0.0  # tic-tac-toe's one-token exploration bonus does not apply here
+    c.rl.entropy_top_k = 0
+    c.rl.learning_rate = 3e-4
+    c.rl.end_learning_rate = 3e-5
+    return c

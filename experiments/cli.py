@@ -12,8 +12,8 @@ import jax
 from absl import app, flags
 
 from reno_jax import parallel
-from reno_jax.errors import ConfigError, RunError
 from reno_jax.checkpoint.orbax import RestoreError
+from reno_jax.errors import ConfigError, RunError
 from reno_jax.models.conversion import CheckpointError
 
 
@@ -22,11 +22,13 @@ class UserError(app.UsageError):
 
 
 _CACHE = flags.DEFINE_string(
-    "compilation_cache", os.path.join("~", ".cache", "reno_jax", "xla"),
+    "compilation_cache",
+    os.path.join("~", ".cache", "reno_jax", "xla"),
     "JAX's persistent compilation cache: a later run with the same shapes (another seed, a resumed run, the "
     "evaluation of a run) loads its compiled programs instead of compiling them again (tens of seconds of a CPU "
     "run's start). Kept per machine type under this directory; empty: off. JAX_COMPILATION_CACHE_DIR, when set, is "
-    "used instead.")
+    "used instead.",
+)
 
 
 def host_fingerprint() -> str:
@@ -51,8 +53,10 @@ def use_compilation_cache(path: str) -> str | None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
-        raise UserError(f"--compilation_cache={path}: cannot create {directory} ({error.strerror}); pass another "
-                        "directory, or --compilation_cache= to compile without a cache") from None
+        raise UserError(
+            f"--compilation_cache={path}: cannot create {directory} ({error.strerror}); pass another "
+            "directory, or --compilation_cache= to compile without a cache"
+        ) from None
     jax.config.update("jax_compilation_cache_dir", directory)
     return directory
 

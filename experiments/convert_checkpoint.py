@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from absl import flags, logging
 
 from experiments import cli
+from reno_jax import run_config as run_config_lib
 from reno_jax.checkpoint.orbax import CHECKPOINT_SUBDIR
-from reno_jax.loop import build, runs
+from reno_jax.loop import runs
 from reno_jax.models import conversion
 from reno_jax.models.config import Ling3Config
 
@@ -44,8 +44,12 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "keep": None}
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf_dir", None, "HF checkpoint directory (config.json + safetensors).")
-flags.DEFINE_string("orbax_dir", None, "Orbax directory (state/ + config.json), or for orbax_to_hf a training "
-                    "checkpoint: <workdir>/checkpoints/<step>, or the workdir for its newest step.")
+flags.DEFINE_string(
+    "orbax_dir",
+    None,
+    "Orbax directory (state/ + config.json), or for orbax_to_hf a training "
+    "checkpoint: <workdir>/checkpoints/<step>, or the workdir for its newest step.",
+)
 flags.DEFINE_enum("direction", "hf_to_orbax", ["hf_to_orbax", "orbax_to_hf"], "Conversion direction.")
 flags.DEFINE_enum("dtype", "keep", list(_DTYPES), "Cast the weights to this dtype; 'keep' keeps the source's.")
 flags.DEFINE_integer("shard_size_mb", None, "orbax_to_hf: shard the safetensors output at this many MiB.")
@@ -86,8 +90,9 @@ def training_step_dir(path: Path) -> Path | None:
         return path
     for folder in (path / CHECKPOINT_SUBDIR, path):
         # Orbax writes a step under a temporary name and renames it when complete: only plain numbers count.
-        steps = [p for p in folder.iterdir() if p.name.isdigit() and (p / ORBAX_ITEM).is_dir()] \
-            if folder.is_dir() else []
+        steps = (
+            [p for p in folder.iterdir() if p.name.isdigit() and (p / ORBAX_ITEM).is_dir()] if folder.is_dir() else []
+        )
         if steps:
             return max(steps, key=lambda p: int(p.name))
     return None
@@ -130,17 +135,20 @@ def orbax_to_hf(
         if step_dir is None:
             raise conversion.CheckpointError(
                 f"{str(orbax_dir)!r} holds neither hf_to_orbax's layout ({ORBAX_ITEM}/ + {conversion.CONFIG_NAME}) "
-                f"nor a training checkpoint (<workdir>/{CHECKPOINT_SUBDIR}/<step>/{{{ORBAX_ITEM},{RUN_CONFIG_ITEM}}})")
+                f"nor a training checkpoint (<workdir>/{CHECKPOINT_SUBDIR}/<step>/{{{ORBAX_ITEM},{RUN_CONFIG_ITEM}}})"
+            )
         item = step_dir / ORBAX_ITEM
         if not (step_dir / RUN_CONFIG_ITEM).is_dir():
             raise conversion.CheckpointError(f"training checkpoint {str(step_dir)!r} has no {RUN_CONFIG_ITEM} item")
         reader = ocp.Checkpointer(ocp.JsonCheckpointHandler())
         run_config = reader.restore(step_dir / RUN_CONFIG_ITEM, args=ocp.args.JsonRestore())
         reader.close()
-        if build.lora_config(ml_collections.ConfigDict(run_config)).rank:
+        if run_config_lib.upgrade(run_config).lora.rank:
             if step_dir.parent.name != CHECKPOINT_SUBDIR:
-                raise conversion.CheckpointError(f"{str(step_dir)!r} is a LoRA run's checkpoint (adapters only) "
-                                                 f"outside a workdir's {CHECKPOINT_SUBDIR}/: its base cannot be rebuilt")
+                raise conversion.CheckpointError(
+                    f"{str(step_dir)!r} is a LoRA run's checkpoint (adapters only) "
+                    f"outside a workdir's {CHECKPOINT_SUBDIR}/: its base cannot be rebuilt"
+                )
             run = runs.load_checkpoint(str(step_dir.parent.parent), int(step_dir.name))
             params, config = run.merged_params(), run.model_config
         else:

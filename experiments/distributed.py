@@ -15,20 +15,24 @@ from __future__ import annotations
 
 import os
 
-from absl import flags
-
 import jax
+from absl import flags
 
 from experiments import cli
 
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0's coordination service (multi-process runs).")
+    "coordinator_address", None, "host:port of process 0's coordination service (multi-process runs)."
+)
 _NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Processes in the run (one per host, usually); absent: one, or the detected cluster's.")
+    "num_processes", None, "Processes in the run (one per host, usually); absent: one, or the detected cluster's."
+)
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, --num_processes).")
 _AUTODETECT = flags.DEFINE_bool(
-    "distributed_autodetect", None, "Let jax.distributed.initialize() detect the cluster (default: only when "
-    "SLURM / Open MPI / TPU-slice variables say there is more than one process).")
+    "distributed_autodetect",
+    None,
+    "Let jax.distributed.initialize() detect the cluster (default: only when "
+    "SLURM / Open MPI / TPU-slice variables say there is more than one process).",
+)
 _TIMEOUT = flags.DEFINE_integer("distributed_timeout", 300, "Seconds to wait for every process to join.")
 
 
@@ -74,8 +78,9 @@ def check_flags(coordinator: str | None, num_processes: int | None, process_id: 
     if process_id is None:
         raise cli.UserError(f"--num_processes={num_processes} needs --process_id (0 .. {num_processes - 1})")
     if not 0 <= process_id < num_processes:
-        raise cli.UserError(f"--process_id={process_id} must be in [0, {num_processes}) for "
-                            f"--num_processes={num_processes}")
+        raise cli.UserError(
+            f"--process_id={process_id} must be in [0, {num_processes}) for --num_processes={num_processes}"
+        )
     if not coordinator:
         raise cli.UserError(f"--num_processes={num_processes} needs --coordinator_address=HOST:PORT (process 0's)")
     host, _, port = coordinator.rpartition(":")
@@ -91,9 +96,9 @@ def initialize() -> int:
     coordinator, num, pid = _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
     check_flags(coordinator, num, pid)
     if num is not None and num > 1:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num, process_id=pid,
-                                   initialization_timeout=_TIMEOUT.value)
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num, process_id=pid, initialization_timeout=_TIMEOUT.value
+        )
     elif num is None and (_AUTODETECT.value or (_AUTODETECT.value is None and detected_cluster())):
         jax.distributed.initialize(initialization_timeout=_TIMEOUT.value)
     return jax.process_count()
-

@@ -27,37 +27,49 @@ from __future__ import annotations
 import json
 import os
 
-from absl import flags, logging
-
 import jax
 import numpy as np
 import tqdm
+from absl import flags, logging
 
 from experiments import cli, distributed
 from reno_jax import loop
 from reno_jax.loop import evaluation, hosts
 from reno_jax.protocol import tokenizer as tokenizer_lib
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.json and checkpoints).",
-                               required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.json and checkpoints).", required=True)
 _SUITES = flags.DEFINE_list("suites", [], "Evaluation suites, comma-separated (default: the environment's).")
 _LIST = flags.DEFINE_bool("list_suites", False, "Print the environment's suites and exit.")
-_NUM_EPISODES = flags.DEFINE_integer("num_episodes", 0, "Episodes per suite (0: the suite's own count; a fixed set, "
-                                     "e.g. every position, is only cut short).")
+_NUM_EPISODES = flags.DEFINE_integer(
+    "num_episodes",
+    0,
+    "Episodes per suite (0: the suite's own count; a fixed set, e.g. every position, is only cut short).",
+)
 _SAMPLED = flags.DEFINE_bool("sampled", False, "Sample with the run's temperature instead of greedy decoding.")
 _BATCH = flags.DEFINE_integer("batch_size", 256, "Episodes per jitted rollout call.")
 _SEED = flags.DEFINE_integer("seed", 0, "RNG seed (starts, sampling, opponents).")
 _TRANSCRIPTS = flags.DEFINE_integer("transcripts", 3, "Rendered transcripts to write to workdir/eval_transcripts.txt.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
-_WARM_START = flags.DEFINE_bool("warm_start", False, "Evaluate the run's warm start (what GSPO started from, "
-                                "reported as step 0) instead of a checkpoint.")
-_MESH = flags.DEFINE_string("mesh", "", "Mesh to restore the checkpoint onto and evaluate on: comma-separated "
-                            "fields of a training config's mesh section, e.g. 'fsdp=4,preset=fsdp' or "
-                            "'data=2,fsdp=2,expert=2,preset=fsdp_ep' (one axis may be -1: the devices left). "
-                            "Default: one device; several processes: data=-1.")
-_MAX_LENGTH = flags.DEFINE_integer("max_length", -1, "Conversation length L; -1: the run's, 0: whatever the "
-                                   "longest episode needs, with every turn the environment allows (no "
-                                   "truncation).")
+_WARM_START = flags.DEFINE_bool(
+    "warm_start",
+    False,
+    "Evaluate the run's warm start (what GSPO started from, reported as step 0) instead of a checkpoint.",
+)
+_MESH = flags.DEFINE_string(
+    "mesh",
+    "",
+    "Mesh to restore the checkpoint onto and evaluate on: comma-separated "
+    "fields of a training config's mesh section, e.g. 'fsdp=4,preset=fsdp' or "
+    "'data=2,fsdp=2,expert=2,preset=fsdp_ep' (one axis may be -1: the devices left). "
+    "Default: one device; several processes: data=-1.",
+)
+_MAX_LENGTH = flags.DEFINE_integer(
+    "max_length",
+    -1,
+    "Conversation length L; -1: the run's, 0: whatever the "
+    "longest episode needs, with every turn the environment allows (no "
+    "truncation).",
+)
 
 
 def write_transcripts(path: str, tokenizer, traj, count: int) -> None:
@@ -90,10 +102,19 @@ def main(argv):
     logging.info("Evaluating %s at step %s on %s", workdir, step, list(suites))
     results = {}
     for name, suite in suites.items():
-        result = evaluation.run_suite(params, model_config, tokenizer, config, name, suite,
-                                        key=jax.random.PRNGKey(_SEED.value), greedy=not _SAMPLED.value,
-                                        batch_size=_BATCH.value, num_episodes=_NUM_EPISODES.value or None,
-                                        max_length=_MAX_LENGTH.value)
+        result = evaluation.run_suite(
+            params,
+            model_config,
+            tokenizer,
+            config,
+            name,
+            suite,
+            key=jax.random.PRNGKey(_SEED.value),
+            greedy=not _SAMPLED.value,
+            batch_size=_BATCH.value,
+            num_episodes=_NUM_EPISODES.value or None,
+            max_length=_MAX_LENGTH.value,
+        )
         results[name] = result
         if hosts.is_main_process():
             tqdm.tqdm.write(json.dumps({"suite": name, **result.figures}))
@@ -101,10 +122,20 @@ def main(argv):
         return
     if _TRANSCRIPTS.value:
         first = next(iter(results.values()))
-        write_transcripts(os.path.join(workdir, "eval_transcripts.txt"), tokenizer, first.trajectory,
-                          _TRANSCRIPTS.value)
-    print(json.dumps({"checkpoint_step": step, "warm_start": _WARM_START.value, "env": str(config.env.name), "greedy": not _SAMPLED.value,
-                      **evaluation.flat_figures(results)}))
+        write_transcripts(
+            os.path.join(workdir, "eval_transcripts.txt"), tokenizer, first.trajectory, _TRANSCRIPTS.value
+        )
+    print(
+        json.dumps(
+            {
+                "checkpoint_step": step,
+                "warm_start": _WARM_START.value,
+                "env": str(config.env.name),
+                "greedy": not _SAMPLED.value,
+                **evaluation.flat_figures(results),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import sys
 
 from absl import app, flags, logging
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (its config.json, checkpoints, metrics.jsonl).",
-                               required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Training workdir (its config.json, checkpoints, metrics.jsonl).", required=True
+)
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free port).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on (127.0.0.1: this machine only).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step the page opens at (default: the latest; 0: warm start).")
@@ -32,8 +33,11 @@ def _require_play_extra() -> None:
     """The web server stack is the `play` extra, not the core install: without it, one line saying how to get it."""
     missing = [name for name in ("fastapi", "uvicorn", "pydantic") if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"{os.path.basename(sys.argv[0])}: error: the play page needs {', '.join(missing)}; "
-              f'install them with: pip install -e ".[play]"', file=sys.stderr)
+        print(
+            f"{os.path.basename(sys.argv[0])}: error: the play page needs {', '.join(missing)}; "
+            f'install them with: pip install -e ".[play]"',
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 
@@ -44,10 +48,12 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO; keep the console to the URL
         logging.set_verbosity(logging.WARNING)
     # Imported here so that --help answers without loading JAX.
-    from reno_jax.play import run_dir
+    from reno_jax.errors import RunError
+    from reno_jax.loop import runs
+
     try:
-        run_dir.load_config(_WORKDIR.value)
-    except run_dir.RunDirError as e:
+        runs.read_run_config(_WORKDIR.value)
+    except RunError as e:
         raise app.UsageError(str(e)) from None
     import socket
     import threading
@@ -71,8 +77,7 @@ def main(argv):
         logging.warning("--step=%d has no checkpoint (saved: %s); the page opens at the latest", _STEP.value, steps)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"Serving {service.run.workdir} (checkpoints: {steps or 'none yet'}) at http://{shown}:{port}/",
-          flush=True)
+    print(f"Serving {service.run.workdir} (checkpoints: {steps or 'none yet'}) at http://{shown}:{port}/", flush=True)
     # Compile the model's functions while the page loads (its first answer would otherwise wait for XLA).
     threading.Thread(target=service.warm_up, name="warm-up", daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(app_lib.create_app(service), log_level="warning"))

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 from absl import flags, logging
 from ml_collections import config_flags
-import numpy as np
 
 from experiments import cli, distributed
 from reno_jax import loop
 from reno_jax.loop import hosts
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and plots go.", required=True)
 
 

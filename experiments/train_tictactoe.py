@@ -1,6 +1,6 @@
 r"""`experiments.train` with the tic-tac-toe default config (`configs/tictactoe_tiny.py`), kept as an alias.
 
-  python -m experiments.train_tictactoe --workdir=workdir/tiny
+python -m experiments.train_tictactoe --workdir=workdir/tiny
 """
 
 from absl import flags

@@ -64,6 +64,7 @@ def lora_config(rank: int, run_config) -> lora.LoraConfig | None:
 def base_params(args, config, key, abstract: bool = False):
     """Random bf16 parameters, int8 with --quantize (quantized leaf by leaf as they are drawn); `abstract`: their
     shapes only (`jax.ShapeDtypeStruct`s, nothing drawn)."""
+
     def init(k):
         return ling3.init_params(config, k, jnp.bfloat16)
 
@@ -101,11 +102,20 @@ def memory_figures(compiled) -> dict:
     """XLA's memory plan of a compiled program. The estimated peak is arguments + temporaries + outputs not
     aliased to a donated argument (all three are live at the end of the step) + the generated code."""
     m = compiled.memory_analysis()
-    out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
-           "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
-           "generated_code_bytes": int(m.generated_code_size_in_bytes)}
-    out["estimated_peak_bytes"] = (out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"]
-                                   - out["alias_bytes"] + out["generated_code_bytes"])
+    out = {
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "generated_code_bytes": int(m.generated_code_size_in_bytes),
+    }
+    out["estimated_peak_bytes"] = (
+        out["argument_bytes"]
+        + out["temp_bytes"]
+        + out["output_bytes"]
+        - out["alias_bytes"]
+        + out["generated_code_bytes"]
+    )
     return out
 
 
@@ -118,31 +128,45 @@ def synthetic_batch(args, config, key):
     tokens = jax.random.randint(key, (rows, length), 0, config.vocab_size, jnp.int32)
     loss_mask = jnp.broadcast_to(jnp.arange(length) >= PROMPT_LEN, (rows, length))
     old_logp = jnp.where(loss_mask, -math.log(config.vocab_size), 0.0).astype(jnp.float32)
-    return argparse.Namespace(tokens=tokens, valid=jnp.ones((rows, length), bool), loss_mask=loss_mask,
-                              behaviour_logp=old_logp, reward=jnp.zeros((rows,), jnp.float32),
-                              prompt_length=jnp.full((rows,), PROMPT_LEN, jnp.int32))
+    return argparse.Namespace(
+        tokens=tokens,
+        valid=jnp.ones((rows, length), bool),
+        loss_mask=loss_mask,
+        behaviour_logp=old_logp,
+        reward=jnp.zeros((rows,), jnp.float32),
+        prompt_length=jnp.full((rows,), PROMPT_LEN, jnp.int32),
+    )
 
 
 def make_step(args, config, lc: lora.LoraConfig | None):
     """(optimizer, jitted train step): GSPO, the published clip range, Adam moments in --state-dtype; with LoRA
     the step is `train_step(state, batch, frozen)` over the adapters."""
-    optimizer = trainer.make_optimizer(1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32"
-                                       else args.state_dtype)
+    optimizer = trainer.make_optimizer(
+        1e-8, 1e-9, 0, 400, state_dtype=None if args.state_dtype == "float32" else args.state_dtype
+    )
     loss_fn = functools.partial(losses.get_loss("gspo"), eps_low=3e-4, eps_high=4e-4)
-    step_fn = trainer.make_train_step(policy.make_logp_fn(config, with_entropy=args.entropy,
-                                                            group_size=args.group_size, remat=args.remat,
-                                                            logits_chunk=args.logits_chunk),
-                                      loss_fn, optimizer,
-                                      num_microbatches=args.microbatches,
-                                      combine=None if lc is None else policy.Adapted(lc))
+    step_fn = trainer.make_train_step(
+        policy.make_logp_fn(
+            config,
+            with_entropy=args.entropy,
+            group_size=args.group_size,
+            remat=args.remat,
+            logits_chunk=args.logits_chunk,
+        ),
+        loss_fn,
+        optimizer,
+        num_microbatches=args.microbatches,
+        combine=None if lc is None else policy.Adapted(lc),
+    )
     return optimizer, step_fn
 
 
 def train_batch(args, traj, adv, prompt_len: int) -> TrainBatch:
     """The train step's batch of a rollout (or `synthetic_batch`) `traj` with advantages `adv` [rows]; with
     --share-prefix each group's first `prompt_len` tokens split off as its shared prompt."""
-    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
-                       advantages=adv)
+    batch = TrainBatch(
+        tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp, advantages=adv
+    )
     if args.share_prefix:
         batch = shared_prefix.split_shared_prefix(batch, prompt_len)
     return batch
@@ -160,6 +184,7 @@ def rollout_setup(args, config, task: interface.TextEnv, starts):
     task) from `starts` (one per board, `args.boards` of them) at the benchmark's shape."""
     tokenizer = tokenizer_lib.load_tokenizer(None)
     env = rollout_lib.compile_env(task, tokenizer, vocab_size=config.vocab_size)
-    rc = rollout_lib.RolloutConfig(max_new_tokens=args.max_new_tokens, max_turns=1,
-                                   temperature=1.0, group_size=args.group_size)
+    rc = rollout_lib.RolloutConfig(
+        max_new_tokens=args.max_new_tokens, max_turns=1, temperature=1.0, group_size=args.group_size
+    )
     return rollout_lib.make_rollout_fn(config, rc), jax.random.PRNGKey(1), starts, env

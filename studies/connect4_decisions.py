@@ -68,8 +68,9 @@ def split(params, model_config, tokenizer, config, *, games: int, batch: int, se
     key = jax.random.PRNGKey(seed)
     for first in range(0, games, batch):
         k_starts, k_play = jax.random.split(jax.random.fold_in(key, first))
-        out = sft.env_transcripts(k_play, sampler(k_starts, batch), env, teacher.policy, calls, max_turns=turns,
-                                  length=length)
+        out = sft.env_transcripts(
+            k_play, sampler(k_starts, batch), env, teacher.policy, calls, max_turns=turns, length=length
+        )
         tokens = np.asarray(out.tokens)
         at = np.asarray(out.support).any(-1)
         predicted = np.asarray(logits_fn(params, out.tokens, out.valid)).argmax(-1)
@@ -81,15 +82,21 @@ def split(params, model_config, tokenizer, config, *, games: int, batch: int, se
                 guess = column_of.get(int(predicted[b, t - 1]), -1)
                 full = guess >= 0 and not rules.np_legal(board)[guess]
                 counts[kind] += (1, guess == teacher_col, guess == centre_order_column(board), full)
-    return {k: {"decisions": int(n), "agreement": round(a / max(n, 1), 3), "centre_order": round(c / max(n, 1), 3),
-                "full_column": round(f / max(n, 1), 4)}
-            for k, (n, a, c, f) in counts.items()}
+    return {
+        k: {
+            "decisions": int(n),
+            "agreement": round(a / max(n, 1), 3),
+            "centre_order": round(c / max(n, 1), 3),
+            "full_column": round(f / max(n, 1), 4),
+        }
+        for k, (n, a, c, f) in counts.items()
+    }
 
 
 def _board_before(tokenizer, prefix: np.ndarray) -> np.ndarray:
     """The last board printed in a conversation prefix (six rows of ``.XO`` cells; ``*`` marks an empty cell)."""
     text = tokenizer.decode(prefix.tolist())
-    rows = [line for line in text.split("\n") if len(line) == rules.COLS and set(line) <= set(".XO*")][-rules.ROWS:]
+    rows = [line for line in text.split("\n") if len(line) == rules.COLS and set(line) <= set(".XO*")][-rules.ROWS :]
     if len(rows) != rules.ROWS:
         raise RuntimeError("no board text before a decision: is this the Connect Four wording?")
     return np.array([[".XO*".index(ch) % 3 for ch in row] for row in rows], np.int8)
@@ -99,8 +106,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     scored_runs.add_run_flags(ap)
     ap.add_argument("--opponent", default="greedy", choices=("random", "greedy", "negamax", "mixed"))
-    ap.add_argument("--opening_plies", type=int, default=0,
-                    help="start the games after up to that many random plies (positions off the teacher's usual path)")
+    ap.add_argument(
+        "--opening_plies",
+        type=int,
+        default=0,
+        help="start the games after up to that many random plies (positions off the teacher's usual path)",
+    )
     args = ap.parse_args(argv)
     scored_runs.check_run_flags(ap, args)
     if not 0 <= args.opening_plies <= c4_env.MAX_OPENING_PLIES:
@@ -115,10 +126,16 @@ def main(argv=None) -> None:
     figures = split(params, model_config, tokenizer, config, games=args.games, batch=args.batch, seed=args.seed)
     for kind in KINDS:
         f = figures[kind]
-        print(f"{kind:>6}: {f['decisions']:4d} decisions, the teacher's column {f['agreement']:.3f}, "
-              f"the centre order's column {f['centre_order']:.3f}, a full column {f['full_column']:.4f}")
-    figures.update(checkpoint="warm_start" if args.warm_start else step, opponent=args.opponent, games=args.games,
-                   opening_plies=args.opening_plies)
+        print(
+            f"{kind:>6}: {f['decisions']:4d} decisions, the teacher's column {f['agreement']:.3f}, "
+            f"the centre order's column {f['centre_order']:.3f}, a full column {f['full_column']:.4f}"
+        )
+    figures.update(
+        checkpoint="warm_start" if args.warm_start else step,
+        opponent=args.opponent,
+        games=args.games,
+        opening_plies=args.opening_plies,
+    )
     print(json.dumps(figures))
 
 

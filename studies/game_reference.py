@@ -34,7 +34,7 @@ def winner(board: tuple) -> int:
 
 
 def play(board: tuple, square: int, player: int) -> tuple:
-    return board[:square] + (player,) + board[square + 1:]
+    return board[:square] + (player,) + board[square + 1 :]
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,9 +83,10 @@ def outcome(board: tuple, to_move: int, me: int, player: str, opponent: str, eps
         return (0.0, 1.0, 0.0)
     nxt = lambda square: outcome(play(board, square, to_move), 3 - to_move, me, player, opponent, epsilon)
     if to_move != me:
-        return tuple(sum(p * o[j] for p, o in ((p, nxt(m)) for p, m in
-                                               opponent_policy(opponent, board, to_move, epsilon)))
-                     for j in range(3))
+        return tuple(
+            sum(p * o[j] for p, o in ((p, nxt(m)) for p, m in opponent_policy(opponent, board, to_move, epsilon)))
+            for j in range(3)
+        )
     moves = [i for i in range(9) if board[i] == 0]
     if player == "random":
         return _mean(nxt(m) for m in moves)
@@ -104,8 +105,7 @@ def main():
     print(f"{'player':8s} {'opponent':8s} {'side':4s} {'win':>6s} {'draw':>6s} {'loss':>6s}")
     for player in PLAYERS:
         for opponent in OPPONENTS:
-            sides = {side: outcome(empty, 1, me, player, opponent, args.epsilon)
-                     for side, me in (("x", 1), ("o", 2))}
+            sides = {side: outcome(empty, 1, me, player, opponent, args.epsilon) for side, me in (("x", 1), ("o", 2))}
             for side, (win, draw, loss) in sides.items():
                 print(f"{player:8s} {opponent:8s} {side:4s} {win:6.3f} {draw:6.3f} {loss:6.3f}")
             for j, name in enumerate(("win", "draw", "loss")):

@@ -61,26 +61,48 @@ def main(argv=None) -> None:
     run = loop.load_warm_start(args.workdir) if args.warm_start else loop.load_checkpoint(args.workdir, args.step)
     if str(run.config.env.name) != "guess_number":
         parser.error(f"{args.workdir} is a run of {run.config.env.name!r}, not guess_number")
-    suite = interface.EvalSuite(num_episodes=args.episodes, starts=lambda key, ids: guess_number.Start(
-        secret=jnp.asarray(np.asarray(ids) % guess_number.MAX_NUMBER + 1, jnp.int32)))
-    result = evaluation.run_suite(run.params, run.model_config, run.tokenizer, run.config, "sampled", suite,
-                                  key=jax.random.PRNGKey(args.seed), greedy=False)
+    suite = interface.EvalSuite(
+        num_episodes=args.episodes,
+        starts=lambda key, ids: guess_number.Start(
+            secret=jnp.asarray(np.asarray(ids) % guess_number.MAX_NUMBER + 1, jnp.int32)
+        ),
+    )
+    result = evaluation.run_suite(
+        run.params,
+        run.model_config,
+        run.tokenizer,
+        run.config,
+        "sampled",
+        suite,
+        key=jax.random.PRNGKey(args.seed),
+        greedy=False,
+    )
     traj = jax.device_get(result.trajectory)
-    texts = [tokenizer_lib.decode(run.tokenizer, np.asarray(traj.tokens[i])[np.asarray(traj.valid[i])].tolist())
-             for i in range(len(traj.reward))]
+    texts = [
+        tokenizer_lib.decode(run.tokenizer, np.asarray(traj.tokens[i])[np.asarray(traj.valid[i])].tolist())
+        for i in range(len(traj.reward))
+    ]
     table, made, inside = tabulate(texts)
     print(f"step {run.step}{' (warm start)' if args.warm_start else ''}: {len(texts)} sampled episodes")
-    for (low, high), counts in sorted(table.items(), key=lambda kv: -sum(kv[1].values()))[:args.rows]:
+    for (low, high), counts in sorted(table.items(), key=lambda kv: -sum(kv[1].values()))[: args.rows]:
         total = sum(counts.values())
         share = sum(v for g, v in counts.items() if low <= g <= high) / total
         top = ", ".join(f"{g}: {v / total:.2f}" for g, v in counts.most_common(5))
         print(f"{low:2d} to {high:2d}  n={total:4d}  midpoint {(low + high) / 2:4.1f}  in range {share:.2f}  {top}")
     first = table[(1, guess_number.MAX_NUMBER)]
     total = max(sum(first.values()), 1)
-    print(json.dumps({"step": run.step, "warm_start": args.warm_start, **result.figures,
-                      "in_range_rate": inside / max(made, 1),
-                      "first_guess": {str(g): v / total for g, v in sorted(first.items())},
-                      "first_guess_midpoint_rate": (first[8] + first[9]) / total}))
+    print(
+        json.dumps(
+            {
+                "step": run.step,
+                "warm_start": args.warm_start,
+                **result.figures,
+                "in_range_rate": inside / max(made, 1),
+                "first_guess": {str(g): v / total for g, v in sorted(first.items())},
+                "first_guess_midpoint_rate": (first[8] + first[9]) / total,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,13 @@ def main():
         logits, _ = ling3.forward(p, model_config, ids)
         return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
 
-    res = {"jax": jax.__version__, "backend": jax.default_backend(), "rows": args.rows, "length": args.length,
-           "blocks": {}}
+    res = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "rows": args.rows,
+        "length": args.length,
+        "blocks": {},
+    }
     first_value = None
     for block in blocks:
         mla.QUERY_BLOCK = block  # read when the step is traced
@@ -61,10 +66,17 @@ def main():
             times.append(time.perf_counter() - t0)
         first_value = value if first_value is None else first_value
         name = "one_block" if block >= args.length else str(block)
-        res["blocks"][name] = {"query_block": block, "compile_and_first_s": round(compile_s, 2),
-                               "step_s": round(float(np.median(times)), 3), "loss_diff": abs(value - first_value)}
-        print(f"query block {name:>9}: {res['blocks'][name]['step_s']:.2f} s per step (median of {args.reps}), "
-              f"compile + first {compile_s:.1f} s", flush=True)
+        res["blocks"][name] = {
+            "query_block": block,
+            "compile_and_first_s": round(compile_s, 2),
+            "step_s": round(float(np.median(times)), 3),
+            "loss_diff": abs(value - first_value),
+        }
+        print(
+            f"query block {name:>9}: {res['blocks'][name]['step_s']:.2f} s per step (median of {args.reps}), "
+            f"compile + first {compile_s:.1f} s",
+            flush=True,
+        )
     base = next(iter(res["blocks"].values()))["step_s"]
     for r in res["blocks"].values():
         r["ratio_to_first"] = round(r["step_s"] / base, 3)

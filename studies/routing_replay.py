@@ -54,8 +54,14 @@ def score(model_config, params, traj, replay: bool) -> dict:
     least one MoE layer (`flipped_*`), and over the other policy tokens (`clean_*`, which still see flips at
     earlier positions through attention).
     """
-    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
-                       advantages=jnp.ones(traj.reward.shape), routing=traj.routing)
+    batch = TrainBatch(
+        tokens=traj.tokens,
+        valid=traj.valid,
+        loss_mask=traj.loss_mask,
+        old_logp=traj.behaviour_logp,
+        advantages=jnp.ones(traj.reward.shape),
+        routing=traj.routing,
+    )
     scored = _logp_fn(model_config, replay)(params, batch)
     logp, stats = scored.logp, scored.routing
     sums = trainer.mismatch_sums(logp, traj.behaviour_logp, traj.loss_mask)
@@ -80,11 +86,25 @@ def score_in_train_step(model_config, params, traj, replay: bool) -> dict:
     value_and_grad), whose compiled forward rounds differently from the standalone one in `score`."""
     opt = optax.sgd(0.0)
     step = _train_step(model_config, replay)
-    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
-                       advantages=jnp.ones(traj.reward.shape), routing=traj.routing)
+    batch = TrainBatch(
+        tokens=traj.tokens,
+        valid=traj.valid,
+        loss_mask=traj.loss_mask,
+        old_logp=traj.behaviour_logp,
+        advantages=jnp.ones(traj.reward.shape),
+        routing=traj.routing,
+    )
     _, m = step(trainer.create_train_state(params, opt, 0), batch)
-    out = {k: float(m[k]) for k in ("rollout_logp_abs_diff_mean", "rollout_logp_abs_diff_max", "rollout_k3_kl",
-                                    "rollout_ratio_max", "routing_agreement")}
+    out = {
+        k: float(m[k])
+        for k in (
+            "rollout_logp_abs_diff_mean",
+            "rollout_logp_abs_diff_max",
+            "rollout_k3_kl",
+            "rollout_ratio_max",
+            "routing_agreement",
+        )
+    }
     out["tokens"] = float(np.asarray(traj.loss_mask).sum())
     return out
 
@@ -96,9 +116,13 @@ def _logp_fn(model_config, replay: bool):  # one compile per setting, reused for
 
 @functools.lru_cache(maxsize=None)
 def _train_step(model_config, replay: bool):
-    return trainer.make_train_step(policy.make_logp_fn(model_config, routing_replay=replay),
-                                   functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4),
-                                   optax.sgd(0.0), donate=False, rollout_metrics=True)
+    return trainer.make_train_step(
+        policy.make_logp_fn(model_config, routing_replay=replay),
+        functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4),
+        optax.sgd(0.0),
+        donate=False,
+        rollout_metrics=True,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,9 +145,13 @@ def scoring(config, workdir: str, num_batches: int) -> dict:
     sampler = build.env_entry(config).make_sampler(config)  # the training steps' starts (dataset boards)
     rc = build.rollout_config(config)
     assert rc.record_routing and rc.cache_dtype == "bfloat16"
-    variants = {"bf16": (params, rc),
-                "float32": (jax.tree.map(lambda x: x.astype(jnp.float32), params),
-                            dataclasses.replace(rc, cache_dtype="float32"))}
+    variants = {
+        "bf16": (params, rc),
+        "float32": (
+            jax.tree.map(lambda x: x.astype(jnp.float32), params),
+            dataclasses.replace(rc, cache_dtype="float32"),
+        ),
+    }
     results = {}
     for name, (p, r) in variants.items():
         rollout_fn = rollout_lib.make_rollout_fn(model_config, r)
@@ -138,8 +166,10 @@ def scoring(config, workdir: str, num_batches: int) -> dict:
         results[name] = {}
         for setting, per_batch in rows.items():
             tokens = np.array([b["tokens"] for b in per_batch])
-            agg = {k: float(np.average([b[k] for b in per_batch], weights=tokens))
-                   for k in ("rollout_logp_abs_diff_mean", "rollout_k3_kl", "routing_agreement")}
+            agg = {
+                k: float(np.average([b[k] for b in per_batch], weights=tokens))
+                for k in ("rollout_logp_abs_diff_mean", "rollout_k3_kl", "routing_agreement")
+            }
             agg["rollout_logp_abs_diff_max"] = max(b["rollout_logp_abs_diff_max"] for b in per_batch)
             agg["rollout_ratio_max"] = max(b["rollout_ratio_max"] for b in per_batch)
             agg["policy_tokens"] = int(tokens.sum())
@@ -169,9 +199,17 @@ def training(config, workdir: str, steps: int) -> dict:
         shutil.copytree(os.path.join(workdir, warmstart.CACHE_SUBDIR), os.path.join(run_dir, warmstart.CACHE_SUBDIR))
         t0 = time.time()
         rows = loop.train(c, run_dir)
-        keys = ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "train/routing_agreement",
-                "train/rollout_logp_abs_diff_mean", "train/rollout_logp_abs_diff_max", "train/rollout_k3_kl",
-                "train/rollout_ratio_max", "train/grad_norm", "perf/step_seconds")
+        keys = (
+            "rollout/rewards_mean",
+            "rollout/tool_call_valid_rate",
+            "train/routing_agreement",
+            "train/rollout_logp_abs_diff_mean",
+            "train/rollout_logp_abs_diff_max",
+            "train/rollout_k3_kl",
+            "train/rollout_ratio_max",
+            "train/grad_norm",
+            "perf/step_seconds",
+        )
         out["replay" if replay else "no_replay"] = {
             "seconds": time.time() - t0,
             "curves": {k.split("/", 1)[1]: [float(r[k]) for r in rows] for k in keys},
@@ -190,22 +228,30 @@ def main():
     os.makedirs(args.workdir, exist_ok=True)
     t0 = time.time()
     scores = scoring(config, args.workdir, args.score_batches)
-    print(f"scoring ({args.score_batches} rollout batches of {config.rollout.boards_per_step}x"
-          f"{config.rollout.group_size}, {time.time() - t0:.0f} s):")
-    print(f"{'params/caches':>13} {'setting':>9} {'agreement':>9} {'|dlogp| mean':>12} {'|dlogp| max':>11} "
-          f"{'k3 KL':>9} {'ratio max':>9} {'flipped tok':>11} {'flipped mean':>12} {'flipped max':>11} "
-          f"{'clean mean':>10} {'clean max':>9}")
+    print(
+        f"scoring ({args.score_batches} rollout batches of {config.rollout.boards_per_step}x"
+        f"{config.rollout.group_size}, {time.time() - t0:.0f} s):"
+    )
+    print(
+        f"{'params/caches':>13} {'setting':>9} {'agreement':>9} {'|dlogp| mean':>12} {'|dlogp| max':>11} "
+        f"{'k3 KL':>9} {'ratio max':>9} {'flipped tok':>11} {'flipped mean':>12} {'flipped max':>11} "
+        f"{'clean mean':>10} {'clean max':>9}"
+    )
     for name, per in scores.items():
         for setting, s in per.items():
             if setting.startswith("train_step"):
-                print(f"{name:>13} {setting:>9} {s['routing_agreement']:9.4f} "
-                      f"{s['rollout_logp_abs_diff_mean']:12.2e} {s['rollout_logp_abs_diff_max']:11.2e} "
-                      f"{s['rollout_k3_kl']:9.2e} {s['rollout_ratio_max']:9.4f}")
+                print(
+                    f"{name:>13} {setting:>9} {s['routing_agreement']:9.4f} "
+                    f"{s['rollout_logp_abs_diff_mean']:12.2e} {s['rollout_logp_abs_diff_max']:11.2e} "
+                    f"{s['rollout_k3_kl']:9.2e} {s['rollout_ratio_max']:9.4f}"
+                )
                 continue
-            print(f"{name:>13} {setting:>9} {s['routing_agreement']:9.4f} {s['rollout_logp_abs_diff_mean']:12.2e} "
-                  f"{s['rollout_logp_abs_diff_max']:11.2e} {s['rollout_k3_kl']:9.2e} {s['rollout_ratio_max']:9.4f} "
-                  f"{s['flipped_tokens']:>11d} {s['flipped_abs_diff_mean']:12.2e} "
-                  f"{s['flipped_abs_diff_max']:11.2e} {s['clean_abs_diff_mean']:10.2e} {s['clean_abs_diff_max']:9.2e}")
+            print(
+                f"{name:>13} {setting:>9} {s['routing_agreement']:9.4f} {s['rollout_logp_abs_diff_mean']:12.2e} "
+                f"{s['rollout_logp_abs_diff_max']:11.2e} {s['rollout_k3_kl']:9.2e} {s['rollout_ratio_max']:9.4f} "
+                f"{s['flipped_tokens']:>11d} {s['flipped_abs_diff_mean']:12.2e} "
+                f"{s['flipped_abs_diff_max']:11.2e} {s['clean_abs_diff_mean']:10.2e} {s['clean_abs_diff_max']:9.2e}"
+            )
     result = {"scoring": scores}
     if not args.skip_training:
         runs = training(config, args.workdir, args.steps)
@@ -213,13 +259,17 @@ def main():
         for name, run in runs.items():
             cur = run["curves"]
             print(f"\ntraining, {name} ({args.steps} steps, {run['seconds']:.0f} s):")
-            print(f"{'step':>4} {'reward':>7} {'valid':>6} {'agree':>7} {'|dlogp| mean':>12} {'|dlogp| max':>11} "
-                  f"{'k3 KL':>9} {'ratio max':>9}")
+            print(
+                f"{'step':>4} {'reward':>7} {'valid':>6} {'agree':>7} {'|dlogp| mean':>12} {'|dlogp| max':>11} "
+                f"{'k3 KL':>9} {'ratio max':>9}"
+            )
             for i in range(len(cur["rewards_mean"])):
-                print(f"{i + 1:4d} {cur['rewards_mean'][i]:+7.3f} {cur['tool_call_valid_rate'][i]:6.3f} "
-                      f"{cur['routing_agreement'][i]:7.4f} {cur['rollout_logp_abs_diff_mean'][i]:12.2e} "
-                      f"{cur['rollout_logp_abs_diff_max'][i]:11.2e} {cur['rollout_k3_kl'][i]:9.2e} "
-                      f"{cur['rollout_ratio_max'][i]:9.4f}")
+                print(
+                    f"{i + 1:4d} {cur['rewards_mean'][i]:+7.3f} {cur['tool_call_valid_rate'][i]:6.3f} "
+                    f"{cur['routing_agreement'][i]:7.4f} {cur['rollout_logp_abs_diff_mean'][i]:12.2e} "
+                    f"{cur['rollout_logp_abs_diff_max'][i]:11.2e} {cur['rollout_k3_kl'][i]:9.2e} "
+                    f"{cur['rollout_ratio_max'][i]:9.4f}"
+                )
             run["summary"] = {k: float(np.mean(v)) for k, v in cur.items()}
             run["summary"]["rewards_mean_last5"] = float(np.mean(cur["rewards_mean"][-5:]))
             run["summary"]["rewards_mean_first5"] = float(np.mean(cur["rewards_mean"][:5]))

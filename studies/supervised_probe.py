@@ -84,8 +84,13 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--eval_every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
-                        help="config override, e.g. model.tiny.num_hidden_layers=4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="config override, e.g. model.tiny.num_hidden_layers=4 (repeatable)",
+    )
     args = parser.parse_args(argv)
     config = apply_overrides(tictactoe_tiny.get_config(), args.set)
 
@@ -98,8 +103,9 @@ def main(argv=None):
     train_boards, _ = boards_lib.load_boards(config.env)
     table = minimax.tables_numpy()
     tool_names = [t["function"]["name"] for t in env.env.chat().tools]
-    calls = sft.build_call_table(tokenizer, registration.make_teacher(config, env.env).calls,
-                                 int(env.chat.turn_end_id), pad, tool_names)
+    calls = sft.build_call_table(
+        tokenizer, registration.make_teacher(config, env.env).calls, int(env.chat.turn_end_id), pad, tool_names
+    )
     if calls.choice_offset < 0:
         raise SystemExit("the tokenizer does not spell each square as one token")
     teacher = correct_square_teacher(table)
@@ -112,15 +118,16 @@ def main(argv=None):
     eval_boards = boards_lib.exhaustive_positions("x")
     eval_correct = table["optimal_mask"][boards_lib.board_code_np(eval_boards)]
     style = config.env.get("board_style", "grid")
-    prompts = [wording.prompt_ids(tokenizer, wording.move_task_messages(b, style=style)) + call_prefix
-               for b in eval_boards]
+    prompts = [
+        wording.prompt_ids(tokenizer, wording.move_task_messages(b, style=style)) + call_prefix for b in eval_boards
+    ]
     width = max(len(p) for p in prompts)
     eval_tokens = np.full((len(prompts), width), pad, np.int32)
     eval_valid = np.zeros((len(prompts), width), bool)
     last = np.zeros((len(prompts),), np.int32)
     for i, p in enumerate(prompts):  # right-padded; the square's logits sit at each row's last real position
-        eval_tokens[i, :len(p)] = p
-        eval_valid[i, :len(p)] = True
+        eval_tokens[i, : len(p)] = p
+        eval_valid[i, : len(p)] = True
         last[i] = len(p) - 1
 
     @jax.jit
@@ -132,17 +139,23 @@ def main(argv=None):
     def evaluate(params):
         picks = []
         for s in range(0, len(eval_tokens), 512):
-            picks.append(np.asarray(square_choice(params, eval_tokens[s:s + 512], eval_valid[s:s + 512],
-                                                  last[s:s + 512])))
+            picks.append(
+                np.asarray(square_choice(params, eval_tokens[s : s + 512], eval_valid[s : s + 512], last[s : s + 512]))
+            )
         picks = np.concatenate(picks)
         return float(eval_correct[np.arange(len(picks)), picks].mean())
 
     s = config.sft
-    optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, args.steps),
-                                       args.steps, weight_decay=0.0, clip_norm=1.0)
+    optimizer = trainer.make_optimizer(
+        s.learning_rate,
+        s.learning_rate * 0.1,
+        min(s.warmup_steps, args.steps),
+        args.steps,
+        weight_decay=0.0,
+        clip_norm=1.0,
+    )
     state = trainer.create_train_state(params, optimizer, key)
-    step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss,
-                                      optimizer)
+    step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
     length = env.prompt_len + int(np.max(np.asarray(calls.length)))
     rng = np.random.default_rng(args.seed)
     key_play = jax.random.PRNGKey(args.seed + 1)
@@ -151,22 +164,43 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         idx = rng.choice(len(train_boards), size=args.batch, replace=True)
         # One turn of the move task, written by stepping the environment: the prompt and a correct square's call.
-        out = sft.env_transcripts(jax.random.fold_in(key_play, step), ttt_env.move_starts(train_boards[idx]), env,
-                                  teacher, calls, max_turns=1, length=length)
+        out = sft.env_transcripts(
+            jax.random.fold_in(key_play, step),
+            ttt_env.move_starts(train_boards[idx]),
+            env,
+            teacher,
+            calls,
+            max_turns=1,
+            length=length,
+        )
         if step == 1:  # the teacher's choices are the host's correct squares
             at = np.argmax(np.asarray(out.loss_mask), axis=1) + cut
             support = np.asarray(out.support)[np.arange(len(idx)), at]
             assert (support == correct_squares(table, train_boards[idx])).all()
-        feed = TrainBatch(tokens=out.tokens, valid=out.valid, loss_mask=out.loss_mask,
-                          old_logp=jnp.zeros(out.tokens.shape, jnp.float32),
-                          advantages=jnp.zeros((len(idx),), jnp.float32))
+        feed = TrainBatch(
+            tokens=out.tokens,
+            valid=out.valid,
+            loss_mask=out.loss_mask,
+            old_logp=jnp.zeros(out.tokens.shape, jnp.float32),
+            advantages=jnp.zeros((len(idx),), jnp.float32),
+        )
         state, m = step_fn(state, feed)
         if step % args.eval_every == 0 or step == args.steps:
             rate = evaluate(state.params)
             curve[step] = rate
             print(f"step {step}: nll {float(m['nll']):.3f}  optimal {rate:.3f}  ({time.time() - t0:.0f} s)", flush=True)
-    print(json.dumps({"overrides": args.set, "steps": args.steps, "batch": args.batch, "params": int(n_params),
-                      "optimal_by_step": curve, "seconds": round(time.time() - t0, 1)}))
+    print(
+        json.dumps(
+            {
+                "overrides": args.set,
+                "steps": args.steps,
+                "batch": args.batch,
+                "params": int(n_params),
+                "optimal_by_step": curve,
+                "seconds": round(time.time() - t0, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

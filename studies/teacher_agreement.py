@@ -49,8 +49,9 @@ def agreement(params, model_config, tokenizer, config, *, games: int, batch: int
     agreed, decisions, whole = 0, 0, []
     for first in range(0, games, batch):
         k_starts, k_play = jax.random.split(jax.random.fold_in(key, first))
-        out = sft.env_transcripts(k_play, sampler(k_starts, batch), env, teacher.policy, calls, max_turns=turns,
-                                  length=length)
+        out = sft.env_transcripts(
+            k_play, sampler(k_starts, batch), env, teacher.policy, calls, max_turns=turns, length=length
+        )
         tokens = np.asarray(out.tokens)
         at = np.asarray(out.support).any(-1)  # [B, L]: the choice token of each teacher call
         predicted = np.asarray(logits_fn(params, out.tokens, out.valid)).argmax(-1)  # position t predicts t + 1
@@ -61,16 +62,26 @@ def agreement(params, model_config, tokenizer, config, *, games: int, batch: int
         decisions += int(at.sum())
         agreed += int((at & hit).sum())
         whole += [bool(np.all(hit[b][at[b]])) for b in range(keep)]
-    return {"env": entry.name, "opponent": str(config.env.get("opponent", "")), "games": len(whole),
-            "decisions": decisions, "agreement": agreed / max(decisions, 1),
-            "games_all_agreed": float(np.mean(whole))}
+    return {
+        "env": entry.name,
+        "opponent": str(config.env.get("opponent", "")),
+        "games": len(whole),
+        "decisions": decisions,
+        "agreement": agreed / max(decisions, 1),
+        "games_all_agreed": float(np.mean(whole)),
+    }
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     scored_runs.add_run_flags(ap)
-    ap.add_argument("--env", action="append", default=[], metavar="FIELD=VALUE",
-                    help="override a field of the env section the warm start plays, e.g. opponent=greedy (repeatable)")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of the env section the warm start plays, e.g. opponent=greedy (repeatable)",
+    )
     args = ap.parse_args(argv)
     scored_runs.check_run_flags(ap, args)
     overrides = {}
@@ -86,9 +97,11 @@ def main(argv=None) -> None:
     config.env.update(overrides)
     figures = agreement(params, model_config, tokenizer, config, games=args.games, batch=args.batch, seed=args.seed)
     figures["checkpoint"] = "warm_start" if args.warm_start else step
-    print(f"{figures['env']} vs {figures['opponent'] or 'its opponent'}: the policy's choice is the teacher's in "
-          f"{figures['agreement']:.3f} of {figures['decisions']} decisions; every decision of a game in "
-          f"{figures['games_all_agreed']:.3f} of {figures['games']} games")
+    print(
+        f"{figures['env']} vs {figures['opponent'] or 'its opponent'}: the policy's choice is the teacher's in "
+        f"{figures['agreement']:.3f} of {figures['decisions']} decisions; every decision of a game in "
+        f"{figures['games_all_agreed']:.3f} of {figures['games']} games"
+    )
     print(json.dumps(figures))
 
 

@@ -40,21 +40,23 @@ import numpy as np
 
 from configs import tictactoe_tiny
 from reno_jax.loop import build as loop_build
-from reno_jax.rl import policy, recipe, shared_prefix, trainer
+from reno_jax.loop import recipe
+from reno_jax.rl import policy, shared_prefix, trainer
 from reno_jax.rl.batch import TrainBatch
 
 COMMON = 38  # leading tokens every move-task prompt shares
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     boards: int = 64
     samples: int = 8
-    prefix: int = 60                      # prompt tokens (shared within a group)
-    overrides: tuple = ()                 # model.tiny (name, value) pairs
-    top_k: int | None = None              # entropy top-k; None: the config's
-    common: int = 0                       # leading tokens shared by the whole batch, encoded once
-    guard: tuple | None = None            # (max_logp_shift, probe groups, old log-probs "own" or "far")
-    continuation: int | None = None       # response tokens; None: --continuation
+    prefix: int = 60  # prompt tokens (shared within a group)
+    overrides: tuple = ()  # model.tiny (name, value) pairs
+    top_k: int | None = None  # entropy top-k; None: the config's
+    common: int = 0  # leading tokens shared by the whole batch, encoded once
+    guard: tuple | None = None  # (max_logp_shift, probe groups, old log-probs "own" or "far")
+    continuation: int | None = None  # response tokens; None: --continuation
 
 
 GUARD = (0.2, 8, "own")
@@ -92,18 +94,28 @@ def build(name: str, continuation: int):
     optimizer = recipe.make_optimizer(c)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
     logp_fn = policy.make_logp_fn(model_config, group_size=group, entropy_top_k=top_k)
-    step = trainer.make_train_step(logp_fn, recipe.make_loss_fn(c), optimizer, loss_batch_keys=("entropy_scale",),
-                                   donate=True, max_logp_shift=max_shift, shift_probe_rows=probe_groups * group)
+    step = trainer.make_train_step(
+        logp_fn,
+        recipe.make_loss_fn(c),
+        optimizer,
+        loss_batch_keys=("entropy_scale",),
+        donate=True,
+        max_logp_shift=max_shift,
+        shift_probe_rows=probe_groups * group,
+    )
     rows, length = boards * group, prefix + continuation
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model_config.vocab_size, (rows, length)).astype(np.int32)
     tokens[:, :prefix] = np.repeat(tokens[::group, :prefix], group, axis=0)
     tokens[:, :common] = tokens[0, :common]
-    batch = TrainBatch(tokens=tokens, valid=np.ones((rows, length), bool),
-                       loss_mask=np.arange(length)[None, :].repeat(rows, 0) >= prefix,
-                       old_logp=np.full((rows, length), -2.0, np.float32),
-                       advantages=rng.normal(size=(rows,)).astype(np.float32),
-                       entropy_scale=np.ones((rows,), np.float32))
+    batch = TrainBatch(
+        tokens=tokens,
+        valid=np.ones((rows, length), bool),
+        loss_mask=np.arange(length)[None, :].repeat(rows, 0) >= prefix,
+        old_logp=np.full((rows, length), -2.0, np.float32),
+        advantages=rng.normal(size=(rows,)).astype(np.float32),
+        entropy_scale=np.ones((rows,), np.float32),
+    )
     batch = shared_prefix.split_shared_prefix(jax.tree.map(jnp.asarray, batch), prefix, common)
     if old == "own":
         batch = batch.replace(old_logp=jax.jit(lambda p, b: logp_fn(p, b).logp)(params, batch))
@@ -111,12 +123,21 @@ def build(name: str, continuation: int):
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
-    figures = {"boards": boards, "samples": group, "prefix": prefix, "common": common, "continuation": continuation,
-               "compile_and_first_s": round(time.perf_counter() - t0, 2)}
+    figures = {
+        "boards": boards,
+        "samples": group,
+        "prefix": prefix,
+        "common": common,
+        "continuation": continuation,
+        "compile_and_first_s": round(time.perf_counter() - t0, 2),
+    }
     if max_shift:
-        figures.update(max_logp_shift=max_shift, probe_rows=probe_groups * group,
-                       logp_shift=round(float(metrics["logp_shift"]), 4),
-                       update_scale=float(metrics["update_scale"]))
+        figures.update(
+            max_logp_shift=max_shift,
+            probe_rows=probe_groups * group,
+            logp_shift=round(float(metrics["logp_shift"]), 4),
+            update_scale=float(metrics["update_scale"]),
+        )
     return step, initial, batch, figures
 
 
@@ -149,11 +170,16 @@ def main():
             jax.block_until_ready(metrics)
             times[name].append(time.perf_counter() - t0)
     for name in names:
-        r = dict(built[name][3], step_s=round(float(np.median(times[name])), 3),
-                 step_s_min=round(float(np.min(times[name])), 3))
+        r = dict(
+            built[name][3],
+            step_s=round(float(np.median(times[name])), 3),
+            step_s_min=round(float(np.min(times[name])), 3),
+        )
         res["variants"][name] = r
-        print(f"{name:>16}: {r['step_s']:.3f} s per step (median of {args.reps}, fastest {r['step_s_min']:.3f})",
-              flush=True)
+        print(
+            f"{name:>16}: {r['step_s']:.3f} s per step (median of {args.reps}, fastest {r['step_s_min']:.3f})",
+            flush=True,
+        )
     base = res["variants"]["default"]["step_s"]
     for r in res["variants"].values():
         r["ratio_to_default"] = round(r["step_s"] / base, 3)

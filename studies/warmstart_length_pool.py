@@ -51,9 +51,9 @@ def step_widths(lengths: np.ndarray, batch: int, pool: int, length: int, bucket:
         raise ValueError(f"{len(lengths)} conversations do not split into pools of {rows}")
     widths = []
     for first in range(0, len(lengths), rows):
-        part = np.sort(lengths[first:first + rows]) if pool > 1 else lengths[first:first + rows]
+        part = np.sort(lengths[first : first + rows]) if pool > 1 else lengths[first : first + rows]
         for b in range(pool):
-            longest = int(np.max(part[b * batch:(b + 1) * batch]))
+            longest = int(np.max(part[b * batch : (b + 1) * batch]))
             widths.append(bucketed_length(longest, length, bucket) if bucket else length)
     return widths
 
@@ -91,8 +91,16 @@ def main(argv=None) -> None:
     drawn, lengths = None, []
     for _ in range(args.steps):
         key, k_starts, k_play = jax.random.split(key, 3)
-        out = sft.env_transcripts(k_play, sampler(k_starts, batch), env, teacher.policy, calls, max_turns=turns,
-                                  length=length, soft_targets=soft)
+        out = sft.env_transcripts(
+            k_play,
+            sampler(k_starts, batch),
+            env,
+            teacher.policy,
+            calls,
+            max_turns=turns,
+            length=length,
+            soft_targets=soft,
+        )
         drawn = out if drawn is None else drawn
         lengths.append(np.asarray(jnp.sum(out.valid, axis=1)))
     lengths = np.concatenate(lengths)
@@ -101,9 +109,13 @@ def main(argv=None) -> None:
     optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, 1, 10, weight_decay=0.0, clip_norm=1.0)
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
     step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
-    full = TrainBatch(tokens=drawn.tokens, valid=drawn.valid, loss_mask=drawn.loss_mask,  # a step's cost: its width
-                      old_logp=jnp.zeros(drawn.tokens.shape, jnp.float32),
-                      advantages=jnp.zeros((batch,), jnp.float32))
+    full = TrainBatch(
+        tokens=drawn.tokens,
+        valid=drawn.valid,
+        loss_mask=drawn.loss_mask,  # a step's cost: its width
+        old_logp=jnp.zeros(drawn.tokens.shape, jnp.float32),
+        advantages=jnp.zeros((batch,), jnp.float32),
+    )
     if soft:  # the soft-target loss, as the warm start runs it
         ids = jnp.broadcast_to(jnp.asarray(calls.choice_tokens, jnp.int32), (batch, len(calls.choice_tokens)))
         full = full.replace(soft_target_ids=ids, soft_target_weights=drawn.target_weights)
@@ -121,19 +133,32 @@ def main(argv=None) -> None:
         seconds[width] = float(np.median(times))
         print(f"width {width:5d}: {seconds[width]:.3f} s per step", flush=True)
 
-    res = {"config": args.config, "steps": args.steps, "batch": batch, "bucket": bucket,
-           "mean_length": round(float(lengths.mean()), 1), "step_s_by_width": seconds, "pools": {}}
+    res = {
+        "config": args.config,
+        "steps": args.steps,
+        "batch": batch,
+        "bucket": bucket,
+        "mean_length": round(float(lengths.mean()), 1),
+        "step_s_by_width": seconds,
+        "pools": {},
+    }
     base = None
     for p in pools:
         ws = per_pool[p]
         step_s = float(np.mean([seconds[w] for w in ws]))
         base = step_s if base is None else base
-        res["pools"][str(p)] = {"padded_tokens": round(batch * float(np.mean(ws)), 1),
-                                "real_tokens": round(batch * float(lengths.mean()), 1),
-                                "step_s": round(step_s, 3), "speedup": round(base / step_s, 3),
-                                "widths": len(set(ws))}
-        print(f"pool {p}: {batch * np.mean(ws):.0f} padded tokens per step for {batch * lengths.mean():.0f} real, "
-              f"{step_s:.2f} s per step ({base / step_s:.2f}x pool {pools[0]}), {len(set(ws))} widths", flush=True)
+        res["pools"][str(p)] = {
+            "padded_tokens": round(batch * float(np.mean(ws)), 1),
+            "real_tokens": round(batch * float(lengths.mean()), 1),
+            "step_s": round(step_s, 3),
+            "speedup": round(base / step_s, 3),
+            "widths": len(set(ws)),
+        }
+        print(
+            f"pool {p}: {batch * np.mean(ws):.0f} padded tokens per step for {batch * lengths.mean():.0f} real, "
+            f"{step_s:.2f} s per step ({base / step_s:.2f}x pool {pools[0]}), {len(set(ws))} widths",
+            flush=True,
+        )
     print(json.dumps(res))
 
 

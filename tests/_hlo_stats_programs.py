@@ -8,7 +8,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reno_jax.parallel import hlo_stats  # noqa: E402
@@ -26,8 +27,12 @@ def main():
         # a column sum over the split rows: one all-reduce of f32[128]
         "all_reduce": (lambda x: jnp.sum(x * 2.0, axis=0), (a,)),
         # the same inside a 3-step loop whose sum depends on the step (not hoisted): 3 executions
-        "all_reduce_loop": (lambda x: jax.lax.fori_loop(
-            0, 3, lambda i, c: c + jnp.sum(x * i.astype(jnp.float32), axis=0), jnp.zeros((128,))), (a,)),
+        "all_reduce_loop": (
+            lambda x: jax.lax.fori_loop(
+                0, 3, lambda i, c: c + jnp.sum(x * i.astype(jnp.float32), axis=0), jnp.zeros((128,))
+            ),
+            (a,),
+        ),
         # contracting dimension split, output split by rows: partial products reduce-scattered
         "reduce_scatter": (lambda x, y: jax.lax.with_sharding_constraint(x @ y, sh("x", None)), (b, w)),
         # rows split -> columns split: one all-to-all

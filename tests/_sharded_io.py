@@ -25,10 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from reno_jax import parallel
-from reno_jax.loop import build
-from reno_jax.loop import runs
-from reno_jax.rl import recipe
 from reno_jax.checkpoint import orbax as ckpt_lib  # noqa: E402
+from reno_jax.loop import build, recipe, runs
 from reno_jax.models import conversion, ling3  # noqa: E402
 from reno_jax.rl import trainer  # noqa: E402
 
@@ -49,6 +47,7 @@ def host_tree(tree) -> dict[str, np.ndarray]:
 def patterned(state: trainer.TrainState) -> trainer.TrainState:
     """The state with every non-parameter leaf (moments, int8 codes, scales, counters, key) set to a fixed
     non-zero pattern on its own sharding, so that a restore has something to get wrong; no training needed."""
+
     def fill(x):
         values = (np.arange(x.size) * 7 % 23 - 11).reshape(x.shape)
         values = np.abs(values) if np.issubdtype(x.dtype, np.unsignedinteger) else values
@@ -62,6 +61,7 @@ def patterned(state: trainer.TrainState) -> trainer.TrainState:
 def run_config(**model):
     """The default run config with a small model, int8 Adam moments (so quantised moments are saved too)."""
     from configs import tictactoe_tiny
+
     c = tictactoe_tiny.get_config()
     c.model.tiny.num_hidden_layers = 2
     c.model.tiny.update(model)
@@ -110,7 +110,8 @@ def eight(out: str) -> dict:
         sharded_leaves=sum(not s.is_fully_replicated for s in jax.tree.leaves(ep)),
         expert_spec=str(params["model"]["layers_1"]["mlp"]["experts"]["gate_proj"].sharding.spec),
         unsharded_equal=all(np.array_equal(a, unsharded[k]) for k, a in host_tree(params).items()),
-        typed_key_equal=all(np.array_equal(a, unsharded[k]) for k, a in host_tree(typed).items()))
+        typed_key_equal=all(np.array_equal(a, unsharded[k]) for k, a in host_tree(typed).items()),
+    )
 
     # The real Ling-3.0-tiny shape: traced without drawing (abstract values carry no shardings, so without them:
     # tracing is then quicker), and the programs of its largest leaves compiled for the fsdp_ep mesh and for one
@@ -125,13 +126,19 @@ def eight(out: str) -> dict:
         memory = {}
         for name, s in (("sharded", sharding), ("whole", None)):
             lowered = ling3._leaf_program(leaf.shape, True, leaf.dtype, s, None).lower(
-                np.zeros(2, np.uint32), np.uint32(0), np.float32(0.02), np.float32(0.0), np.int32(0))
+                np.zeros(2, np.uint32), np.uint32(0), np.float32(0.02), np.float32(0.0), np.int32(0)
+            )
             memory[name] = lowered.compile().memory_analysis()
-        programs.append(dict(path="/".join(path), leaf_bytes=int(np.prod(leaf.shape)) * leaf.dtype.itemsize,
-                             shards=int(np.prod([ep_mesh.shape[a] for a in sharding.spec if a])),
-                             output_bytes=int(memory["sharded"].output_size_in_bytes),
-                             temp_bytes=int(memory["sharded"].temp_size_in_bytes),
-                             whole_temp_bytes=int(memory["whole"].temp_size_in_bytes)))
+        programs.append(
+            dict(
+                path="/".join(path),
+                leaf_bytes=int(np.prod(leaf.shape)) * leaf.dtype.itemsize,
+                shards=int(np.prod([ep_mesh.shape[a] for a in sharding.spec if a])),
+                output_bytes=int(memory["sharded"].output_size_in_bytes),
+                temp_bytes=int(memory["sharded"].temp_size_in_bytes),
+                whole_temp_bytes=int(memory["whole"].temp_size_in_bytes),
+            )
+        )
     found["real"] = dict(abstract_ok=abstract == conversion.abstract_params(real, jnp.bfloat16), programs=programs)
 
     # The golden checkpoint loaded onto shards under both presets: every shard reads only its block, once.
@@ -151,14 +158,21 @@ def eight(out: str) -> dict:
         for name, mesh, preset in (("fsdp", fsdp_mesh, "fsdp"), ("fsdp_ep", ep_mesh, "fsdp_ep")):
             del reads[:]
             _, got = conversion.from_pretrained(
-                GOLDEN, shardings=functools.partial(parallel.param_shardings, mesh=mesh, preset=preset))
+                GOLDEN, shardings=functools.partial(parallel.param_shardings, mesh=mesh, preset=preset)
+            )
             shardings = parallel.param_shardings(config, mesh, preset)
             equal = all(np.array_equal(a, b) for a, b in zip(host_tree(got).values(), host_tree(want).values()))
-            loads[name] = dict(placed=_placed(got, shardings), equal=equal, reads=len(reads), full_reads=full_reads,
-                               experts_read=sum(".experts." in n for n, _ in reads))
+            loads[name] = dict(
+                placed=_placed(got, shardings),
+                equal=equal,
+                reads=len(reads),
+                full_reads=full_reads,
+                experts_read=sum(".experts." in n for n, _ in reads),
+            )
             if name == "fsdp_ep":  # the expert stack [E, D, Im] of layer 1 over expert 2 x fsdp 2: quarter blocks
-                loads[name]["expert_blocks"] = sorted({b for n, b in reads
-                                                       if n == "model.layers.1.mlp.experts.0.gate_proj.weight"})
+                loads[name]["expert_blocks"] = sorted(
+                    {b for n, b in reads if n == "model.layers.1.mlp.experts.0.gate_proj.weight"}
+                )
                 sharded = got
     finally:
         conversion._read_block = read_block
@@ -174,8 +188,10 @@ def eight(out: str) -> dict:
         ckpt.save(state, {"model": "tests/_sharded_io.MODEL"}, force=True)
     np.savez(os.path.join(out, "state8.npz"), **host_tree(state))
     found["checkpoint"] = dict(
-        step=int(state.step), sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state)),
-        placed=_placed(state, layout.state_shardings(state)))
+        step=int(state.step),
+        sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state)),
+        placed=_placed(state, layout.state_shardings(state)),
+    )
     return found
 
 
@@ -183,6 +199,7 @@ def four(run: str, out: str) -> dict:
     """RUN's one-device checkpoint restored onto fsdp 4 the way `experiments.evaluate --mesh` does it, and as a
     whole train state the way a resumed run on that mesh does."""
     from experiments import cli
+
     assert jax.device_count() == 4, jax.devices()
     mesh_config = cli.mesh_from_flags("fsdp=4,preset=fsdp", 8)
     _, _, model_config, params, step = runs.load_run(run, mesh_config=mesh_config)
@@ -192,9 +209,13 @@ def four(run: str, out: str) -> dict:
     with ckpt_lib.Checkpointer(run, async_save=False) as ckpt:
         state = ckpt.restore(layout.abstract_state(abstract))
     np.savez(os.path.join(out, "state4.npz"), **host_tree(state))
-    return dict(step=step, mesh=dict(layout.mesh.shape), params_placed=_placed(params, layout.param_shardings),
-                state_placed=_placed(state, layout.state_shardings(state)),
-                sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state)))
+    return dict(
+        step=step,
+        mesh=dict(layout.mesh.shape),
+        params_placed=_placed(params, layout.param_shardings),
+        state_placed=_placed(state, layout.state_shardings(state)),
+        sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state)),
+    )
 
 
 def process(address: str, process_id: str) -> dict:
@@ -204,17 +225,25 @@ def process(address: str, process_id: str) -> dict:
     mesh = parallel.make_mesh(parallel.MeshConfig(fsdp=4, preset="fsdp"))
 
     def same_shards(sharded, whole) -> bool:
-        return all(np.array_equal(np.asarray(shard.data), np.asarray(w)[shard.index])
-                   for x, w in zip(jax.tree.leaves(sharded), jax.tree.leaves(whole)) for shard in x.addressable_shards)
+        return all(
+            np.array_equal(np.asarray(shard.data), np.asarray(w)[shard.index])
+            for x, w in zip(jax.tree.leaves(sharded), jax.tree.leaves(whole))
+            for shard in x.addressable_shards
+        )
 
     shardings = parallel.param_shardings(MODEL, mesh, "fsdp")
     params = ling3.init_params(MODEL, jax.random.PRNGKey(0), shardings=shardings)
     _, loaded = conversion.from_pretrained(  # the golden checkpoint's own config, not MODEL
-        GOLDEN, shardings=functools.partial(parallel.param_shardings, mesh=mesh, preset="fsdp"))
-    return dict(process=jax.process_index(), devices=jax.device_count(), placed=_placed(params, shardings),
-                sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params)),
-                init_equal=same_shards(params, ling3.init_params(MODEL, jax.random.PRNGKey(0))),
-                load_equal=same_shards(loaded, conversion.from_pretrained(GOLDEN)[1]))
+        GOLDEN, shardings=functools.partial(parallel.param_shardings, mesh=mesh, preset="fsdp")
+    )
+    return dict(
+        process=jax.process_index(),
+        devices=jax.device_count(),
+        placed=_placed(params, shardings),
+        sharded_leaves=sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(params)),
+        init_equal=same_shards(params, ling3.init_params(MODEL, jax.random.PRNGKey(0))),
+        load_equal=same_shards(loaded, conversion.from_pretrained(GOLDEN)[1]),
+    )
 
 
 if __name__ == "__main__":

@@ -23,11 +23,18 @@ def cases(seed=0):
     sides = (1 + np.arange(len(boards)) % 2).astype(np.int32)
     # Tool responses: a full status x opponent x turn-end grid on one board, then random rows.
     grid = [(5, o, s, t) for s in range(6) for o in range(10) for t in (0, 1)]
-    rand = [(int(rng.integers(24)), int(rng.integers(10)), int(rng.integers(6)), int(rng.integers(2)))
-            for _ in range(40)]
+    rand = [
+        (int(rng.integers(24)), int(rng.integers(10)), int(rng.integers(6)), int(rng.integers(2))) for _ in range(40)
+    ]
     rb, ro, rs, rt = (np.array(x) for x in zip(*(grid + rand)))
-    return dict(boards=boards, sides=sides, resp_board=rb.astype(np.int32), resp_opp=ro.astype(np.int32),
-                resp_status=rs.astype(np.int32), resp_turn_end=rt.astype(bool))
+    return dict(
+        boards=boards,
+        sides=sides,
+        resp_board=rb.astype(np.int32),
+        resp_opp=ro.astype(np.int32),
+        resp_status=rs.astype(np.int32),
+        resp_turn_end=rt.astype(bool),
+    )
 
 
 def render_all(text, tok):
@@ -42,19 +49,27 @@ def render_all(text, tok):
             out[f"{tag}_prompt{game}_ids"], out[f"{tag}_prompt{game}_len"] = np.asarray(ids), np.asarray(n)
         ids, n = response(spec, c["boards"][c["resp_board"]], c["resp_opp"], c["resp_status"], c["resp_turn_end"])
         out[f"{tag}_response_ids"], out[f"{tag}_response_len"] = np.asarray(ids), np.asarray(n)
-        out[f"{tag}_static"] = np.array([spec.prompt_len, spec.response_len, spec.pad_id, spec.turn_end_id,
-                                         spec.eos_id, *np.asarray(spec.stop_ids)])
+        out[f"{tag}_static"] = np.array(
+            [spec.prompt_len, spec.response_len, spec.pad_id, spec.turn_end_id, spec.eos_id, *np.asarray(spec.stop_ids)]
+        )
     texts = []
     for b, side in zip(c["boards"], c["sides"]):
-        texts += [text.render_board(b), text.chat_text(tok, text.move_task_messages(b)),
-                  text.chat_text(tok, text.game_task_messages(b, int(side)))]
-    host_ids = [np.asarray(text.prompt_ids(tok, text.move_task_messages(b, int(s)))) for b, s in zip(c["boards"], c["sides"])]
+        texts += [
+            text.render_board(b),
+            text.chat_text(tok, text.move_task_messages(b)),
+            text.chat_text(tok, text.game_task_messages(b, int(side))),
+        ]
+    host_ids = [
+        np.asarray(text.prompt_ids(tok, text.move_task_messages(b, int(s)))) for b, s in zip(c["boards"], c["sides"])
+    ]
     out["host_prompt_ids"] = np.stack([np.pad(x, (0, 80 - len(x)), constant_values=-1) for x in host_ids])
     for bi, o, s, t in zip(c["resp_board"], c["resp_opp"], c["resp_status"], c["resp_turn_end"]):
         b = c["boards"][bi]
-        texts += [text.tool_response_content(b, int(o), int(s)),
-                  text.tool_response_text(tok, b, int(o), int(s), add_turn_end=bool(t)),
-                  repr(text.tool_message(b, int(o), int(s)))]
+        texts += [
+            text.tool_response_content(b, int(o), int(s)),
+            text.tool_response_text(tok, b, int(o), int(s), add_turn_end=bool(t)),
+            repr(text.tool_message(b, int(o), int(s))),
+        ]
     out["texts"] = np.array(texts)
     return out
 
@@ -65,7 +80,7 @@ if __name__ == "__main__":
 
     out = render_all(wording, load_tokenizer(None))
     for k in [k for k in out if k.startswith("general_")]:  # the two paths agree: store one
-        assert np.array_equal(out.pop(k), out["fast_" + k[len("general_"):]]), k
+        assert np.array_equal(out.pop(k), out["fast_" + k[len("general_") :]]), k
     # Texts as one NUL-joined UTF-8 byte string (a NumPy unicode array takes 4 bytes a character).
     out["texts"] = np.frombuffer("\0".join(out["texts"].tolist()).encode(), np.uint8)
     compact = {k: (v.astype(np.int16) if v.dtype.kind in "i" else v) for k, v in out.items()}

@@ -27,8 +27,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The slow tier (`-m slow`): tests that need a browser, several processes, long runs of the CLIs in fresh
-# processes, or torch (transformers' PyTorch model). Marked here by node name (parameters aside) so that the test
-# files carry no tier marks; the fast tier is `python -m pytest -q -n 2 -m "not slow" tests`.
+# processes, torch (transformers' PyTorch model), or the `tasks` extra (reasoning-gym). Marked here by node name
+# (parameters aside) so that the test files carry no tier marks; the fast tier is
+# `python -m pytest -q -n 2 -m "not slow" tests`.
 # tests/test_packaging.py checks that every name here is a test. Kept as laid out (one entry per name, its reason
 # on the next line when both do not fit on one): the formatter would join them into lines past the limit.
 # fmt: off
@@ -85,6 +86,13 @@ SLOW = {
     # another framework
     "tests/test_conversion.py::test_export_logits_equal_transformers_native_class":
         "transformers' PyTorch BailingHybridForCausalLM: needs torch, which .ci/run installs for this tier only",
+    # an optional extra
+    "tests/test_reasoning_gym_tasks.py::test_basic_arithmetic_scores_the_exact_answer_one_and_a_wrong_one_less":
+        "needs the tasks extra (reasoning-gym), which .ci/run installs for this tier only",
+    "tests/test_reasoning_gym_tasks.py::test_the_calculator_solves_basic_arithmetic_from_the_entries_expressions":
+        "needs the tasks extra",
+    "tests/test_reasoning_gym_tasks.py::test_a_second_dataset_works_the_same_way": "needs the tasks extra",
+    "tests/test_reasoning_gym_tasks.py::test_unknown_names_and_options_say_what_is_wrong": "needs the tasks extra",
 }
 # fmt: on
 
@@ -107,6 +115,7 @@ def scripted_forward():
         def forward(params, config, tokens, valid=None, **unused):
             nxt = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
             return jax.nn.one_hot((nxt + shift) % config.vocab_size, config.vocab_size) * 10.0, None
+
         return forward
 
     return make

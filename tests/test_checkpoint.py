@@ -52,8 +52,10 @@ def make_run():
     """(optimizer, jitted step, fresh initial state). The jitted functions are shared within a process."""
     opt, step = _make_fns()
     rng = np.random.default_rng(42)
-    params = {"w": jnp.asarray(0.3 * rng.normal(size=(V, V)), jnp.float32),
-              "b": jnp.asarray(0.1 * rng.normal(size=(V,)), jnp.float32)}
+    params = {
+        "w": jnp.asarray(0.3 * rng.normal(size=(V, V)), jnp.float32),
+        "b": jnp.asarray(0.1 * rng.normal(size=(V,)), jnp.float32),
+    }
     return opt, step, trainer.create_train_state(params, opt, 7)
 
 
@@ -65,8 +67,12 @@ def sample_batch(key):
     tokens = jax.random.randint(key, (B, L), 0, V).astype(jnp.int32)
     mask = jnp.broadcast_to(jnp.arange(L)[None, :] >= 2, (B, L))
     reward = jnp.sum((tokens < 8) & mask, 1).astype(jnp.float32)
-    return TrainBatch(tokens=tokens, loss_mask=mask, old_logp=jnp.zeros((B, L), jnp.float32),
-                      advantages=losses.group_advantages(reward, 4)), reward
+    return TrainBatch(
+        tokens=tokens,
+        loss_mask=mask,
+        old_logp=jnp.zeros((B, L), jnp.float32),
+        advantages=losses.group_advantages(reward, 4),
+    ), reward
 
 
 @jax.jit
@@ -106,8 +112,14 @@ def run_training(workdir, total_steps, crash_after=None):
 
 def _subprocess(args):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, os.path.abspath(__file__), *map(str, args)], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
 
 
 def _assert_no_warnings(proc):
@@ -187,8 +199,9 @@ def test_restore_into_abstract_target_and_configdict(tmp_path):
         restored = ck.restore(abstract)
         assert ck.restore_config() == {"seed": 1, "rl": {"loss": "gspo", "eps": [3e-4, 4e-4]}}
     assert int(restored.step) == 5
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.replace(step=state.step)),
-                 jax.device_get(state))
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.device_get(restored.replace(step=state.step)), jax.device_get(state)
+    )
 
 
 def test_metrics_writer_resume_and_values(tmp_path):
@@ -222,9 +235,15 @@ def test_tensorboard_and_plot(tmp_path):
     events = [f for f in os.listdir(tb_dir) if f.startswith("events.out.tfevents")]
     assert events and os.path.getsize(os.path.join(tb_dir, events[0])) > 100
     from tensorboardX.event_file_writer import EventFileWriter  # noqa: F401  (tensorboardX is importable)
-    png = M.plot_learning_curves(os.path.join(wd, "metrics.jsonl"), os.path.join(wd, "plots", "curves.png"),
-                                 keys=["loss", "reward", "grad_norm", "missing"], smoothing=0.6)
+
+    png = M.plot_learning_curves(
+        os.path.join(wd, "metrics.jsonl"),
+        os.path.join(wd, "plots", "curves.png"),
+        keys=["loss", "reward", "grad_norm", "missing"],
+        smoothing=0.6,
+    )
     import matplotlib.image
+
     img = matplotlib.image.imread(png)
     assert img.shape[0] > 400 and img.shape[1] > 700  # a 2x3 grid of readable panels
     assert img[..., :3].std() > 0.05  # not blank
@@ -255,6 +274,7 @@ def test_curve_plotter_draws_in_the_background_and_ends_with_every_row(tmp_path,
         plotter.close(keys=["loss", "reward"])
     assert not plotter.busy()
     import matplotlib.image
+
     img = matplotlib.image.imread(png)
     assert img.shape[1] > 500 and img[..., :3].std() > 0.05  # two panels: the keys given to close()
     assert [f for f in os.listdir(wd) if f.endswith(".tmp")] == []  # written by rename, nothing left over

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from reno_jax.envs import interface
 from reno_jax.envs.connect4 import env as c4env
 from reno_jax.envs.connect4 import opponents, rules, wording
-from reno_jax.protocol.chat import Slot, resolve
-from reno_jax.envs import interface
 from reno_jax.envs.interface import ToolCall
+from reno_jax.protocol.chat import Slot, resolve
 
 ENV_KINDS = dict(random=0, greedy=1, negamax=2)
 
@@ -250,7 +250,10 @@ def test_step_cases_under_jit_and_vmap():
         "other_tool": (env_state(np.zeros((6, 7)), 1), call(4, tool=1), -1.0, 4),
         "full_column": (
             env_state(board_of(["X......", "O......", "X......", "O......", "X......", "O......"]), 1),
-            call(1), -1.0, 5),
+            call(1),
+            -1.0,
+            5,
+        ),
         "win_in_one": (env_state(board_of(["......."] * 4 + ["OO....."] + ["XXX...O"]), 1), call(4), 1.0, 1),
         "opponent_wins": (env_state(board_of(["......."] * 4 + ["X.X..O."] + ["OOO.XX."]), 1), call(7), -1.0, 3),
         "draw_after_agent": (env_state(draw_board, 2), call(2), 0.0, 2),
@@ -446,8 +449,9 @@ def test_chat_spec_slots_and_texts():
     )
     full = board_of(["..X...."] + ["..O...."] * 4 + ["..XX..."])
     assert wording.render_board(full).endswith("\n..XX...\n12-4567")
-    np.testing.assert_array_equal(np.asarray(wording.message_values(jnp.asarray(full), 1))[wording.V_OPEN0:],
-                                  [1, 1, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(
+        np.asarray(wording.message_values(jnp.asarray(full), 1))[wording.V_OPEN0 :], [1, 1, 0, 1, 1, 1, 1]
+    )
     texts = [resolve(p, values) for p in spec.tool]
     assert texts[0] == "Opponent played 4.\n" + wording.render_board(board)
     assert texts[1].endswith("\n..XX...\n1234567\nYou won.") and texts[3].endswith("You lost.")
@@ -490,12 +494,14 @@ def test_token_budget_with_the_shipped_tokenizer():
 def test_marked_board_prints_each_columns_landing_cell():
     board = board_of(["..X...."] + ["..O...."] + ["..X...."] + ["..OO..."] + ["..XX..."] + [".OXX.O."])
     assert wording.render_board(board, mark_playable=True) == (
-        "..X....\n..O....\n..X*...\n..OO...\n.*XX.*.\n*OXX*O*\n12-4567")
+        "..X....\n..O....\n..X*...\n..OO...\n.*XX.*.\n*OXX*O*\n12-4567"
+    )
     assert wording.render_board(board) == "..X....\n..O....\n..X....\n..OO...\n..XX...\n.OXX.O.\n12-4567"
     for marked in (False, True):  # the jit values vector equals the host one
         np.testing.assert_array_equal(
             np.asarray(wording.message_values(jnp.asarray(board), 2, 4, 0, mark_playable=marked)),
-            wording.host_values(board, agent_player=2, opponent_column=4, mark_playable=marked))
+            wording.host_values(board, agent_player=2, opponent_column=4, mark_playable=marked),
+        )
     # one "*" per open column, on its lowest empty cell, through a whole random game
     env = c4env.Connect4Env(opponent="random", mark_playable=True)
     state, message = env.reset(jax.tree.map(lambda a: a[0], c4env.sample_starts(jax.random.PRNGKey(3), 1, "random", 1)))
@@ -507,8 +513,10 @@ def test_marked_board_prints_each_columns_landing_cell():
         for c in np.flatnonzero(b[0] == 0):
             assert cells[5 - heights[c], c] == wording.PLAYABLE
         legal = np.flatnonzero(b[0] == 0)
-        out = env.step(state, interface.ToolCall(kind=jnp.int32(0), tool=jnp.int32(0),
-                                                 args=jnp.asarray([legal[k % len(legal)] + 1])))
+        out = env.step(
+            state,
+            interface.ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=jnp.asarray([legal[k % len(legal)] + 1])),
+        )
         state, message = out.state, out.message
         if bool(out.done):
             break

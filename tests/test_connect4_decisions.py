@@ -36,8 +36,12 @@ def test_board_is_read_back_from_the_last_board_text(marked):
     tokenizer = build.build_tokenizer(connect4_tiny.get_config())
     first = _board(["......."] * 5 + ["...X..."])
     last = _board(["......."] * 4 + ["...O...", "..XX..."])
-    text = ("You are O.\n" + wording.render_board(first, mark_playable=marked) + "\nOpponent played 3.\n"
-            + wording.render_board(last, mark_playable=marked))
+    text = (
+        "You are O.\n"
+        + wording.render_board(first, mark_playable=marked)
+        + "\nOpponent played 3.\n"
+        + wording.render_board(last, mark_playable=marked)
+    )
     np.testing.assert_array_equal(cd._board_before(tokenizer, np.asarray(tokenizer.encode(text))), last)
     with pytest.raises(RuntimeError, match="no board"):
         cd._board_before(tokenizer, np.asarray(tokenizer.encode("no board here")))

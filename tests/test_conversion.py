@@ -103,10 +103,14 @@ def test_table_names_and_shapes_match_golden_file(golden_tensors, golden_config)
     assert {e.hf_name: e.hf_shape for e in table} == {k: v.shape for k, v in golden_tensors.items()}
     text = conv.format_table(table)
     lines = text.splitlines()
-    assert ("model.layers.1.mlp.experts.7.down_proj.weight [64, 32] <-expert-> "
-            "model/layers_1/mlp/experts/down_proj[7] [8, 32, 64] (expert, mlp, embed)") in lines
-    assert ("model.layers.0.attention.q_conv1d.weight [64, 1, 4] <-conv-> "
-            "model/layers_0/attention/q_conv1d/kernel [4, 64] (conv, heads)") in lines
+    assert (
+        "model.layers.1.mlp.experts.7.down_proj.weight [64, 32] <-expert-> "
+        "model/layers_1/mlp/experts/down_proj[7] [8, 32, 64] (expert, mlp, embed)"
+    ) in lines
+    assert (
+        "model.layers.0.attention.q_conv1d.weight [64, 1, 4] <-conv-> "
+        "model/layers_0/attention/q_conv1d/kernel [4, 64] (conv, heads)"
+    ) in lines
 
 
 VARIANT = dict(
@@ -149,16 +153,20 @@ def test_load_golden_layout_and_values(golden_loaded, golden_tensors, golden_con
     assert all(v.dtype == np.float32 for v in leaves.values())
     g = golden_tensors
     L0, L1 = ("model", "layers_0"), ("model", "layers_1")
-    np.testing.assert_array_equal(leaves[L0 + ("attention", "q_proj", "kernel")],
-                                  g["model.layers.0.attention.q_proj.weight"].T)
-    np.testing.assert_array_equal(leaves[L0 + ("attention", "k_conv1d", "kernel")],
-                                  g["model.layers.0.attention.k_conv1d.weight"][:, 0, :].T)
+    np.testing.assert_array_equal(
+        leaves[L0 + ("attention", "q_proj", "kernel")], g["model.layers.0.attention.q_proj.weight"].T
+    )
+    np.testing.assert_array_equal(
+        leaves[L0 + ("attention", "k_conv1d", "kernel")], g["model.layers.0.attention.k_conv1d.weight"][:, 0, :].T
+    )
     np.testing.assert_array_equal(leaves[L0 + ("attention", "A_log")], g["model.layers.0.attention.A_log"])
     for e in (0, 5):
-        np.testing.assert_array_equal(leaves[L1 + ("mlp", "experts", "gate_proj")][e],
-                                      g[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"].T)
-        np.testing.assert_array_equal(leaves[L1 + ("mlp", "experts", "down_proj")][e],
-                                      g[f"model.layers.1.mlp.experts.{e}.down_proj.weight"].T)
+        np.testing.assert_array_equal(
+            leaves[L1 + ("mlp", "experts", "gate_proj")][e], g[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"].T
+        )
+        np.testing.assert_array_equal(
+            leaves[L1 + ("mlp", "experts", "down_proj")][e], g[f"model.layers.1.mlp.experts.{e}.down_proj.weight"].T
+        )
     np.testing.assert_array_equal(leaves[L1 + ("mlp", "gate", "kernel")], g["model.layers.1.mlp.gate.weight"].T)
     np.testing.assert_array_equal(leaves[L1 + ("mlp", "gate", "expert_bias")], g["model.layers.1.mlp.gate.expert_bias"])
     np.testing.assert_array_equal(leaves[("lm_head", "kernel")], g["lm_head.weight"].T)
@@ -273,8 +281,13 @@ def test_generated_config_round_trip(golden_config, tmp_path, overrides):
 def test_mtp_layers_are_skipped_with_a_note(golden_tensors, golden_config, golden_loaded, tmp_path, caplog):
     tensors = dict(golden_tensors)
     rng = np.random.default_rng(1)
-    for name, shape in [("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
-                        ("final_layernorm.weight", (64,)), ("attention.q_proj.weight", (64, 64))]:
+    for name, shape in [
+        ("enorm.weight", (64,)),
+        ("hnorm.weight", (64,)),
+        ("eh_proj.weight", (64, 128)),
+        ("final_layernorm.weight", (64,)),
+        ("attention.q_proj.weight", (64, 64)),
+    ]:
         tensors[f"model.layers.4.{name}"] = rng.standard_normal(shape).astype(np.float32)
     path = write_ckpt(tmp_path / "mtp", tensors, dict(golden_config, num_nextn_predict_layers=1))
     with caplog.at_level(logging.INFO):
@@ -394,10 +407,18 @@ def test_hf_to_orbax_to_hf_bit_exact(golden_tensors, golden_config, tmp_path):
 def test_convert_checkpoint_cli(golden_tensors, tmp_path):
     script = [sys.executable, "-m", "experiments.convert_checkpoint"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    for args in (["--direction=hf_to_orbax", f"--hf_dir={GOLDEN}", "--dtype=bfloat16"],
-                 ["--direction=orbax_to_hf", f"--hf_dir={tmp_path / 'hf'}", "--dtype=float32"]):
-        run = subprocess.run(script + args + [f"--orbax_dir={tmp_path / 'orbax'}"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=120)
+    for args in (
+        ["--direction=hf_to_orbax", f"--hf_dir={GOLDEN}", "--dtype=bfloat16"],
+        ["--direction=orbax_to_hf", f"--hf_dir={tmp_path / 'hf'}", "--dtype=float32"],
+    ):
+        run = subprocess.run(
+            script + args + [f"--orbax_dir={tmp_path / 'orbax'}"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert run.returncode == 0, run.stderr[-2000:]
     out = read_dir(tmp_path / "hf")
     # float32 -> bf16 (except the float32-kept leaves) -> float32: equals the bf16 rounding of the golden.
@@ -461,15 +482,19 @@ def test_saved_schedule_is_the_one_transformers_builds(tmp_path, layers, group, 
 
 def test_explicit_schedule_lists_are_honoured(golden_config, tmp_path):
     # 3 layers in groups of 2, spelled out the way transformers derives it (no tail rule), and a second dense layer.
-    raw = dict(variant(golden_config, num_hidden_layers=3),
-               layer_types=["linear_attention", "full_attention", "linear_attention"],
-               mlp_layer_types=["dense", "dense", "sparse"])
+    raw = dict(
+        variant(golden_config, num_hidden_layers=3),
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "dense", "sparse"],
+    )
     with pytest.warns(UserWarning) as warned:
         config = conv.as_config(raw)
     messages = sorted(str(w.message) for w in warned)
     assert len(messages) == 2
-    assert messages[0].startswith("config layer_types ['linear_attention', 'full_attention', 'linear_attention'] "
-                                  "differ from the Ling remote code's schedule")
+    assert messages[0].startswith(
+        "config layer_types ['linear_attention', 'full_attention', 'linear_attention'] "
+        "differ from the Ling remote code's schedule"
+    )
     assert messages[1].startswith("config mlp_layer_types ['dense', 'dense', 'sparse'] differ")
     assert config.layer_kinds == ("kda", "mla", "kda")
     assert [config.is_moe_layer(i) for i in range(3)] == [False, False, True]
@@ -482,7 +507,8 @@ def test_explicit_schedule_lists_are_honoured(golden_config, tmp_path):
     assert table["model.layers.2.attention.q_proj.weight"] == (64, 64)
     assert table["model.layers.1.mlp.gate_proj.weight"] == (96, 64)
     assert {p: s for p, (s, _) in ling3.param_shapes(config).items()} == {
-        e.flax_path: e.flax_shape for e in conv.param_table(config)}
+        e.flax_path: e.flax_shape for e in conv.param_table(config)
+    }
     rng = np.random.default_rng(2)
     params: dict = {}
     for entry in {e.flax_path: e for e in conv.param_table(config)}.values():
@@ -500,12 +526,18 @@ def test_explicit_schedule_lists_are_honoured(golden_config, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(layer_types=["linear_attention", "full_attention"] * 2 + ["full_attention"]),
-         "layer_types has 5 entries but num_hidden_layers is 4"),
-        (dict(layer_types=["linear_attention", "mla", "linear_attention", "full_attention"]),
-         "layer_types entries must be one of ('linear_attention', 'full_attention'), got layer_types[1] = 'mla'"),
-        (dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]),
-         "mlp_layer_types entries must be one of ('dense', 'sparse'), got mlp_layer_types[1] = 'moe'"),
+        (
+            dict(layer_types=["linear_attention", "full_attention"] * 2 + ["full_attention"]),
+            "layer_types has 5 entries but num_hidden_layers is 4",
+        ),
+        (
+            dict(layer_types=["linear_attention", "mla", "linear_attention", "full_attention"]),
+            "layer_types entries must be one of ('linear_attention', 'full_attention'), got layer_types[1] = 'mla'",
+        ),
+        (
+            dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]),
+            "mlp_layer_types entries must be one of ('dense', 'sparse'), got mlp_layer_types[1] = 'moe'",
+        ),
         (dict(mlp_layer_types=["dense", "sparse", "sparse"]), "mlp_layer_types has 3 entries"),
         (dict(layer_types="full_attention"), "layer_types must be a list of strings, got 'full_attention'"),
     ],
@@ -569,8 +601,10 @@ def test_orbax_to_hf_exports_a_training_checkpoint(tmp_path):
         ckpt.save(state.replace(params=jax.tree.map(lambda x: x + 1, params)), run_config, step=20, force=True)
     (tmp_path / "run" / "config.json").write_text(run_config.to_json_best_effort())  # as the trainer writes
     # The workdir means its newest step; a step directory means that step.
-    for source, want, step in ((tmp_path / "run", jax.tree.map(lambda x: x + 1, params), "20"),
-                               (tmp_path / "run" / "checkpoints" / "10", params, "10")):
+    for source, want, step in (
+        (tmp_path / "run", jax.tree.map(lambda x: x + 1, params), "20"),
+        (tmp_path / "run" / "checkpoints" / "10", params, "10"),
+    ):
         out = tmp_path / f"hf_{step}"
         item = cc.orbax_to_hf(source, out)
         assert item == tmp_path / "run" / "checkpoints" / step / "state"

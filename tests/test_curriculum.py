@@ -1,4 +1,4 @@
-"""reno_jax.rl.curriculum: stages of one run, each stage's learning-rate schedule (rl.recipe.make_optimizer), and
+"""reno_jax.loop.curriculum: stages of one run, each stage's learning-rate schedule (loop.recipe.make_optimizer), and
 config errors named by stage (loop.config.validate_config)."""
 
 import jax.numpy as jnp
@@ -9,17 +9,23 @@ import pytest
 from configs import tictactoe_tiny_game
 from reno_jax import errors
 from reno_jax.loop import config as loop_config
-from reno_jax.rl import curriculum, recipe, trainer
+from reno_jax.loop import curriculum, recipe
+from reno_jax.rl import trainer
 
 
 def _curriculum_config(**stage):
     c = tictactoe_tiny_game.get_config()
     c.num_steps = 30
     c.curriculum = ml_collections.ConfigDict()
-    c.curriculum.move = ml_collections.ConfigDict(dict(
-        num_steps=20, env=dict(task="move", board_sides="both"), sft=dict(num_steps=7, soft_targets=False),
-        rollout=dict(max_turns=1, boards_per_step=8), rl=dict(learning_rate=3e-3, end_learning_rate=3e-4,
-                                                              warmup_steps=2, forking_entropy_coef=0.1)))
+    c.curriculum.move = ml_collections.ConfigDict(
+        dict(
+            num_steps=20,
+            env=dict(task="move", board_sides="both"),
+            sft=dict(num_steps=7, soft_targets=False),
+            rollout=dict(max_turns=1, boards_per_step=8),
+            rl=dict(learning_rate=3e-3, end_learning_rate=3e-4, warmup_steps=2, forking_entropy_coef=0.1),
+        )
+    )
     c.curriculum.move.update(stage)
     return c
 
@@ -27,13 +33,15 @@ def _curriculum_config(**stage):
 def test_curriculum_stages():
     c = _curriculum_config()
     stages = curriculum.curriculum_stages(c)
-    assert [(s.name, s.first_step, s.num_steps, s.last_step) for s in stages] == [("move", 0, 20, 20),
-                                                                                  ("main", 20, 30, 50)]
+    assert [(s.name, s.first_step, s.num_steps, s.last_step) for s in stages] == [
+        ("move", 0, 20, 20),
+        ("main", 20, 30, 50),
+    ]
     move, main = stages[0].config, stages[1].config
     assert (move.env.task, move.env.board_sides, move.rollout.max_turns, move.num_steps) == ("move", "both", 1, 20)
     assert (move.sft.num_steps, move.sft.soft_targets, move.rollout.group_size) == (7, False, 8)  # the rest kept
     assert (main.env.task, main.num_steps, main.rl.learning_rate) == ("game", 30, c.rl.learning_rate)
-    assert "curriculum" not in move and "curriculum" not in main
+    assert not move.curriculum and not main.curriculum
     assert curriculum.total_steps(c) == 50 and curriculum.total_steps(stages[1].config) == 30
     assert curriculum.stage_at(stages, 1).name == "move" and curriculum.stage_at(stages, 20).name == "move"
     assert curriculum.stage_at(stages, 21).name == "main" and curriculum.stage_at(stages, 99).name == "main"
@@ -43,15 +51,20 @@ def test_curriculum_stages():
 def test_curriculum_learning_rate_follows_each_stage():
     c = _curriculum_config()
     schedule = recipe.make_optimizer(c)  # its last part scales by the learning rate
-    lr = lambda n: float(trainer.join_lr_schedules(  # noqa: E731
-        [trainer.make_lr_schedule(3e-3, 3e-4, 2, 20), trainer.make_lr_schedule(c.rl.learning_rate,
-                                                                                 c.rl.end_learning_rate,
-                                                                                 c.rl.warmup_steps, 30)],
-        [20, 30])(n))
+    lr = lambda n: float(
+        trainer.join_lr_schedules(  # noqa: E731
+            [
+                trainer.make_lr_schedule(3e-3, 3e-4, 2, 20),
+                trainer.make_lr_schedule(c.rl.learning_rate, c.rl.end_learning_rate, c.rl.warmup_steps, 30),
+            ],
+            [20, 30],
+        )(n)
+    )
     assert lr(0) == float(trainer.make_lr_schedule(3e-3, 3e-4, 2, 20)(0))
     assert lr(19) == float(trainer.make_lr_schedule(3e-3, 3e-4, 2, 20)(19))
-    assert lr(20) == float(trainer.make_lr_schedule(c.rl.learning_rate, c.rl.end_learning_rate,
-                                                    c.rl.warmup_steps, 30)(0))
+    assert lr(20) == float(
+        trainer.make_lr_schedule(c.rl.learning_rate, c.rl.end_learning_rate, c.rl.warmup_steps, 30)(0)
+    )
     # The optimiser applies that schedule: one SGD-like probe of the update size at a few counts.
     params = {"w": jnp.ones((2, 2))}
     state = schedule.init(params)
@@ -76,7 +89,7 @@ def test_curriculum_config_errors():
         curriculum.curriculum_stages(_curriculum_config(num_steps=0))
     c = _curriculum_config()
     c.curriculum.move.rl = ml_collections.ConfigDict({"learning_rate": "fast"})
-    with pytest.raises(errors.ConfigError, match=r"curriculum\.move\.rl\.learning_rate: .*cannot be casted"):
+    with pytest.raises(errors.ConfigError, match=r"curriculum\.move\): --config\.rl\.learning_rate must be a number"):
         curriculum.curriculum_stages(c)
     c = _curriculum_config()
     c.curriculum.next = ml_collections.ConfigDict(dict(num_steps=3, sft=dict(num_steps=1)))

@@ -66,7 +66,7 @@ def snippets() -> list[dict]:
             j = i + 1
             while j < len(lines) and lines[j].strip() != "```":
                 j += 1
-            code = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[i + 1:j])
+            code = "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : j])
             above = lines[start - 1].strip() if start else ""
             marker = MARKER.match(above)
             mode, path = "run", None
@@ -74,8 +74,7 @@ def snippets() -> list[dict]:
                 mode = "check-only"
             elif marker:
                 mode, path = "file", marker.group(1).split(None, 1)[1]
-            out.append({"id": f"{doc}:{start + 1}", "doc": doc, "lang": lang, "mode": mode, "path": path,
-                        "code": code})
+            out.append({"id": f"{doc}:{start + 1}", "doc": doc, "lang": lang, "mode": mode, "path": path, "code": code})
             i = j + 1
     return out
 
@@ -117,10 +116,17 @@ _RESULTS: dict | None = None
 def _results(tmp_dir: str) -> dict:
     global _RESULTS
     if _RESULTS is None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-                   JAX_PLATFORMS="cpu")
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), tmp_dir], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=600)
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu"
+        )
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), tmp_dir],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         last = [line for line in out.stdout.splitlines() if line.startswith("{")]
         assert out.returncode == 0 and last, f"the snippet checker failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
         _RESULTS = json.loads(last[-1])
@@ -142,10 +148,14 @@ def test_snippet(snippet, tmp_path_factory):
 
 # Snippets the checker must reject (run after the documents' own, in the same process).
 SELF_TESTS = {
-    "self:unknown config field": ("bash", "python -m experiments.train --config=configs/tictactoe_tiny.py "
-                                          "--workdir=w --config.rl.no_such_field=1"),
-    "self:config the loop rejects": ("bash", "python -m experiments.train --config=configs/tictactoe_tiny.py "
-                                             "--workdir=w --config.rl.train_groups=999"),
+    "self:unknown config field": (
+        "bash",
+        "python -m experiments.train --config=configs/tictactoe_tiny.py --workdir=w --config.rl.no_such_field=1",
+    ),
+    "self:config the loop rejects": (
+        "bash",
+        "python -m experiments.train --config=configs/tictactoe_tiny.py --workdir=w --config.rl.train_groups=999",
+    ),
     "self:unknown absl flag": ("bash", "python -m experiments.evaluate --workdir=w --no_such_flag=1"),
     "self:unknown script argument": ("bash", "python benchmarks/real_shape_step.py --no-such-argument"),
     "self:no such extra": ("bash", 'pip install -e ".[no_such_extra]"'),
@@ -249,10 +259,11 @@ def _strip_launchers(words: list[str]) -> tuple[list[str], dict]:
 def _setup_kwargs() -> dict:
     """The keyword arguments setup.py passes to `setuptools.setup`."""
     captured = {}
-    import setuptools
     from unittest import mock
-    with mock.patch.object(setuptools, "setup", lambda **kwargs: captured.update(kwargs)), \
-            contextlib.chdir(ROOT):
+
+    import setuptools
+
+    with mock.patch.object(setuptools, "setup", lambda **kwargs: captured.update(kwargs)), contextlib.chdir(ROOT):
         runpy.run_path(os.path.join(ROOT, "setup.py"))
     return captured
 
@@ -317,8 +328,9 @@ def _dry_parse_absl(module: str, argv: list[str], validate: bool) -> str:
         # The next program imports its modules afresh (and defines its flags again): every module of the
         # entry points' packages goes, the packages too (they hold their submodules as attributes).
         for name in list(sys.modules):
-            if name.split(".")[0] in ("experiments", "configs") or (name not in modules and name != "__main__"
-                                                                    and name.startswith("benchmarks")):
+            if name.split(".")[0] in ("experiments", "configs") or (
+                name not in modules and name != "__main__" and name.startswith("benchmarks")
+            ):
                 sys.modules.pop(name, None)
     return note
 
@@ -380,10 +392,13 @@ def _check_python_command(args: list[str], env: dict) -> str:
                 i += 1
             return "markers, plugins and paths exist"
         import importlib.util
+
         assert importlib.util.find_spec(module) is not None, f"python -m {module}: no such module"
         # A run that needs what this machine lacks (a checkpoint, several devices or processes) is only parsed.
-        needs_more = any(re.match(r"--(config\.model\.path|config\.mesh\.|num_processes|coordinator|mesh=)", a)
-                         for a in rest) or "XLA_FLAGS" in env
+        needs_more = (
+            any(re.match(r"--(config\.model\.path|config\.mesh\.|num_processes|coordinator|mesh=)", a) for a in rest)
+            or "XLA_FLAGS" in env
+        )
         needs_more = needs_more or any("areno_ling3" in a for a in rest)
         return _dry_parse_absl(module, rest, validate=not needs_more)
     script = args[0]
@@ -422,8 +437,9 @@ def _check_shell(code: str, files: set) -> str:
 
 def _run_shell(code: str, root: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, ROOT, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
     return out.stdout[-500:]
 

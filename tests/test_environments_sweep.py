@@ -12,8 +12,10 @@ import environments_sweep as es  # noqa: E402
 
 
 def _rows(values, key="greedy/positions/optimal_move_rate", **extra):
-    return [{"seed": i, "train_wall_s": 400.0 + i, key: v, f"warm_start/{key}": v / 2, **extra}
-            for i, v in enumerate(values)]
+    return [
+        {"seed": i, "train_wall_s": 400.0 + i, key: v, f"warm_start/{key}": v / 2, **extra}
+        for i, v in enumerate(values)
+    ]
 
 
 def test_a_mean_target_can_hold_where_one_seed_falls_short():

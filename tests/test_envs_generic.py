@@ -15,17 +15,16 @@ import ml_collections
 import numpy as np
 import pytest
 
-from reno_jax import errors
-from reno_jax.loop import config as loop_config
-from reno_jax.rl import policy
+from reno_jax import errors, run_config
 from reno_jax.envs import guess_number, interface, registry
 from reno_jax.envs.connect4 import env as c4env
 from reno_jax.envs.connect4 import registration as c4reg
 from reno_jax.envs.connect4 import rules as c4rules
+from reno_jax.loop import config as loop_config
 from reno_jax.models import ling3
 from reno_jax.protocol import chat
 from reno_jax.protocol.tokenizer import load_tokenizer
-from reno_jax.rl import losses, sft
+from reno_jax.rl import losses, policy, sft
 from reno_jax.rl.batch import TrainBatch
 from reno_jax.rollout import rollout as R
 
@@ -44,7 +43,7 @@ def params():
 
 
 def _call_ids(tok, name, arg, value, turn_end):
-    text = f'<tool_call>{json.dumps({"name": name, "arguments": {arg: value}})}</tool_call>'
+    text = f"<tool_call>{json.dumps({'name': name, 'arguments': {arg: value}})}</tool_call>"
     return list(tok.encode(text, add_special_tokens=False)) + [turn_end]
 
 
@@ -62,7 +61,7 @@ def test_connect4_rollout_plays_forced_columns_and_renders_the_environments_text
     for b in range(2):
         for t in range(turns):
             ids = _call_ids(tok, "drop_piece", "column", cols[b][t], env.chat.turn_end_id)
-            forced[b, t, :len(ids)] = ids
+            forced[b, t, : len(ids)] = ids
     fn = jax.jit(functools.partial(R.rollout, model_config=MC, rollout_config=rc), compiler_options=FAST)
     traj = jax.device_get(fn(params, jax.random.PRNGKey(0), starts, env=env, forced_tokens=jnp.asarray(forced)))
     assert isinstance(traj.stats, R.RolloutStats)
@@ -84,7 +83,7 @@ def test_connect4_rollout_plays_forced_columns_and_renders_the_environments_text
     row = traj.tokens[0][traj.valid[0]]
     mask = traj.loss_mask[0][traj.valid[0]]
     edges = np.flatnonzero(np.diff(mask.astype(np.int8)))
-    between = [_decode(tok, row[edges[2 * k + 1] + 1: edges[2 * k + 2] + 1]) for k in range(2)]
+    between = [_decode(tok, row[edges[2 * k + 1] + 1 : edges[2 * k + 2] + 1]) for k in range(2)]
     assert between == texts[:2]
 
 
@@ -98,17 +97,22 @@ def test_rollout_records_each_turns_reward_and_state_key(tok, params):
     for b, calls in enumerate([[8, 4, 5], [8, 2, 99]]):
         for t, number in enumerate(calls):
             ids = _call_ids(tok, "guess", "number", number, env.chat.turn_end_id)
-            forced[b, t, :len(ids)] = ids
+            forced[b, t, : len(ids)] = ids
     fn = jax.jit(functools.partial(R.rollout, model_config=MC, rollout_config=rc), compiler_options=FAST)
     traj = jax.device_get(fn(params, jax.random.PRNGKey(0), starts, env=env, forced_tokens=jnp.asarray(forced)))
     np.testing.assert_array_equal(traj.stats.num_turns, [3, 3])
     np.testing.assert_allclose(traj.turn_reward, [[0, 0, 1 - 2 * guess_number.GUESS_COST, 0], [0, 0, -1, 0]])
     np.testing.assert_allclose(traj.turn_reward.sum(1), traj.reward)
-    key = lambda guesses, low, high: env.env.state_key(guess_number.State(  # noqa: E731
-        secret=5, guesses=guesses, found=False, low=low, high=high, wasted=0))
+    key = lambda guesses, low, high: env.env.state_key(
+        guess_number.State(  # noqa: E731
+            secret=5, guesses=guesses, found=False, low=low, high=high, wasted=0
+        )
+    )
     # Turn 0 from the start (1..16), turn 1 after "8 is too high" (1..7) in both rows; then the rows part.
-    np.testing.assert_array_equal(traj.turn_key, [[key(0, 1, 16), key(1, 1, 7), key(2, 5, 7), -1],
-                                                  [key(0, 1, 16), key(1, 1, 7), key(2, 3, 7), -1]])
+    np.testing.assert_array_equal(
+        traj.turn_key,
+        [[key(0, 1, 16), key(1, 1, 7), key(2, 5, 7), -1], [key(0, 1, 16), key(1, 1, 7), key(2, 3, 7), -1]],
+    )
     turn_adv = np.asarray(losses.turn_advantages(traj.turn_reward, traj.turn_key, 2))
     assert turn_adv[0, 1] > 0 > turn_adv[1, 1] and turn_adv[0, 0] > 0 > turn_adv[1, 0]  # shared states compared
     assert turn_adv[0, 2] == turn_adv[1, 2] == 0.0  # states only one row reached
@@ -122,15 +126,15 @@ def test_guess_number_transcripts_step_the_environment(tok):
     assert table.ids.shape[0] == guess_number.MAX_NUMBER
     starts = guess_number.sample_starts(jax.random.PRNGKey(0), 16)
     length = R.conversation_length(env, R.RolloutConfig(max_new_tokens=16, max_turns=5))
-    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(1), starts, env, teacher.policy, table, max_turns=5,
-                                             length=length))
+    out = jax.device_get(
+        sft.env_transcripts(jax.random.PRNGKey(1), starts, env, teacher.policy, table, max_turns=5, length=length)
+    )
     info = out.info
     assert info["found"].mean() > 0.5 and not info["invalid"].any()
     for b in range(4):
         text = _decode(tok, out.tokens[b][out.valid[b]])
         secret = int(starts.secret[b])
-        assert text.startswith(chat.chat_text(tok, env.env.chat(), chat.user_messages(env.env.chat(),
-                                                                                    (0, [0, 0]))))
+        assert text.startswith(chat.chat_text(tok, env.env.chat(), chat.user_messages(env.env.chat(), (0, [0, 0]))))
         guesses = [int(g) for g in __import__("re").findall(r'"number": (\d+)', text)]
         assert len(guesses) == int(info["guesses"][b])
         for g in guesses[:-1]:  # every answer is consistent with the secret
@@ -147,6 +151,7 @@ def test_registry_and_config_validation():
     with pytest.raises(ValueError, match="env.name is not set"):
         registry.entry_for(ml_collections.ConfigDict({"task": "move"}))
     from configs import connect4_tiny
+
     c = connect4_tiny.get_config()
     loop_config.validate_config(c)
     c.env.name = "chess"
@@ -169,6 +174,7 @@ def test_registry_and_config_validation():
 
 def _guess_config(tmp_steps=1):
     from configs import guess_number_tiny
+
     c = guess_number_tiny.get_config()
     c.num_steps = tmp_steps
     c.model.tiny.num_hidden_layers = 2  # every layer kind still (KDA + dense MLP, MLA + MoE); compiles faster
@@ -184,15 +190,20 @@ def _guess_config(tmp_steps=1):
 
 def test_warm_start_names_a_turn_too_short_for_the_teachers_calls(tmp_path):
     from reno_jax import loop
+
     c = _guess_config()
     c.rollout.max_new_tokens = 6  # a guess call is 14-15 tokens: the teacher's calls would never fit a turn
-    with pytest.raises(errors.ConfigError, match=r"--config\.rollout\.max_new_tokens=6 is shorter than .*"
-                       r"longest teacher call \(1\d tokens with the turn end\); set it to >= 1\d"):
+    with pytest.raises(
+        errors.ConfigError,
+        match=r"--config\.rollout\.max_new_tokens=6 is shorter than .*"
+        r"longest teacher call \(1\d tokens with the turn end\); set it to >= 1\d",
+    ):
         loop.train(c, str(tmp_path))
 
 
 def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     from reno_jax import loop
+
     c = _guess_config(2)
     c.eval_every = 2  # the default suite (every secret, greedy) at step 2, logged as eval/<suite>/<figure>;
     # the same program as the evaluate CLI's below (16 episodes in one batch): compiled once per session
@@ -209,9 +220,12 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     assert 0.0 <= rows[1]["eval/secrets/found_rate"] <= 1.0 and rows[1]["perf/eval_seconds"] > 0
     for key in ("rollout/found_rate", "rollout/guesses_mean", "rollout/rewards_mean", "train/loss"):
         assert all(np.isfinite(r[key]) for r in rows), key
-    out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={tmp_path}",
-                          "--batch_size=16", "--transcripts=1"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", f"--workdir={tmp_path}", "--batch_size=16", "--transcripts=1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["env"] == "guess_number" and summary["checkpoint_step"] == 2
@@ -226,29 +240,43 @@ def test_generic_trainer_and_evaluation_on_guess_number(tmp_path):
     warm, final = loop.load_warm_start(str(tmp_path)), loop.load_checkpoint(str(tmp_path))
     assert warm.step == 0 and jax.tree.structure(warm.params) == jax.tree.structure(final.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(warm.params), jax.tree.leaves(final.params)))
-    figures = loop.flat_figures(loop.evaluate(warm.params, warm.model_config, warm.tokenizer, warm.config,
-                                              key=jax.random.PRNGKey(0), show_progress=False))
+    figures = loop.flat_figures(
+        loop.evaluate(
+            warm.params, warm.model_config, warm.tokenizer, warm.config, key=jax.random.PRNGKey(0), show_progress=False
+        )
+    )
     assert figures["secrets/num_episodes"] == guess_number.MAX_NUMBER and 0.0 <= figures["secrets/found_rate"] <= 1
     for figure in ("found_rate", "guesses_mean", "mean_reward"):  # the warm start's own in-run evaluation agrees
         assert figures[f"secrets/{figure}"] == warm_rows[1][f"eval/secrets/{figure}"], figure
 
 
 def test_summarize_reduces_infos_by_the_declared_metrics():
-    info = {"found": np.array([True, False, True, True]), "guesses": np.array([2, 7, 3, 1]),
-            "invalid": np.array([False, True, False, False]), "wasted": np.array([0, 2, 0, 0])}
+    info = {
+        "found": np.array([True, False, True, True]),
+        "guesses": np.array([2, 7, 3, 1]),
+        "invalid": np.array([False, True, False, False]),
+        "wasted": np.array([0, 2, 0, 0]),
+    }
     env = guess_number.GuessNumberEnv()
-    assert interface.summarize(env, info) == {"found_rate": 0.75, "invalid_rate": 0.25, "guesses_mean": 3.25,
-                                              "wasted_mean": 0.5}
+    assert interface.summarize(env, info) == {
+        "found_rate": 0.75,
+        "invalid_rate": 0.25,
+        "guesses_mean": 3.25,
+        "wasted_mean": 0.5,
+    }
     from reno_jax.rollout import summary
+
     assert summary.plotted_metrics(env) == ("rollout/found_rate", "rollout/guesses_mean")
 
     class Declared(guess_number.GuessNumberEnv):
         def episode_metrics(self):
-            return {"calls": interface.Metric(lambda i: i["guesses"], reduce="sum"),
-                    "most": interface.Metric(lambda i: i["guesses"], reduce="max"),
-                    "found_when_fast": interface.rate("found", where=lambda i: i["guesses"] <= 3),
-                    "found_when_slow": interface.rate("found", where=lambda i: i["guesses"] > 10),  # none: NaN
-                    "two_guesses": interface.rate("guesses", equals=2)}
+            return {
+                "calls": interface.Metric(lambda i: i["guesses"], reduce="sum"),
+                "most": interface.Metric(lambda i: i["guesses"], reduce="max"),
+                "found_when_fast": interface.rate("found", where=lambda i: i["guesses"] <= 3),
+                "found_when_slow": interface.rate("found", where=lambda i: i["guesses"] > 10),  # none: NaN
+                "two_guesses": interface.rate("guesses", equals=2),
+            }
 
     out = interface.summarize(Declared(), info)
     assert (out["calls"], out["most"], out["found_when_fast"], out["two_guesses"]) == (13.0, 7.0, 1.0, 0.25)
@@ -258,21 +286,32 @@ def test_summarize_reduces_infos_by_the_declared_metrics():
         def episode_metrics(self):
             return {}
 
-    assert interface.summarize(Undeclared(), info) == {"found": 0.75, "guesses": 3.25, "invalid": 0.25,
-                                                       "wasted": 0.5}
+    assert interface.summarize(Undeclared(), info) == {"found": 0.75, "guesses": 3.25, "invalid": 0.25, "wasted": 0.5}
     with pytest.raises(ValueError, match="reduce"):
         interface.Metric(lambda i: i["found"], reduce="median")
 
 
 def test_learning_curve_panels_follow_the_environments_plotted_metrics():
     from reno_jax.loop import training
+
     keys = training.curve_keys(guess_number.GuessNumberEnv())
-    assert keys[:2] == training.LEADING_CURVES and keys[-len(training.TRAILING_CURVES):] == training.TRAILING_CURVES
+    assert keys[:2] == training.LEADING_CURVES and keys[-len(training.TRAILING_CURVES) :] == training.TRAILING_CURVES
     assert keys[2:4] == ("rollout/found_rate", "rollout/guesses_mean")  # Metric(plot=True) only
-    logged = dict.fromkeys(["rollout/rewards_mean", "rollout/found_rate", "train/grad_norm",
-                            "eval/secrets/found_rate", "eval/secrets/invalid_rate"])
-    assert training.present_panels(keys, logged) == ("rollout/rewards_mean", "rollout/found_rate",
-                                                     "train/grad_norm", "eval/secrets/found_rate")
+    logged = dict.fromkeys(
+        [
+            "rollout/rewards_mean",
+            "rollout/found_rate",
+            "train/grad_norm",
+            "eval/secrets/found_rate",
+            "eval/secrets/invalid_rate",
+        ]
+    )
+    assert training.present_panels(keys, logged) == (
+        "rollout/rewards_mean",
+        "rollout/found_rate",
+        "train/grad_norm",
+        "eval/secrets/found_rate",
+    )
 
 
 def test_center_greedy_teacher_wins_blocks_and_prefers_the_centre():
@@ -293,7 +332,7 @@ def test_exploring_center_greedy_teacher_plays_off_path_but_targets_its_own_colu
     e = c4env.Connect4Env()
     start = jax.tree.map(lambda a: a[0], c4env.sample_starts(jax.random.PRNGKey(0), 1, "random", 1))
     state, _ = e.reset(start)  # empty board: the teacher's column is the centre (3, 0-based)
-    config = ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy", explore=0.5, soft_targets=True)))
+    config = run_config.load(dict(sft=dict(teacher="center_greedy", explore=0.5, soft_targets=True)))
     teacher = c4reg.make_teacher(config, e)
     cols, targets = jax.vmap(lambda k: teacher.policy(state, k))(jax.random.split(jax.random.PRNGKey(1), 400))
     cols, targets = np.asarray(cols), np.asarray(targets)
@@ -301,12 +340,15 @@ def test_exploring_center_greedy_teacher_plays_off_path_but_targets_its_own_colu
     off = np.mean(cols != 3)  # a uniform legal column half the time, the centre in 1/7 of those
     assert 0.5 * 6 / 7 - 0.08 < off < 0.5 * 6 / 7 + 0.08
     assert set(np.unique(cols)) == set(range(7))
-    plain = c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy"))), e)
+    plain = c4reg.make_teacher(run_config.load(dict(sft=dict(teacher="center_greedy"))), e)
     assert int(plain.policy(state, jax.random.PRNGKey(2))[0]) == 3
-    for bad in (dict(explore=0.5), dict(explore=0.5, soft_targets=True, teacher="greedy"),
-                dict(explore=1.0, soft_targets=True)):
+    for bad in (
+        dict(explore=0.5),
+        dict(explore=0.5, soft_targets=True, teacher="greedy"),
+        dict(explore=1.0, soft_targets=True),
+    ):
         with pytest.raises(errors.ConfigError, match="sft.explore"):
-            c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
+            c4reg.make_teacher(run_config.load(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
 
 
 def test_center_greedy_teacher_weighs_the_positions_with_a_four_to_make_or_stop():
@@ -318,31 +360,37 @@ def test_center_greedy_teacher_weighs_the_positions_with_a_four_to_make_or_stop(
     block = empty.copy()
     block[5, :2], block[4, 0], block[5, 4:] = 1, 1, 2  # X to move; O's three on the bottom row ends at column 4
     states = jax.vmap(e.reset)(c4env.position_starts(np.stack([empty, win, block])))[0]
-    config = ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy", soft_targets=True, forced_weight=6.0)))
+    config = run_config.load(dict(sft=dict(teacher="center_greedy", soft_targets=True, forced_weight=6.0)))
     teacher = c4reg.make_teacher(config, e)
     cols, _, weights = jax.vmap(teacher.policy)(states, jax.random.split(jax.random.PRNGKey(0), 3))
     np.testing.assert_array_equal(np.asarray(cols), [3, 3, 3])  # centre; X's four at 0-based 3; O's four stopped
     np.testing.assert_allclose(np.asarray(weights), [1.0, 6.0, 6.0])
     np.testing.assert_array_equal(np.asarray(jax.vmap(c4reg.forced_position)(states)), [False, True, True])
-    plain = c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(teacher="center_greedy"))), e)
+    plain = c4reg.make_teacher(run_config.load(dict(sft=dict(teacher="center_greedy"))), e)
     assert len(plain.policy(jax.tree.map(lambda a: a[0], states), jax.random.PRNGKey(0))) == 2
     for bad in (dict(forced_weight=6.0), dict(forced_weight=0.0, soft_targets=True)):
         with pytest.raises(errors.ConfigError, match="sft.forced_weight"):
-            c4reg.make_teacher(ml_collections.ConfigDict(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
+            c4reg.make_teacher(run_config.load(dict(sft=dict(dict(teacher="center_greedy"), **bad))), e)
 
 
 def test_logp_fn_scores_the_tempered_policy(params):
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 12), 0, MC.vocab_size)
     logits, _ = ling3.forward(params, MC, tokens)
-    want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / 0.7, axis=-1),
-                               tokens[:, 1:, None], axis=-1)[..., 0]
-    batch = TrainBatch(tokens=tokens, loss_mask=jnp.ones(tokens.shape, bool), old_logp=jnp.zeros(tokens.shape),
-                       advantages=jnp.zeros(tokens.shape[:1]))
+    want = jnp.take_along_axis(
+        jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / 0.7, axis=-1), tokens[:, 1:, None], axis=-1
+    )[..., 0]
+    batch = TrainBatch(
+        tokens=tokens,
+        loss_mask=jnp.ones(tokens.shape, bool),
+        old_logp=jnp.zeros(tokens.shape),
+        advantages=jnp.zeros(tokens.shape[:1]),
+    )
     got = policy.make_logp_fn(MC, temperature=0.7)(params, batch).logp
     np.testing.assert_allclose(np.asarray(got[:, 1:]), np.asarray(want), rtol=1e-5, atol=1e-5)
     plain = policy.make_logp_fn(MC)(params, batch).logp
-    np.testing.assert_array_equal(np.asarray(plain), np.asarray(policy.make_logp_fn(MC, temperature=1.0)(
-        params, batch).logp))
+    np.testing.assert_array_equal(
+        np.asarray(plain), np.asarray(policy.make_logp_fn(MC, temperature=1.0)(params, batch).logp)
+    )
 
 
 def test_warm_start_trimmed_to_the_longest_transcript_trains_the_same(monkeypatch):
@@ -350,6 +398,7 @@ def test_warm_start_trimmed_to_the_longest_transcript_trains_the_same(monkeypatc
     the same nll and weights as at the full transcript length."""
     from reno_jax.loop import build as loop_build
     from reno_jax.loop import warmstart
+
     widths, trim = [], warmstart.trim_length
 
     def spy(batch, width):
@@ -373,12 +422,12 @@ def test_warm_start_trimmed_to_the_longest_transcript_trains_the_same(monkeypatc
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
 
-
 def test_warm_start_from_a_length_sorted_pool(monkeypatch):
     """sft.length_pool: one draw of that many batches, trained as batches of neighbours in length (each cut after
     its own longest transcript), drawn again when the pool is used up; 0 is refused."""
     from reno_jax.loop import build as loop_build
     from reno_jax.loop import warmstart
+
     pools, widths = [], []
     split, trim = sft.length_sorted_batches, warmstart.trim_length
 

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.envs.tictactoe import minimax
-from reno_jax.envs.tictactoe import rules as ttt
-
 # ------------------------------------------------------------------------------------------------
 # Plain-Python reference (independent of the code under test: tuples, explicit lines, recursion)
 # ------------------------------------------------------------------------------------------------
 from ttt_reference import PY_LINES, py_winner  # noqa: E402,F401
+
+from reno_jax.envs.tictactoe import minimax
+from reno_jax.envs.tictactoe import rules as ttt
 
 
 def py_mover(b):
@@ -295,6 +295,7 @@ def test_seeking_mask_matches_recursive_expectation_on_every_reachable_position(
 def _outcome_against_random(tables, agent, policy):
     """Exact (win, draw, loss) of `policy` (a [9] bool mask per board code, uniform among its moves) as `agent`
     against a uniformly random opponent, by enumerating the game tree."""
+
     @functools.lru_cache(maxsize=None)
     def go(b):
         w = py_winner(b)
@@ -303,6 +304,7 @@ def _outcome_against_random(tables, agent, policy):
         mover = py_mover(b)
         moves = [i for i in range(9) if b[i] == 0 and (mover != agent or policy[code_of(b)][i])]
         return sum(go(py_child(b, i, mover)) for i in moves) / len(moves)
+
     return go((0,) * 9)
 
 

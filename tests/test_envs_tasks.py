@@ -11,15 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.envs.tictactoe import boards as B
-from reno_jax.envs.tictactoe import minimax
-from reno_jax.envs.tictactoe import tasks as T
-from reno_jax.envs.tictactoe import rules as ttt
-
 # ------------------------------------------------------------------------------------------------
 # Independent plain-Python reference of AReno's game.score_move (X to move, value-preserving = best)
 # ------------------------------------------------------------------------------------------------
 from ttt_reference import PY_LINES, py_winner  # noqa: E402,F401
+
+from reno_jax.envs.tictactoe import boards as B
+from reno_jax.envs.tictactoe import minimax
+from reno_jax.envs.tictactoe import rules as ttt
+from reno_jax.envs.tictactoe import tasks as T
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,8 +226,11 @@ def test_game_step_outcomes(table):
     key = KEY(0)
     # Win: agent X completes the top row.
     s, r, d, info = _game_step(key, _state("XX.OO...."), T.PARSE_OK, 3, table)
-    assert float(r) == 1.0 and bool(d) and _flags(info) == dict(win=True, draw=False, loss=False, invalid=False,
-                                                               illegal=False)
+    assert (
+        float(r) == 1.0
+        and bool(d)
+        and _flags(info) == dict(win=True, draw=False, loss=False, invalid=False, illegal=False)
+    )
     assert int(info["opponent_square"]) == 0 and int(s.outcome) == T.OUTCOME_WIN and int(info["turns"]) == 1
     assert bool(info["agent_move_winning"]) and int(info["agent_square"]) == 3
     # Loss: agent X ignores O's threat on 6; the minimax opponent takes it.
@@ -353,8 +356,11 @@ def test_play_boards_follow_the_games(table):
     lucky = B.play_boards(300, seed=1, hero_epsilon=0.0, opponent_epsilon=1.0)
     assert np.all(tables["value"][B.board_code_np(lucky)] >= 0)
     assert np.any(tables["value"][B.board_code_np(lucky)] == 1)
-    for kwargs, match in ((dict(n=0), "positive"), (dict(n=5, hero_epsilon=1.5), "hero_epsilon"),
-                          (dict(n=5, o_share=-0.1), "o_share")):
+    for kwargs, match in (
+        (dict(n=0), "positive"),
+        (dict(n=5, hero_epsilon=1.5), "hero_epsilon"),
+        (dict(n=5, o_share=-0.1), "o_share"),
+    ):
         with pytest.raises(ValueError, match=match):
             B.play_boards(seed=0, **kwargs)
 
@@ -363,11 +369,13 @@ def test_load_boards_from_play():
     from configs import tictactoe_tiny_game
     from reno_jax import errors
     from reno_jax.loop import config as loop_config
+
     c = tictactoe_tiny_game.get_config()
     c.env.task, c.env.num_boards, c.env.board_source, c.env.play_epsilon = "move", 64, "play", 0.2
     train, heldout = B.load_boards(c.env)
-    np.testing.assert_array_equal(train, B.play_boards(64, c.env.board_seed, 0.2, c.env.opponent_epsilon,
-                                                       c.env.o_share))
+    np.testing.assert_array_equal(
+        train, B.play_boards(64, c.env.board_seed, 0.2, c.env.opponent_epsilon, c.env.o_share)
+    )
     assert heldout.shape == (0, 9)
     c.env.board_source = "games"
     with pytest.raises(errors.ConfigError, match="board_source"):
@@ -484,6 +492,7 @@ def test_jsonl_roundtrip_and_tolerant_loader(tmp_path):
 
 def test_agent_players_spread_the_o_groups():
     from reno_jax.envs.tictactoe import env as ttt_env
+
     assert ttt_env.agent_players("alternate", 6).tolist() == [1, 2, 1, 2, 1, 2]  # X first, as always
     assert ttt_env.agent_players("alternate", 8, 0.75).tolist() == [1, 2, 2, 2, 1, 2, 2, 2]
     assert ttt_env.agent_players("alternate", 4, 0.0).tolist() == [1, 1, 1, 1]
@@ -498,6 +507,7 @@ def test_agent_players_spread_the_o_groups():
 def test_game_sampler_uses_o_share():
     from configs import tictactoe_tiny_game
     from reno_jax.envs.tictactoe import registration
+
     c = tictactoe_tiny_game.get_config()
     c.env.agent_player, c.env.o_share = "alternate", 0.75
     starts = registration.make_sampler(c)(jax.random.PRNGKey(0), 8)
@@ -506,6 +516,7 @@ def test_game_sampler_uses_o_share():
 
 def _tool_call(square, kind=0):
     from reno_jax.envs import interface
+
     return interface.ToolCall(kind=jnp.int32(kind), tool=jnp.int32(0), args=jnp.array([square], jnp.int32))
 
 
@@ -527,6 +538,7 @@ def test_game_suboptimal_penalty(table, penalty):
     """The last step's reward loses `penalty` times the share of the agent's moves that gave up minimax value; an
     invalid call counts as such a move; steps after the end add nothing."""
     from reno_jax.envs.tictactoe import env as ttt_env
+
     env = ttt_env.TicTacToeEnv.create(task="game", table=table, suboptimal_penalty=penalty)
     starts = ttt_env.game_starts(jax.random.PRNGKey(3), 1, agent_player=1, opponent="minimax")
     step = jax.jit(env.step)
@@ -560,6 +572,7 @@ def test_game_penalty_with_win_seeking_counts_non_seeking_moves(table):
     """With `win_seeking` a value-preserving move that is not a seeking move costs its share of the penalty; the
     reward of the same game without `win_seeking` does not see it."""
     from reno_jax.envs.tictactoe import env as ttt_env
+
     starts = ttt_env.game_starts(jax.random.PRNGKey(3), 1, agent_player=1, opponent="minimax")
     start = jax.tree.map(lambda a: a[0], starts)
     non_seeking = [0]
@@ -591,6 +604,7 @@ def test_independent_opponents_split_the_later_replies(table):
     replies; off, every member is the group's start."""
     from reno_jax.envs import interface
     from reno_jax.envs.tictactoe import env as ttt_env
+
     starts = ttt_env.game_starts(jax.random.PRNGKey(5), 1, agent_player=2, opponent="random")
     start = jax.tree.map(lambda a: a[0], starts)
     members = jnp.arange(16, dtype=jnp.int32)

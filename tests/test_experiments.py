@@ -17,12 +17,29 @@ from reno_jax import loop
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REQUIRED_METRICS = (
-    "step", "rollout/rewards_mean", "rollout/rewards_std", "rollout/rewards_min", "rollout/rewards_max",
-    "rollout/accuracy", "rollout/response_len_mean", "rollout/prompt_len_mean", "rollout/tool_call_valid_rate",
-    "rollout/optimal_move_rate", "train/loss", "train/policy_loss", "train/ratio_mean", "train/clip_frac",
-    "train/grad_norm", "train/entropy", "perf/step_seconds", "perf/rollout_tokens_per_s",
-    "train/rollout_logp_abs_diff_mean", "train/rollout_logp_abs_diff_max", "train/rollout_k3_kl",
-    "train/rollout_ratio_max")
+    "step",
+    "rollout/rewards_mean",
+    "rollout/rewards_std",
+    "rollout/rewards_min",
+    "rollout/rewards_max",
+    "rollout/accuracy",
+    "rollout/response_len_mean",
+    "rollout/prompt_len_mean",
+    "rollout/tool_call_valid_rate",
+    "rollout/optimal_move_rate",
+    "train/loss",
+    "train/policy_loss",
+    "train/ratio_mean",
+    "train/clip_frac",
+    "train/grad_norm",
+    "train/entropy",
+    "perf/step_seconds",
+    "perf/rollout_tokens_per_s",
+    "train/rollout_logp_abs_diff_mean",
+    "train/rollout_logp_abs_diff_max",
+    "train/rollout_k3_kl",
+    "train/rollout_ratio_max",
+)
 
 
 def short_config(num_steps: int):
@@ -72,8 +89,12 @@ def test_short_default_run_writes_everything(run_dir):
         assert 0.0 <= row["rollout/tool_call_valid_rate"] <= 1.0
         assert row["rollout/prompt_len_mean"] > 10
         # The total minimised (policy term - forking-entropy bonus) and the policy term are logged apart.
-        np.testing.assert_allclose(row["train/loss"], row["train/policy_loss"] - row["train/forking_entropy_coef"]
-                                   * row["train/forking_entropy"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            row["train/loss"],
+            row["train/policy_loss"] - row["train/forking_entropy_coef"] * row["train/forking_entropy"],
+            rtol=1e-5,
+            atol=1e-6,
+        )
         assert row["train/loss"] != row["train/policy_loss"]
     assert os.path.getsize(os.path.join(run_dir, "learning_curves.png")) > 1000
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
@@ -90,6 +111,7 @@ def test_resume_continues_from_latest_checkpoint(run_dir, tmp_path):
     # A copy of the 2-step run extended to 3 steps must resume at step 2, reuse the cached warm start and append
     # exactly one row.
     import shutil
+
     workdir = str(tmp_path / "resumed")
     shutil.copytree(run_dir, workdir)
     rows = loop.train(short_config(3), workdir)
@@ -99,15 +121,34 @@ def test_resume_continues_from_latest_checkpoint(run_dir, tmp_path):
 
 def test_evaluate_cli_prints_json_summary(run_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.evaluate", f"--workdir={run_dir}", "--num_episodes=16",
-         "--batch_size=16", "--transcripts=2"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "experiments.evaluate",
+            f"--workdir={run_dir}",
+            "--num_episodes=16",
+            "--batch_size=16",
+            "--transcripts=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert (summary["checkpoint_step"], summary["env"], summary["greedy"]) == (2, "tictactoe", True)
     # The move task's default suite (every X-to-move position), cut to 16 episodes.
-    for key in ("mean_reward", "tool_call_valid_rate", "cut_off_rate", "illegal_rate", "optimal_move_rate",
-                "seeking_move_rate", "win_taken_rate", "num_episodes"):
+    for key in (
+        "mean_reward",
+        "tool_call_valid_rate",
+        "cut_off_rate",
+        "illegal_rate",
+        "optimal_move_rate",
+        "seeking_move_rate",
+        "win_taken_rate",
+        "num_episodes",
+    ):
         assert f"positions/{key}" in summary, key
     assert not any(k.startswith(("positions_o/", "minimax/")) for k in summary)  # not default suites
     assert summary["positions/num_episodes"] == 16
@@ -119,30 +160,51 @@ def test_evaluate_cli_prints_json_summary(run_dir):
 
 
 def test_evaluate_cli_lists_suites_and_names_unknown_ones(run_dir):
-    out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={run_dir}", "--list_suites"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", f"--workdir={run_dir}", "--list_suites"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     listed = {line.split(":")[0]: line for line in out.stdout.strip().splitlines()}
     assert {"positions", "positions_o", "positions_both", "minimax", "random", "epsilon"} <= set(listed)
     assert "heldout" not in listed  # the run holds no boards out
     assert listed["positions"].endswith("2423 episodes (default)") and "(default)" not in listed["minimax"]
-    out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={run_dir}",
-                          "--suites=positions,chess"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", f"--workdir={run_dir}", "--suites=positions,chess"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "unknown evaluation suite(s) ['chess']" in out.stderr and "'positions_o'" in out.stderr
 
 
 def test_train_cli_rejects_unknown_config_field(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.train", "--config=configs/tictactoe_tiny.py",
-         f"--workdir={tmp_path}", "--config.rl.no_such_field=1"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--config=configs/tictactoe_tiny.py",
+            f"--workdir={tmp_path}",
+            "--config.rl.no_such_field=1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0
     assert "no_such_field" in out.stderr
 
 
 def test_forking_regulariser_schedule():
     from reno_jax.rl import learner
+
     sched = lambda step: float(learner.forking_entropy_schedule(100, hold=0.5, end=0.8)(step))
     assert [sched(s) for s in (0, 25, 50)] == [1.0, 1.0, 1.0]
     np.testing.assert_allclose([sched(60), sched(65), sched(70)], [2 / 3, 0.5, 1 / 3], rtol=1e-6)
@@ -170,6 +232,7 @@ def test_short_run_with_forking_kl_anchor(tmp_path):
 
 def _short_game_config():
     from configs import tictactoe_tiny_game
+
     c = tictactoe_tiny_game.get_config()
     c.num_steps = 1
     c.model.tiny.num_hidden_layers = 2
@@ -214,9 +277,20 @@ def test_game_config_curriculum_run_resume_and_evaluation(tmp_path):
     rows = loop.train(c, workdir)
     assert [(r["step"], r["stage"]) for r in rows] == [(3, 1)]
     assert [r["step"] for r in read_rows(workdir)] == [1, 2, 3]
-    out = subprocess.run([sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}",
-                          "--suites=minimax,random", "--num_episodes=4"], cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.evaluate",
+            f"--workdir={workdir}",
+            "--suites=minimax,random",
+            "--num_episodes=4",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["checkpoint_step"] == 3
@@ -233,6 +307,7 @@ def test_game_config_curriculum_run_resume_and_evaluation(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- user errors
+
 
 def _cli(args, tmp_path):
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -255,7 +330,8 @@ def test_train_cli_rejects_a_workdir_that_is_a_file(tmp_path):
     out = _cli(["experiments.train", "--config=configs/tictactoe_tiny.py", f"--workdir={path}"], tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert _last_stderr_line(out).endswith(
-        f"error: --workdir={path} is a file; expected a directory (created if missing)")
+        f"error: --workdir={path} is a file; expected a directory (created if missing)"
+    )
     assert path.read_text() == "keep me"
 
 
@@ -266,29 +342,38 @@ def test_evaluate_cli_on_a_directory_without_a_run(tmp_path):
     missing = tmp_path / "missing"
     out = _cli(["experiments.evaluate", f"--workdir={missing}"], tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert _last_stderr_line(out).endswith(f"error: --workdir={missing} does not exist; expected the workdir of a "
-                                           "training run")
+    assert _last_stderr_line(out).endswith(
+        f"error: --workdir={missing} does not exist; expected the workdir of a training run"
+    )
     assert not missing.exists()
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("rollout.group_size", 0, "--config.rollout.group_size must be an integer >= 1, got 0"),
-    ("rl.loss", "ppo", "--config.rl.loss must be one of"),
-    ("rollout.top_p", 1.5, "--config.rollout.top_p must be a number in (0, 1]"),
-    ("env.opponent", "perfect", "--config.env.opponent must be one of"),
-    ("env.max_random_moves", 10, "--config.env.max_random_moves must be an integer in [0, 9], got 10"),
-    ("env.board_sides", "o", "--config.env.board_sides must be one of ['x', 'both'], got 'o'"),
-    ("env.board_style", "fancy", "--config.env.board_style must be one of ['grid', 'labeled'], got 'fancy'"),
-    ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
-    ("rl.length_bucket", -1, "--config.rl.length_bucket must be an integer >= 0 (0: train at the full length), got -1"),
-    ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
-    ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
-    ("model.quantize", "int8", "--config.model.quantize=int8 needs --config.lora.rank > 0"),
-    ("model.quantize", "int4", "--config.model.quantize must be one of ['', 'int8']"),
-    ("lora.targets", ("kda", "router"), "--config.lora.targets must be a non-empty tuple of ['kda', 'mla'"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("rollout.group_size", 0, "--config.rollout.group_size must be an integer >= 1, got 0"),
+        ("rl.loss", "ppo", "--config.rl.loss must be one of"),
+        ("rollout.top_p", 1.5, "--config.rollout.top_p must be a number in (0, 1]"),
+        ("env.opponent", "perfect", "--config.env.opponent must be one of"),
+        ("env.max_random_moves", 10, "--config.env.max_random_moves must be an integer in [0, 9], got 10"),
+        ("env.board_sides", "o", "--config.env.board_sides must be one of ['x', 'both'], got 'o'"),
+        ("env.board_style", "fancy", "--config.env.board_style must be one of ['grid', 'labeled'], got 'fancy'"),
+        ("rl.train_groups", 99, "--config.rl.train_groups=99 is more than"),
+        (
+            "rl.length_bucket",
+            -1,
+            "--config.rl.length_bucket must be an integer >= 0 (0: train at the full length), got -1",
+        ),
+        ("rl.num_microbatches", 3, "not divisible by --config.rl.num_minibatches x --config.rl.num_microbatches = 3"),
+        ("model.path", "/no/such/model", "--config.model.path=/no/such/model does not exist"),
+        ("model.quantize", "int8", "--config.model.quantize=int8 needs --config.lora.rank > 0"),
+        ("model.quantize", "int4", "--config.model.quantize must be one of ['', 'int8']"),
+        ("lora.targets", ("kda", "router"), "--config.lora.targets must be a non-empty tuple of ['kda', 'mla'"),
+    ],
+)
 def test_config_errors_name_the_flag(field, value, needle, tmp_path):
     from reno_jax import errors
+
     c = short_config(2)
     section, name = field.split(".")
     c[section][name] = value
@@ -301,6 +386,7 @@ def test_config_errors_name_the_flag(field, value, needle, tmp_path):
 def test_keep_checkpoints_zero_keeps_every_checkpoint(tmp_path):
     from reno_jax import errors
     from reno_jax.loop import config as loop_config
+
     c = short_config(2)
     c.keep_checkpoints = 0  # the play page's slider offers every saved step
     loop_config.validate_config(c)
@@ -311,26 +397,37 @@ def test_keep_checkpoints_zero_keeps_every_checkpoint(tmp_path):
 
 def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
     from reno_jax import errors
+
     c = short_config(2)
     c.rl.share_prompt_prefix, c.rl.share_common_prefix = False, True
-    with pytest.raises(errors.ConfigError, match="--config.rl.share_common_prefix=True needs "
-                                                    "--config.rl.share_prompt_prefix=True"):
+    with pytest.raises(
+        errors.ConfigError, match="--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True"
+    ):
         loop.train(c, str(tmp_path / "w"))
     assert not os.path.exists(tmp_path / "w")
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("max_logp_shift", -0.1, "--config.rl.max_logp_shift must be >= 0"),
-    ("shift_probe_groups", 0, "--config.rl.shift_probe_groups must be >= 1"),
-    ("turn_advantage_coef", -1.0, "--config.rl.turn_advantage_coef must be >= 0"),
-    ("turn_discount", 0.0, "--config.rl.turn_discount must be in (0, 1]"),
-    ("turn_scope", "episode", "--config.rl.turn_scope must be 'group' or 'batch'"),
-    ("turn_advantage_coef", 1.0, "--config.rl.turn_advantage_coef gives every token its own advantage; "
-                                 "--config.rl.loss=gspo takes one per sequence"),
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("max_logp_shift", -0.1, "--config.rl.max_logp_shift must be >= 0"),
+        ("shift_probe_groups", 0, "--config.rl.shift_probe_groups must be >= 1"),
+        ("turn_advantage_coef", -1.0, "--config.rl.turn_advantage_coef must be >= 0"),
+        ("turn_discount", 0.0, "--config.rl.turn_discount must be in (0, 1]"),
+        ("turn_scope", "episode", "--config.rl.turn_scope must be 'group' or 'batch'"),
+        (
+            "turn_advantage_coef",
+            1.0,
+            "--config.rl.turn_advantage_coef gives every token its own advantage; "
+            "--config.rl.loss=gspo takes one per sequence",
+        ),
+    ],
+)
 def test_update_guard_and_turn_credit_flags_are_checked(tmp_path, name, value, needle):
     import re
+
     from reno_jax import errors
+
     c = short_config(2)
     c.rl[name] = value
     with pytest.raises(errors.ConfigError, match=re.escape(needle)):
@@ -339,9 +436,11 @@ def test_update_guard_and_turn_credit_flags_are_checked(tmp_path, name, value, n
 
 
 def test_load_run_errors_and_abstract_restore_target(run_dir, tmp_path):
+    import shutil
+
     from reno_jax import errors
     from reno_jax.loop import runs
-    import shutil
+
     empty = tmp_path / "no_checkpoint"
     empty.mkdir()
     shutil.copy(os.path.join(run_dir, "config.json"), empty / "config.json")
@@ -365,6 +464,7 @@ def test_load_run_errors_and_abstract_restore_target(run_dir, tmp_path):
 
 def test_rollout_config_keeps_every_rollout_field():
     from reno_jax.loop import build
+
     c = short_config(1)
     c.rollout.cache_dtype = "bfloat16"
     c.rollout.prefill_chunk = 16
@@ -372,8 +472,13 @@ def test_rollout_config_keeps_every_rollout_field():
     c.rollout.share_prompt_prefill = False
     c.rollout.parse_max_bytes = 96
     rc = build.rollout_config(c)
-    assert (rc.cache_dtype, rc.prefill_chunk, rc.stop_at_tool_call, rc.share_prompt_prefill,
-            rc.parse_max_bytes) == ("bfloat16", 16, False, False, 96)
+    assert (rc.cache_dtype, rc.prefill_chunk, rc.stop_at_tool_call, rc.share_prompt_prefill, rc.parse_max_bytes) == (
+        "bfloat16",
+        16,
+        False,
+        False,
+        96,
+    )
     c.rollout.parse_max_bytes = 0
     assert build.rollout_config(c).parse_max_bytes is None
 
@@ -400,6 +505,7 @@ def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_pa
     warm start); the play page and evaluation read it; the export is the merged float model, with the adapted
     model's logits."""
     import shutil
+
     from experiments import convert_checkpoint as cc
     from reno_jax.checkpoint import orbax as ckpt_lib
     from reno_jax.models import conversion, ling3, quant
@@ -418,8 +524,9 @@ def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_pa
     assert max(r["train/rollout_logp_abs_diff_max"] for r in rows) <= 1e-4  # B != 0 from step 2 on
     assert min(r["train/routing_agreement"] for r in rows) == 1.0
     run = loop.load_checkpoint(workdir)
-    assert run.step == 3 and any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
-        run.base, is_leaf=lambda x: isinstance(x, quant.QArray)))
+    assert run.step == 3 and any(
+        isinstance(x, quant.QArray) for x in jax.tree.leaves(run.base, is_leaf=lambda x: isinstance(x, quant.QArray))
+    )
     trained = {"/".join(map(str, k)): v for k, v in jax.tree_util.tree_flatten_with_path(run.trained)[0]}
     assert trained and all(k.endswith(("['a']", "['b']")) for k in trained)
     assert any(np.abs(np.asarray(v)).max() > 0 for k, v in trained.items() if k.endswith("['b']"))
@@ -446,17 +553,20 @@ def test_lora_int8_run_trains_adapters_resumes_exactly_and_exports_merged(tmp_pa
     cc.orbax_to_hf(workdir, tmp_path / "hf")
     hf_config, exported = conversion.from_pretrained(tmp_path / "hf")
     assert hf_config == run.model_config
-    assert not any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
-        exported, is_leaf=lambda x: isinstance(x, quant.QArray)))
+    assert not any(
+        isinstance(x, quant.QArray) for x in jax.tree.leaves(exported, is_leaf=lambda x: isinstance(x, quant.QArray))
+    )
     np.testing.assert_allclose(np.asarray(forward(exported)), adapted, atol=1e-4, rtol=0)
     if importlib.util.find_spec("torch"):  # the bench extra; .ci/run installs it before the slow tier
         from reno_jax.models import hf_native
+
         figures = hf_native.compare_logits(tmp_path / "hf", np.asarray(ids))  # transformers' own class
         assert figures["schedule_matches"] and figures["max_abs_logit_diff"] <= 1e-4, figures
 
 
 def test_compilation_cache_flag(tmp_path, monkeypatch):
     from experiments import cli
+
     before = jax.config.jax_compilation_cache_dir
     assert cli.use_compilation_cache("") is None
     assert cli.use_compilation_cache(str(tmp_path)) is None  # the test session names its own cache: that one wins

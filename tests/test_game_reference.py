@@ -31,6 +31,7 @@ def test_optimal_players_never_lose(opponent, side):
 def test_optimal_moves_match_the_minimax_table():
     from reno_jax.envs.tictactoe import boards as boards_lib
     from reno_jax.envs.tictactoe import minimax
+
     table = minimax.load_table()
     positions = boards_lib.exhaustive_positions("both")
     rng = np.random.default_rng(0)

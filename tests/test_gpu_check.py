@@ -8,8 +8,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import gpu_check  # noqa: E402
 
-TINY = ["--model", "tiny", "--boards", "1", "--group-size", "2", "--max-new-tokens", "4", "--microbatches", "1",
-        "--steps", "0"]
+TINY = [
+    "--model",
+    "tiny",
+    "--boards",
+    "1",
+    "--group-size",
+    "2",
+    "--max-new-tokens",
+    "4",
+    "--microbatches",
+    "1",
+    "--steps",
+    "0",
+]
 
 
 def last_json_line(captured):
@@ -70,6 +82,7 @@ def test_peak_table_and_published_plan_precheck():
     else:
         raise AssertionError("the full fine-tune's plan exceeds 24 GB")
     check.precheck("rollout", 0)  # 16.9 GB fits
-    ignoring = gpu_check.Check(gpu_check.parse_args(["--memory-limit-bytes", str(24 * 2**30), "--logits-chunk", "0",
-                                                      "--ignore-known-plans"]))
+    ignoring = gpu_check.Check(
+        gpu_check.parse_args(["--memory-limit-bytes", str(24 * 2**30), "--logits-chunk", "0", "--ignore-known-plans"])
+    )
     ignoring.precheck("train_full", 0)  # left to the compiled plan

@@ -52,7 +52,7 @@ def test_fewer_guesses_more_reward():
     rewards = []
     for k in range(1, gn.MAX_GUESSES + 1):
         secret = 9
-        wrong = [1, 2, 3, 4][:k - 1]  # too low each time, then the secret
+        wrong = [1, 2, 3, 4][: k - 1]  # too low each time, then the secret
         steps = _play(secret, wrong + [secret])
         assert len(steps) == k and bool(steps[-1].done) and bool(steps[-1].info["found"])
         assert [float(s.reward) for s in steps[:-1]] == [0.0] * (k - 1)  # nothing before the find
@@ -81,8 +81,7 @@ def test_invalid_call_ends_the_episode_with_minus_one(kind):
 def test_answers_state_the_numbers_left():
     steps = _play(6, [8, 3, 12, 5])  # 12 is already ruled out: the interval does not grow back
     answers = [(int(s.message.template), *map(int, s.message.values)) for s in steps]
-    assert answers == [(gn.TOO_HIGH, 8, 1, 7), (gn.TOO_LOW, 3, 4, 7), (gn.TOO_HIGH, 12, 4, 7),
-                       (gn.TOO_LOW, 5, 6, 7)]
+    assert answers == [(gn.TOO_HIGH, 8, 1, 7), (gn.TOO_LOW, 3, 4, 7), (gn.TOO_HIGH, 12, 4, 7), (gn.TOO_LOW, 5, 6, 7)]
     assert [int(s.info["wasted"]) for s in steps] == [0, 0, 1, 1]  # 12 was a wasted guess
     assert len(gn.CHAT.tool) == 5 and gn.CHAT.num_values == 3
 

@@ -46,8 +46,12 @@ ENTRY %main.9_spmd (x: f32[64,256], y: f32[8,16]) -> f32[8,256] {
 def test_hand_written_gpu_style_module():
     s = hlo_stats.collective_bytes(GPU_STYLE)
     ag = s["all-gather"]  # 4 loop iterations of a 128x512 bf16 shard gathered 8 ways
-    assert ag == {"count": 4, "operand_bytes": 4 * 131072, "result_bytes": 4 * 1048576,
-                  "traffic_bytes": 4 * 1048576 * 7 // 8}
+    assert ag == {
+        "count": 4,
+        "operand_bytes": 4 * 131072,
+        "result_bytes": 4 * 1048576,
+        "traffic_bytes": 4 * 1048576 * 7 // 8,
+    }
     rs = s["reduce-scatter"]
     assert rs == {"count": 1, "operand_bytes": 65536, "result_bytes": 8192, "traffic_bytes": 65536 * 7 // 8}
     ar = s["all-reduce"]  # a combined (tuple) all-reduce of two f32[8,16] over pairs
@@ -59,8 +63,12 @@ def test_hand_written_gpu_style_module():
 
 def test_group_sizes_and_shapes():
     assert hlo_stats.group_size("replica_groups=mesh['a'=2,'b'=4] {'b'}", 8) == 4
-    assert hlo_stats.group_size("replica_groups=mesh['a'=2,'b'=1,'c'=4], device_ids=([4,2]T(1,0)) {'c'}, "
-                                "dimensions={0}", 8) == 4
+    assert (
+        hlo_stats.group_size(
+            "replica_groups=mesh['a'=2,'b'=1,'c'=4], device_ids=([4,2]T(1,0)) {'c'}, dimensions={0}", 8
+        )
+        == 4
+    )
     assert hlo_stats.group_size("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", 8) == 2
     assert hlo_stats.group_size("replica_groups={}, to_apply=%add", 8) == 8
     assert hlo_stats.shape_bytes("(bf16[2,3]{1,0}, s32[], pred[4], token[])") == 12 + 4 + 4
@@ -68,22 +76,30 @@ def test_group_sizes_and_shapes():
 
 def test_tiny_sharded_programs_on_eight_cpu_devices():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_hlo_stats_programs.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "_hlo_stats_programs.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     only = lambda name: {k: v for k, v in got[name].items() if k in hlo_stats.KINDS and v["count"]}
     # f32[64,128] split 8 ways by rows: each device holds 8 rows (4096 B) and gathers all 64 (32768 B)
-    assert only("all_gather") == {"all-gather": {"count": 1, "operand_bytes": 4096, "result_bytes": 32768,
-                                                 "traffic_bytes": 32768 * 7 // 8}}
+    assert only("all_gather") == {
+        "all-gather": {"count": 1, "operand_bytes": 4096, "result_bytes": 32768, "traffic_bytes": 32768 * 7 // 8}
+    }
     # a column sum over the split rows: f32[128] all-reduced, 2 * 512 * 7/8 bytes sent per device
-    assert only("all_reduce") == {"all-reduce": {"count": 1, "operand_bytes": 512, "result_bytes": 512,
-                                                 "traffic_bytes": 896}}
+    assert only("all_reduce") == {
+        "all-reduce": {"count": 1, "operand_bytes": 512, "result_bytes": 512, "traffic_bytes": 896}
+    }
     assert only("all_reduce_loop")["all-reduce"]["count"] == 3  # once per iteration of the 3-step loop
     assert only("all_reduce_loop")["all-reduce"]["operand_bytes"] == 3 * 512
     # rows -> columns: each device sends 7 of its 8 column blocks of its 8 rows (8 x 16 x 4 B each)
-    assert only("all_to_all") == {"all-to-all": {"count": 1, "operand_bytes": 4096, "result_bytes": 4096,
-                                                 "traffic_bytes": 3584}}
+    assert only("all_to_all") == {
+        "all-to-all": {"count": 1, "operand_bytes": 4096, "result_bytes": 4096, "traffic_bytes": 3584}
+    }
     # XLA:CPU lowers a reduce-scatter as an all-reduce of the f32[64,256] partial products + a slice
     rs = only("reduce_scatter")
     assert sum(v["operand_bytes"] for v in rs.values()) == 64 * 256 * 4

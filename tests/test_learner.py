@@ -14,9 +14,9 @@ import pytest
 from reno_jax.rl import learner, losses, trainer
 from reno_jax.rl.batch import TrainBatch
 
-
 # ---------------------------------------------------------------------------------------------- references
 # The host implementations the library replaced (experiments/train_tictactoe.py before the learner), verbatim.
+
 
 def host_forking_entropy_scale(step: int, num_steps: int, hold: float, end: float) -> float:
     t = step / max(num_steps, 1)
@@ -48,8 +48,13 @@ def host_select_groups(batch: TrainBatch, reward, group_size: int, num_groups: i
 def host_prepare(traj, step, cfg):
     """The old loop's batch assembly: eager advantages, host selection, a host scale broadcast per row."""
     advantages = losses.group_advantages(traj.reward, cfg.group_size, normalize_std=cfg.normalize_adv_std)
-    batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp,
-                       advantages=advantages)
+    batch = TrainBatch(
+        tokens=traj.tokens,
+        valid=traj.valid,
+        loss_mask=traj.loss_mask,
+        old_logp=traj.behaviour_logp,
+        advantages=advantages,
+    )
     batch, informative = host_select_groups(batch, traj.reward, cfg.group_size, cfg.train_groups)
     if cfg.forking_schedule:
         scale = host_forking_entropy_scale(step, cfg.num_steps, cfg.forking_entropy_hold, cfg.forking_entropy_end)
@@ -59,10 +64,27 @@ def host_prepare(traj, step, cfg):
 
 # ---------------------------------------------------------------------------------------------- schedule
 
-@pytest.mark.parametrize("num_steps, hold, end", [
-    (600, 0.5, 0.8), (6, 0.5, 0.8), (100, 0.5, 0.8), (7, 0.3, 0.9), (1000, 0.25, 0.75), (50, 0.0, 1.0),
-    (997, 1 / 3, 0.9), (300, 0.5, 1.5), (20000, 0.5, 0.8), (10, 1.0, 1.0), (3, 0.1, 0.2), (1, 0.0, 0.0),
-    (0, 0.5, 0.8), (10, 0.8, 0.5), (1234, 0.123456789, 0.987654321)])
+
+@pytest.mark.parametrize(
+    "num_steps, hold, end",
+    [
+        (600, 0.5, 0.8),
+        (6, 0.5, 0.8),
+        (100, 0.5, 0.8),
+        (7, 0.3, 0.9),
+        (1000, 0.25, 0.75),
+        (50, 0.0, 1.0),
+        (997, 1 / 3, 0.9),
+        (300, 0.5, 1.5),
+        (20000, 0.5, 0.8),
+        (10, 1.0, 1.0),
+        (3, 0.1, 0.2),
+        (1, 0.0, 0.0),
+        (0, 0.5, 0.8),
+        (10, 0.8, 0.5),
+        (1234, 0.123456789, 0.987654321),
+    ],
+)
 def test_schedule_follows_the_host_formula(num_steps, hold, end):
     """Every step of the run (and a few after) within float32 rounding of the float64 host formula; exactly 1 on
     the hold and exactly 0 from the end on."""
@@ -76,8 +98,9 @@ def test_schedule_follows_the_host_formula(num_steps, hold, end):
     np.testing.assert_array_equal(got[want == 0.0], 0.0)
     one = jax.jit(sched)  # a scalar step, as the learner evaluates it
     for s in (0, num_steps // 2 + 1, int(0.7 * num_steps), num_steps):
-        np.testing.assert_allclose(float(one(jnp.int32(s))), host_forking_entropy_scale(s, num_steps, hold, end),
-                                   rtol=0, atol=2e-7)
+        np.testing.assert_allclose(
+            float(one(jnp.int32(s))), host_forking_entropy_scale(s, num_steps, hold, end), rtol=0, atol=2e-7
+        )
 
 
 def test_schedule_shape():
@@ -102,6 +125,7 @@ def test_schedule_shape():
 
 # ---------------------------------------------------------------------------------------------- selection
 
+
 @pytest.mark.parametrize("train_groups", [0, 1, 3, 6, 9])
 def test_select_groups_equals_host_reference(train_groups):
     g, n = 4, 6
@@ -109,11 +133,13 @@ def test_select_groups_equals_host_reference(train_groups):
     # Rewards from a few values: constant groups and ties in spread, where the order must match exactly.
     reward = rng.choice(np.float32([-1.0, 0.0, 0.5, 1.0]), size=n * g).astype(np.float32)
     reward[:g] = 0.5
-    reward[2 * g:3 * g] = reward[4 * g:5 * g]
-    batch = TrainBatch(tokens=jnp.asarray(rng.integers(0, 50, (n * g, 5)), jnp.int32),
-                       loss_mask=jnp.asarray(rng.uniform(size=(n * g, 5)) < 0.5),
-                       old_logp=jnp.asarray(rng.normal(size=(n * g, 5)), jnp.float32),
-                       advantages=jnp.asarray(rng.normal(size=n * g), jnp.float32))
+    reward[2 * g : 3 * g] = reward[4 * g : 5 * g]
+    batch = TrainBatch(
+        tokens=jnp.asarray(rng.integers(0, 50, (n * g, 5)), jnp.int32),
+        loss_mask=jnp.asarray(rng.uniform(size=(n * g, 5)) < 0.5),
+        old_logp=jnp.asarray(rng.normal(size=(n * g, 5)), jnp.float32),
+        advantages=jnp.asarray(rng.normal(size=n * g), jnp.float32),
+    )
     want, want_rate = host_select_groups(batch, jnp.asarray(reward), g, train_groups)
     got, rate = jax.jit(lambda b, r: learner.select_groups(b, r, g, train_groups))(batch, jnp.asarray(reward))
     assert isinstance(rate, jax.Array) and rate.dtype == jnp.float32
@@ -131,6 +157,7 @@ V, L, G, N = 16, 10, 4, 4  # vocabulary, row length, group size, groups per step
 @flax.struct.dataclass
 class ToyTrajectory:
     """The Trajectory fields the learner reads; `stats` and `env_info`, which `prepare_batch` drops, stay None."""
+
     tokens: jax.Array
     valid: jax.Array
     loss_mask: jax.Array
@@ -178,19 +205,40 @@ def toy_trajectory(params, seed):
     valid = pos < ends[:, None]
     loss_mask = valid & (pos >= prompt_len[:, None])
     reward = rng.choice(np.float32([-1.0, 0.0, 1.0]), N * G).astype(np.float32)
-    reward[G:2 * G] = 1.0
-    logp = toy_logp_fn(params, TrainBatch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(loss_mask),
-                                          old_logp=jnp.zeros((N * G, L)), advantages=jnp.zeros((N * G,)))).logp
-    return ToyTrajectory(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(loss_mask),
-                         behaviour_logp=jnp.where(jnp.asarray(loss_mask), logp, 0.0), reward=jnp.asarray(reward),
-                         prompt_length=jnp.asarray(prompt_len), group_id=jnp.asarray(np.arange(N * G) // G))
+    reward[G : 2 * G] = 1.0
+    logp = toy_logp_fn(
+        params,
+        TrainBatch(
+            tokens=jnp.asarray(tokens),
+            loss_mask=jnp.asarray(loss_mask),
+            old_logp=jnp.zeros((N * G, L)),
+            advantages=jnp.zeros((N * G,)),
+        ),
+    ).logp
+    return ToyTrajectory(
+        tokens=jnp.asarray(tokens),
+        valid=jnp.asarray(valid),
+        loss_mask=jnp.asarray(loss_mask),
+        behaviour_logp=jnp.where(jnp.asarray(loss_mask), logp, 0.0),
+        reward=jnp.asarray(reward),
+        prompt_length=jnp.asarray(prompt_len),
+        group_id=jnp.asarray(np.arange(N * G) // G),
+    )
 
 
 def toy_learner(share_prefix, anchored, train_groups, share_common=False, length_bucket=0):
-    cfg = learner.LearnerConfig(group_size=G, train_groups=train_groups, forking_schedule=True, num_steps=4,
-                                forking_entropy_hold=0.25, forking_entropy_end=0.9,
-                                share_prompt_prefix=share_prefix, share_common_prefix=share_common,
-                                num_microbatches=2, length_bucket=length_bucket)
+    cfg = learner.LearnerConfig(
+        group_size=G,
+        train_groups=train_groups,
+        forking_schedule=True,
+        num_steps=4,
+        forking_entropy_hold=0.25,
+        forking_entropy_end=0.9,
+        share_prompt_prefix=share_prefix,
+        share_common_prefix=share_common,
+        num_microbatches=2,
+        length_bucket=length_bucket,
+    )
     loss = functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4)
     if anchored:
         loss, ref = losses.with_forking_kl(loss, 0.1), dict(ref_logp_fn=toy_logp_fn, ref_params=toy_params(1))
@@ -272,11 +320,19 @@ def host_reads_only_through_host_sync(monkeypatch):
         yield names
 
 
-@pytest.mark.parametrize("share_prefix, anchored, train_groups, share_common, bucket",
-                         [(True, True, 2, False, 0), (False, False, 0, False, 0), (True, False, 0, True, 0),
-                          (False, False, 0, False, 3), (True, False, 2, True, 4)])
-def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, train_groups, share_common, bucket,
-                                                      monkeypatch):
+@pytest.mark.parametrize(
+    "share_prefix, anchored, train_groups, share_common, bucket",
+    [
+        (True, True, 2, False, 0),
+        (False, False, 0, False, 0),
+        (True, False, 0, True, 0),
+        (False, False, 0, False, 3),
+        (True, False, 2, True, 4),
+    ],
+)
+def test_learner_step_makes_no_implicit_host_transfer(
+    share_prefix, anchored, train_groups, share_common, bucket, monkeypatch
+):
     _, opt, lrn = toy_learner(share_prefix, anchored, train_groups, share_common, bucket)
     params = toy_params()
     state = jax.device_put(trainer.create_train_state(params, opt, 0))
@@ -293,8 +349,14 @@ def test_learner_step_makes_no_implicit_host_transfer(share_prefix, anchored, tr
     assert syncs == ([learner.LENGTHS_SYNC] * 3 if share_prefix or bucket else [])
     metrics = jax.device_get(metrics)
     assert int(state.step) == 3
-    for k in ("train/loss", "train/policy_loss", "train/grad_norm", "train/rollout_k3_kl",
-              "rollout/informative_group_rate", "train/forking_kl_coef" if anchored else "train/forking_entropy_coef"):
+    for k in (
+        "train/loss",
+        "train/policy_loss",
+        "train/grad_norm",
+        "train/rollout_k3_kl",
+        "rollout/informative_group_rate",
+        "train/forking_kl_coef" if anchored else "train/forking_entropy_coef",
+    ):
         assert np.isfinite(metrics[k]), k
     # Step 2 of 4 with hold 0.25, end 0.9: the ramp, (0.9 - 0.5) / 0.65.
     coef = metrics["train/forking_kl_coef" if anchored else "train/forking_entropy_coef"]
@@ -321,8 +383,12 @@ def test_learner_step_with_a_common_prefix_equals_the_step_without():
 def ending_before(traj, last: int):
     """`traj` with every row cut to at most `last` real columns (the rest padding in every row)."""
     keep = np.arange(L)[None, :] < last
-    return dataclasses.replace(traj, valid=traj.valid & keep, loss_mask=traj.loss_mask & keep,
-                               behaviour_logp=jnp.where(keep, traj.behaviour_logp, 0.0))
+    return dataclasses.replace(
+        traj,
+        valid=traj.valid & keep,
+        loss_mask=traj.loss_mask & keep,
+        behaviour_logp=jnp.where(keep, traj.behaviour_logp, 0.0),
+    )
 
 
 @pytest.mark.parametrize("share_prefix", [False, True])
@@ -335,8 +401,12 @@ def test_trimmed_batch_gives_the_same_update(share_prefix):
     for bucket in (0, 2, 4):
         _, opt, lrn = toy_learner(share_prefix, False, 0, share_common=share_prefix, length_bucket=bucket)
         step = lrn.train_step
-        lrn.train_step = lambda st, b, *a, step=step: (widths.append(b.tokens.shape[1] + (
-            b.prefix_tokens.shape[1] + b.common_tokens.shape[1] if b.shared_prefix else 0)), step(st, b, *a))[1]
+        lrn.train_step = lambda st, b, *a, step=step: (
+            widths.append(
+                b.tokens.shape[1] + (b.prefix_tokens.shape[1] + b.common_tokens.shape[1] if b.shared_prefix else 0)
+            ),
+            step(st, b, *a),
+        )[1]
         state, metrics = lrn.learner_step(trainer.create_train_state(toy_params(), opt, 0), traj)
         out.append((state.params, float(metrics["train/loss"])))
     assert widths == [L, 8, 8]  # the last real column is 7: 7 rounds up to 8 with buckets of 2 and of 4
@@ -350,15 +420,22 @@ def test_trimmed_batch_gives_the_same_update(share_prefix):
 
 def test_trim_length_and_bucketed_length():
     from reno_jax.rl import batch as batch_lib
+
     valid = jnp.asarray(np.arange(6)[None, :] < np.array([[2], [4], [0]]))
     assert int(batch_lib.used_length(valid)) == 4
     assert int(batch_lib.used_length(jnp.zeros((2, 5), bool))) == 0
     assert [batch_lib.bucketed_length(u, 10, 4) for u in (0, 1, 4, 5, 9, 10)] == [1, 4, 4, 8, 10, 10]
     with pytest.raises(ValueError, match="bucket"):
         batch_lib.bucketed_length(3, 10, 0)
-    b = TrainBatch(tokens=jnp.zeros((3, 6), jnp.int32), loss_mask=valid, old_logp=jnp.zeros((3, 6)),
-                   advantages=jnp.ones((3, 6)), valid=valid, soft_target_weights=jnp.ones((3, 6, 2)),
-                   soft_target_ids=jnp.zeros((3, 2), jnp.int32))
+    b = TrainBatch(
+        tokens=jnp.zeros((3, 6), jnp.int32),
+        loss_mask=valid,
+        old_logp=jnp.zeros((3, 6)),
+        advantages=jnp.ones((3, 6)),
+        valid=valid,
+        soft_target_weights=jnp.ones((3, 6, 2)),
+        soft_target_ids=jnp.zeros((3, 2), jnp.int32),
+    )
     t = batch_lib.trim_length(b, 4)
     assert t.tokens.shape == (3, 4) and t.advantages.shape == (3, 4) and t.soft_target_weights.shape == (3, 4, 2)
     assert t.soft_target_ids.shape == (3, 2)  # not per token
@@ -378,8 +455,12 @@ def with_two_turns(traj, seed):
     turn_id = np.where(valid, (pos >= split[:, None]).astype(np.int32), -1)
     reward = np.asarray(traj.reward)
     turn_key = np.stack([np.zeros(N * G, np.int32), rng.integers(5, 7, N * G).astype(np.int32)], 1)
-    return dataclasses.replace(traj, turn_id=jnp.asarray(turn_id), turn_key=jnp.asarray(turn_key),
-                               turn_reward=jnp.asarray(np.stack([np.zeros_like(reward), reward], 1)))
+    return dataclasses.replace(
+        traj,
+        turn_id=jnp.asarray(turn_id),
+        turn_key=jnp.asarray(turn_key),
+        turn_reward=jnp.asarray(np.stack([np.zeros_like(reward), reward], 1)),
+    )
 
 
 def test_turn_advantages_reach_the_batch_and_the_shared_prefix_step():
@@ -387,13 +468,21 @@ def test_turn_advantages_reach_the_batch_and_the_shared_prefix_step():
     traj = with_two_turns(toy_trajectory(params, seed=0), seed=0)
     cfg = learner.LearnerConfig(group_size=G, turn_advantage_coef=0.5, num_microbatches=2)
     batch, _ = learner.make_prepare_batch(cfg)(traj, jnp.int32(0))
-    want = losses.token_advantages(losses.group_advantages(traj.reward, G),
-                                   losses.turn_advantages(traj.turn_reward, traj.turn_key, G), traj.turn_id,
-                                   traj.loss_mask, 0.5)
+    want = losses.token_advantages(
+        losses.group_advantages(traj.reward, G),
+        losses.turn_advantages(traj.turn_reward, traj.turn_key, G),
+        traj.turn_id,
+        traj.loss_mask,
+        0.5,
+    )
     assert batch.advantages.shape == (N * G, L)
     np.testing.assert_allclose(np.asarray(batch.advantages), np.asarray(want), rtol=1e-6, atol=1e-6)
-    assert np.any(np.asarray(batch.advantages)[np.asarray(traj.loss_mask)] != np.repeat(
-        np.asarray(losses.group_advantages(traj.reward, G)), L).reshape(N * G, L)[np.asarray(traj.loss_mask)])
+    assert np.any(
+        np.asarray(batch.advantages)[np.asarray(traj.loss_mask)]
+        != np.repeat(np.asarray(losses.group_advantages(traj.reward, G)), L).reshape(N * G, L)[
+            np.asarray(traj.loss_mask)
+        ]
+    )
     # The per-token advantages are cut with the shared prefix: the same update with and without it.
     out = []
     for share in (False, True):
@@ -418,8 +507,7 @@ def test_batch_turn_scope_compares_turns_across_groups():
         cfg = learner.LearnerConfig(group_size=G, turn_advantage_coef=0.5, turn_scope=scope)
         batches[scope], _ = learner.make_prepare_batch(cfg)(traj, jnp.int32(0))
     pooled = losses.turn_advantages(traj.turn_reward, traj.turn_key, N * G)
-    want = losses.token_advantages(losses.group_advantages(traj.reward, G), pooled, traj.turn_id, traj.loss_mask,
-                                   0.5)
+    want = losses.token_advantages(losses.group_advantages(traj.reward, G), pooled, traj.turn_id, traj.loss_mask, 0.5)
     np.testing.assert_allclose(np.asarray(batches["batch"].advantages), np.asarray(want), rtol=1e-6, atol=1e-6)
     assert not np.allclose(np.asarray(batches["batch"].advantages), np.asarray(batches["group"].advantages))
     # turn 1's keys (5 or 6) recur across groups: pooled, a turn's advantage is its return against every such turn
@@ -427,8 +515,9 @@ def test_batch_turn_scope_compares_turns_across_groups():
     for k in (5, 6):
         peers = ret[key == k]
         if np.ptp(peers) > 0:
-            np.testing.assert_allclose(np.asarray(pooled)[key == k, 1], (peers - peers.mean()) / (peers.std() + 1e-8),
-                                       rtol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(pooled)[key == k, 1], (peers - peers.mean()) / (peers.std() + 1e-8), rtol=1e-5
+            )
     with pytest.raises(ValueError, match="turn_scope"):
         learner.LearnerConfig(group_size=G, turn_scope="episode")
 
@@ -445,15 +534,16 @@ def test_learner_rejects_groups_that_do_not_split():
 
 # ---------------------------------------------------------------------------------------------- tiny Ling-3.0
 
+
 def test_tiny_ling3_run_steps():
     """A few rollout + learner steps of the tiny Ling-3.0 policy on the move task, through `run_step`."""
     from configs import tictactoe_tiny
-    from reno_jax.loop import build
-    from reno_jax.rl import policy
-    from reno_jax.rl import recipe
     from reno_jax.envs.tictactoe import boards as boards_lib
     from reno_jax.envs.tictactoe import env as ttt_env
+    from reno_jax.loop import build, recipe
+    from reno_jax.rl import policy
     from reno_jax.rollout import rollout as rollout_lib
+
     c = tictactoe_tiny.get_config()
     c.num_steps = 3
     c.model.tiny.num_hidden_layers = 2  # KDA + dense MLP, MLA + MoE: every layer kind, quicker to compile
@@ -468,10 +558,14 @@ def test_tiny_ling3_run_steps():
     boards, _ = boards_lib.load_boards(c.env)
     rc = build.rollout_config(c)
     optimizer = recipe.make_optimizer(c)
-    lrn = learner.Learner(recipe.learner_config(c),
-                          policy.make_logp_fn(model_config, group_size=rc.group_size, entropy_top_k=9),
-                          recipe.make_loss_fn(c), optimizer, num_groups=2,
-                          rollout_fn=functools.partial(rollout_lib.make_rollout_fn(model_config, rc), env=env))
+    lrn = learner.Learner(
+        recipe.learner_config(c),
+        policy.make_logp_fn(model_config, group_size=rc.group_size, entropy_top_k=9),
+        recipe.make_loss_fn(c),
+        optimizer,
+        num_groups=2,
+        rollout_fn=functools.partial(rollout_lib.make_rollout_fn(model_config, rc), env=env),
+    )
     starts_fn = lambda key: ttt_env.move_starts(boards[:2])
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(1))
     for step in range(c.num_steps):
@@ -479,13 +573,20 @@ def test_tiny_ling3_run_steps():
         state, traj, metrics, seconds = out.state, out.traj, out.metrics, out.rollout_seconds
         metrics = jax.device_get(metrics)
         assert traj.tokens.shape[0] == 8 and (seconds is None) == (step > 0)
-        for k in ("train/loss", "train/policy_loss", "train/forking_entropy", "train/grad_norm",
-                  "train/rollout_logp_abs_diff_mean", "rollout/informative_group_rate"):
+        for k in (
+            "train/loss",
+            "train/policy_loss",
+            "train/forking_entropy",
+            "train/grad_norm",
+            "train/rollout_logp_abs_diff_mean",
+            "rollout/informative_group_rate",
+        ):
             assert np.isfinite(metrics[k]), k
         assert metrics["train/skipped"] == 0
         assert metrics["train/rollout_logp_abs_diff_mean"] < 1e-4  # the train forward scores what was sampled
     assert int(state.step) == 3 and lrn.prefix_len == int(np.min(np.asarray(traj.prompt_length)))
     assert 38 <= lrn.common_len < lrn.prefix_len  # system prompt, tool schema and "You are X." at least
     # The last step trained at step 2 of 3 (hold 0.5, end 0.8): on the ramp.
-    np.testing.assert_allclose(metrics["train/forking_entropy_coef"], 0.1 * host_forking_entropy_scale(2, 3, 0.5, 0.8),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        metrics["train/forking_entropy_coef"], 0.1 * host_forking_entropy_scale(2, 3, 0.5, 0.8), rtol=1e-6
+    )

@@ -30,8 +30,9 @@ def _perturb(adapters, key=7, eps=0.05):
 
 
 def _forward(config: lora.LoraConfig, ids, remat=False):
-    return jax.jit(lambda params, adapters: ling3.forward(lora.apply(params, adapters, config), CONFIG, ids,
-                                                          remat=remat)[0])
+    return jax.jit(
+        lambda params, adapters: ling3.forward(lora.apply(params, adapters, config), CONFIG, ids, remat=remat)[0]
+    )
 
 
 def test_config_checks():
@@ -51,10 +52,14 @@ def test_adapter_shapes_per_expert_and_shared(model):
     per = lora.init_adapters(params, lora.LoraConfig(rank=R), jax.random.key(2))
     shared = lora.init_adapters(params, lora.LoraConfig(rank=R, expert_adapters="shared"), jax.random.key(2))
     ex, sx = per["model"]["layers_1"]["mlp"]["experts"], shared["model"]["layers_1"]["mlp"]["experts"]
-    chex.assert_shape([ex["gate_proj"]["a"], ex["gate_proj"]["b"], ex["down_proj"]["a"], ex["down_proj"]["b"]],
-                      [(e, d, R), (e, R, im), (e, im, R), (e, R, d)])
-    chex.assert_shape([sx["up_proj"]["a"], sx["up_proj"]["b"], sx["down_proj"]["a"], sx["down_proj"]["b"]],
-                      [(d, R), (R, im), (im, R), (R, d)])
+    chex.assert_shape(
+        [ex["gate_proj"]["a"], ex["gate_proj"]["b"], ex["down_proj"]["a"], ex["down_proj"]["b"]],
+        [(e, d, R), (e, R, im), (e, im, R), (e, R, d)],
+    )
+    chex.assert_shape(
+        [sx["up_proj"]["a"], sx["up_proj"]["b"], sx["down_proj"]["a"], sx["down_proj"]["b"]],
+        [(d, R), (R, im), (im, R), (R, d)],
+    )
     q = per["model"]["layers_1"]["attention"]["q_a_proj"]["kernel"]  # layer 1 is MLA
     chex.assert_shape([q["a"], q["b"]], [(d, R), (R, CONFIG.q_lora_rank)])
     # B = 0, A random within U(-1/sqrt(in), 1/sqrt(in)), float32
@@ -75,8 +80,9 @@ def test_adapter_shapes_per_expert_and_shared(model):
     only = lora.init_adapters(params, lora.LoraConfig(rank=R, targets=("mla",)), jax.random.key(2))
     assert sorted(only["model"]) == ["layers_1", "layers_3"] and list(only["model"]["layers_1"]) == ["attention"]
     # shapes only: works on ShapeDtypeStructs
-    abstract = jax.eval_shape(lambda: lora.init_adapters(jax.eval_shape(lambda: params), lora.LoraConfig(rank=R),
-                                                         jax.random.key(2)))
+    abstract = jax.eval_shape(
+        lambda: lora.init_adapters(jax.eval_shape(lambda: params), lora.LoraConfig(rank=R), jax.random.key(2))
+    )
     chex.assert_trees_all_equal_shapes_and_dtypes(abstract, per)
     # rank 0: off
     assert lora.init_adapters(params, lora.LoraConfig(), jax.random.key(2)) == {}
@@ -99,8 +105,7 @@ def test_forward_zero_b_is_base_and_merge_matches(model, expert_adapters):
     merged = lora.merge(params, moved, config)
     assert jax.tree.structure(merged) == jax.tree.structure(params)
     chex.assert_trees_all_equal_shapes_and_dtypes(merged, params)
-    np.testing.assert_allclose(jax.jit(lambda p: ling3.forward(p, CONFIG, ids)[0])(merged), adapted,
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(jax.jit(lambda p: ling3.forward(p, CONFIG, ids)[0])(merged), adapted, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("expert_adapters", ["per_expert", "shared"])
@@ -118,8 +123,7 @@ def test_every_moe_dispatch_applies_expert_adapters(expert_adapters):
     x = jax.random.normal(jax.random.key(5), (n, CONFIG.hidden_size))
     weights = jax.nn.softmax(jax.random.normal(jax.random.key(6), (n, k)))
     experts = jax.random.randint(jax.random.key(8), (n, k), 0, CONFIG.num_experts)
-    for fn in (layers.moe_experts, lambda *a: layers.moe_experts_blocked(*a, block_rows=8),
-               layers.moe_dense_reference):
+    for fn in (layers.moe_experts, lambda *a: layers.moe_experts_blocked(*a, block_rows=8), layers.moe_dense_reference):
         run = jax.jit(fn)
         want = run(p_merged, x, weights, experts)
         np.testing.assert_allclose(run(p_lora, x, weights, experts), want, atol=1e-5, rtol=0)
@@ -160,15 +164,18 @@ def test_int8_base_backward_keeps_no_dequantized_weight_with_remat(model):
     config = lora.LoraConfig(rank=R)
     adapters = _perturb(lora.init_adapters(params, config, jax.random.key(3)))
     q = quant.quantize(params)
-    np.testing.assert_allclose(_forward(config, ids)(q, adapters),
-                               _forward(config, ids)(quant.dequantize(q), adapters), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        _forward(config, ids)(q, adapters), _forward(config, ids)(quant.dequantize(q), adapters), atol=1e-5, rtol=0
+    )
     shapes = {tuple(v.shape) for _, v in lora._walk(q) if isinstance(v, quant.QArray)}
 
     def float_copies(remat):
-        res = saved_residuals(lambda ad: ling3.forward(lora.apply(q, ad, config), CONFIG, ids,
-                                                       remat=remat)[0].sum(), adapters)
-        return [aval.shape for aval, _ in res if tuple(aval.shape) in shapes
-                and jnp.issubdtype(aval.dtype, jnp.floating)]
+        res = saved_residuals(
+            lambda ad: ling3.forward(lora.apply(q, ad, config), CONFIG, ids, remat=remat)[0].sum(), adapters
+        )
+        return [
+            aval.shape for aval, _ in res if tuple(aval.shape) in shapes and jnp.issubdtype(aval.dtype, jnp.floating)
+        ]
 
     assert len(float_copies(False)) >= len(shapes)
     assert float_copies(True) == [(CONFIG.hidden_size, CONFIG.vocab_size)]  # lm_head only
@@ -186,8 +193,10 @@ def test_token_table_adapters(model):
     params, ids = model
     config = lora.LoraConfig(rank=R, targets=lora.TABLE_TARGETS)
     adapters = lora.init_adapters(params, config, jax.random.key(3))
-    assert sorted(p for p, _ in lora._pairs(params, adapters)) == [("lm_head", "kernel"),
-                                                                   ("model", "word_embeddings", "embedding")]
+    assert sorted(p for p, _ in lora._pairs(params, adapters)) == [
+        ("lm_head", "kernel"),
+        ("model", "word_embeddings", "embedding"),
+    ]
     forward = _forward(config, ids)
     base = jax.jit(lambda p: ling3.forward(p, CONFIG, ids)[0])
     np.testing.assert_array_equal(forward(params, adapters), base(params))
@@ -195,13 +204,19 @@ def test_token_table_adapters(model):
     want = base(lora.merge(params, moved, config))
     assert np.abs(want - base(params)).max() > 1e-2
     np.testing.assert_allclose(forward(params, moved), want, atol=1e-5, rtol=1e-6)  # logits up to ~40
-    grads = jax.jit(jax.grad(lambda ad: ling3.token_logprobs(lora.apply(params, ad, config), CONFIG,
-                                                             ids).mean()))(adapters)
-    assert all(np.abs(g["b"]).max() > 0 for g in (grads["lm_head"]["kernel"],
-                                                   grads["model"]["word_embeddings"]["embedding"]))
+    grads = jax.jit(jax.grad(lambda ad: ling3.token_logprobs(lora.apply(params, ad, config), CONFIG, ids).mean()))(
+        adapters
+    )
+    assert all(
+        np.abs(g["b"]).max() > 0 for g in (grads["lm_head"]["kernel"], grads["model"]["word_embeddings"]["embedding"])
+    )
     # a tied head reads the adapted table transposed
     table = lora.apply(params, adapters, config)["model"]["word_embeddings"]["embedding"]
-    table = lora.LoraKernel(table.base, moved["model"]["word_embeddings"]["embedding"]["a"],
-                            moved["model"]["word_embeddings"]["embedding"]["b"], table.scale)
+    table = lora.LoraKernel(
+        table.base,
+        moved["model"]["word_embeddings"]["embedding"]["a"],
+        moved["model"]["word_embeddings"]["embedding"]["b"],
+        table.scale,
+    )
     x = jax.random.normal(jax.random.key(5), (3, CONFIG.hidden_size))
     np.testing.assert_allclose(table.T.matmul(x), x @ table.astype(jnp.float32).T, atol=1e-5, rtol=0)

@@ -24,7 +24,7 @@ def _inputs(seed=0, spread=0.3, seq_shift=0.0):
     mask[0, :] = False  # a prompt-only (empty) row
     mask[1, :] = False
     mask[1, 3] = True  # a length-1 sequence
-        # Garbage at masked positions must not matter.
+    # Garbage at masked positions must not matter.
     logp = np.where(mask, logp, -1e4).astype(np.float32)
     ref = (logp + rng.normal(0, 0.2, (B, T))).astype(np.float32)
     ent = rng.uniform(0, 2, (B, T)).astype(np.float32)
@@ -126,8 +126,14 @@ def np_turn_advantages(r, k, g, discount=1.0, normalize_std=True):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(0, 2**31 - 1),
-       st.sampled_from([1.0, 0.5]), st.booleans())
+@given(
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([1.0, 0.5]),
+    st.booleans(),
+)
 def test_turn_advantages_match_the_definition(num_groups, g, t, seed, discount, normalize_std):
     rng = np.random.default_rng(seed)
     r = rng.choice([0.0, 0.5, 1.0, -1.0], size=(num_groups * g, t)).astype(np.float32)
@@ -175,11 +181,21 @@ def test_token_level_losses_take_per_token_advantages(name):
 
 @pytest.mark.parametrize("with_extras", [False, True])
 def test_gspo_matches_numpy(with_extras):
-    logp, old, adv, mask, ref, ent = _inputs(1, spread=1e-4, seq_shift=1.5e-3)  # small spread: a mix of clipped / unclipped
+    logp, old, adv, mask, ref, ent = _inputs(
+        1, spread=1e-4, seq_shift=1.5e-3
+    )  # small spread: a mix of clipped / unclipped
     kw = dict(ref_logp=ref, kl_coef=0.1, entropy=ent, entropy_coef=0.01) if with_extras else {}
     loss, m = L.gspo_loss(logp, old, adv, mask, **kw)
-    want = np_gspo(logp, old, adv, mask, ref=kw.get("ref_logp"), kl=kw.get("kl_coef", 0.0),
-                   ent=kw.get("entropy"), ec=kw.get("entropy_coef", 0.0))
+    want = np_gspo(
+        logp,
+        old,
+        adv,
+        mask,
+        ref=kw.get("ref_logp"),
+        kl=kw.get("kl_coef", 0.0),
+        ent=kw.get("entropy"),
+        ec=kw.get("entropy_coef", 0.0),
+    )
     np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(float(m["policy_loss"]), np_gspo(logp, old, adv, mask), rtol=1e-4, atol=1e-6)
     # Ratio statistics over the valid sequences.
@@ -193,21 +209,33 @@ def test_gspo_matches_numpy(with_extras):
     assert 0 < clipped.mean() < 1, "inputs should exercise both branches"
     assert float(m["normalizer"]) == mask.any(1).sum()
     d = np.where(mask, logp - old, 0)
-    np.testing.assert_allclose(float(m["approx_kl"]), (0.5 * d ** 2).sum() / mask.sum(), rtol=1e-4)
+    np.testing.assert_allclose(float(m["approx_kl"]), (0.5 * d**2).sum() / mask.sum(), rtol=1e-4)
     if with_extras:
         np.testing.assert_allclose(float(m["entropy"]), ent[mask].mean(), rtol=1e-5)
         np.testing.assert_allclose(float(m["kl"]), _np_k3(logp[mask], ref[mask]).mean(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("name,lo,hi,agg", [("grpo", 0.2, 0.2, "seq"), ("dapo", 0.2, 0.28, "tok"),
-                                            ("dr_grpo", 0.2, 0.2, "const")])
+@pytest.mark.parametrize(
+    "name,lo,hi,agg", [("grpo", 0.2, 0.2, "seq"), ("dapo", 0.2, 0.28, "tok"), ("dr_grpo", 0.2, 0.2, "const")]
+)
 @pytest.mark.parametrize("with_extras", [False, True])
 def test_token_losses_match_numpy(name, lo, hi, agg, with_extras):
     logp, old, adv, mask, ref, ent = _inputs(2, spread=0.4)
     kw = dict(ref_logp=ref, kl_coef=0.05, entropy=ent, entropy_coef=0.02) if with_extras else {}
     loss, m = L.LOSSES[name](logp, old, adv, mask, **kw)
-    want = np_token_ppo(logp, old, adv, mask, lo, hi, agg, ref=kw.get("ref_logp"), kl=kw.get("kl_coef", 0.0),
-                        ent=kw.get("entropy"), ec=kw.get("entropy_coef", 0.0))
+    want = np_token_ppo(
+        logp,
+        old,
+        adv,
+        mask,
+        lo,
+        hi,
+        agg,
+        ref=kw.get("ref_logp"),
+        kl=kw.get("kl_coef", 0.0),
+        ent=kw.get("entropy"),
+        ec=kw.get("entropy_coef", 0.0),
+    )
     np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-6)
     r = np.exp(logp[mask] - old[mask])
     a = np.broadcast_to(adv[:, None], mask.shape)[mask]
@@ -221,8 +249,9 @@ def test_token_losses_match_numpy(name, lo, hi, agg, with_extras):
 def test_dr_grpo_max_length_constant():
     logp, old, adv, mask, _, _ = _inputs(3, spread=0.4)
     loss, m = L.dr_grpo_loss(logp, old, adv, mask, max_length=32)
-    np.testing.assert_allclose(float(loss), np_token_ppo(logp, old, adv, mask, 0.2, 0.2, "const", max_length=32),
-                               rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        float(loss), np_token_ppo(logp, old, adv, mask, 0.2, 0.2, "const", max_length=32), rtol=1e-4, atol=1e-7
+    )
     assert float(m["normalizer"]) == B * 32
 
 
@@ -231,8 +260,7 @@ def test_gspo_token_matches_gspo_for_sequence_advantages():
     f1 = lambda lp: L.gspo_loss(lp, old, adv, mask)[0]
     f2 = lambda lp: L.gspo_token_loss(lp, old, adv, mask)[0]
     np.testing.assert_allclose(float(f1(logp)), float(f2(logp)), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(jax.grad(f1)(logp)), np.asarray(jax.grad(f2)(logp)), rtol=1e-5,
-                               atol=1e-7)
+    np.testing.assert_allclose(np.asarray(jax.grad(f1)(logp)), np.asarray(jax.grad(f2)(logp)), rtol=1e-5, atol=1e-7)
 
 
 def test_gspo_token_with_token_advantages_numpy():
@@ -300,8 +328,7 @@ def test_gspo_gradient_matches_textbook():
 def test_empty_masks_no_nan(name):
     logp, old, adv, mask, ref, ent = _inputs(7)
     empty = np.zeros_like(mask)
-    f = lambda lp: L.LOSSES[name](lp, old, adv, empty, ref_logp=ref, kl_coef=0.1, entropy=ent,
-                                  entropy_coef=0.1)
+    f = lambda lp: L.LOSSES[name](lp, old, adv, empty, ref_logp=ref, kl_coef=0.1, entropy=ent, entropy_coef=0.1)
     (loss, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
     assert float(loss) == 0.0
     assert all(np.isfinite(float(v)) for v in m.values()), m
@@ -355,13 +382,21 @@ def test_on_policy_ratio_is_one(name):
 @pytest.mark.parametrize("name", sorted(L.LOSSES))
 def test_jit_and_shapes(name):
     logp, old, adv, mask, ref, ent = _inputs(11)
-    fn = jax.jit(lambda *a: L.LOSSES[name](*a[:4], ref_logp=a[4], kl_coef=0.1, entropy=a[5],
-                                           entropy_coef=0.01))
+    fn = jax.jit(lambda *a: L.LOSSES[name](*a[:4], ref_logp=a[4], kl_coef=0.1, entropy=a[5], entropy_coef=0.01))
     loss, m = fn(logp, old, adv, mask, ref, ent)
     chex.assert_shape(loss, ())
     chex.assert_type(loss, jnp.float32)
-    expected = {"policy_loss", "clip_frac", "ratio_mean", "ratio_min", "ratio_max", "approx_kl", "kl", "entropy",
-                "normalizer"}
+    expected = {
+        "policy_loss",
+        "clip_frac",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "approx_kl",
+        "kl",
+        "entropy",
+        "normalizer",
+    }
     assert set(m) == expected
     for v in m.values():
         chex.assert_shape(v, ())
@@ -390,8 +425,9 @@ def test_bad_shapes_and_args_raise():
 def test_constant_groups_get_exactly_zero_advantage_despite_rounding(value, group_size):
     # 16 x 0.8 has a float32 mean one ulp off 0.8; without an exact constant-group check, (r - mean) / (std + eps)
     # turns that residue into advantages of about -0.92 for every member of the group.
-    rewards = jnp.concatenate([jnp.full((group_size,), value, jnp.float32),
-                               jnp.linspace(-1.0, 1.0, group_size, dtype=jnp.float32)])
+    rewards = jnp.concatenate(
+        [jnp.full((group_size,), value, jnp.float32), jnp.linspace(-1.0, 1.0, group_size, dtype=jnp.float32)]
+    )
     adv = np.asarray(L.group_advantages(rewards, group_size))
     np.testing.assert_array_equal(adv[:group_size], 0.0)
     np.testing.assert_allclose(adv[group_size:].mean(), 0.0, atol=1e-6)
@@ -475,8 +511,9 @@ def test_forking_token_mask_per_turn():
     # One turn per row: the same as the per-sequence selection.
     one = jnp.array([[0, 1, 1, 1, 1, 0]], bool)
     e1 = jnp.array([[5, 0.1, 0.7, 0.3, 0.2, 9]], jnp.float32)
-    np.testing.assert_array_equal(np.asarray(L.forking_token_mask(e1, one, 1, per_turn=True)),
-                                  np.asarray(L.forking_token_mask(e1, one, 1)))
+    np.testing.assert_array_equal(
+        np.asarray(L.forking_token_mask(e1, one, 1, per_turn=True)), np.asarray(L.forking_token_mask(e1, one, 1))
+    )
     jitted = jax.jit(L.forking_token_mask, static_argnums=(2, 3))
     np.testing.assert_array_equal(np.asarray(jitted(ent, mask, 1, True)), top1.astype(bool))
     # The forking KL anchors every turn's decision with per_turn, the episode's single top token without.
@@ -485,8 +522,9 @@ def test_forking_token_mask_per_turn():
     adv, old = jnp.zeros((2,), jnp.float32), logp
     kls = []
     for per_turn, sel in ((True, top1), (False, np.asarray(L.forking_token_mask(ent, mask, 1)))):
-        _, m = L.with_forking_kl(L.gspo_loss, 0.3, 1, per_turn=per_turn)(logp, old, adv, mask, entropy=ent,
-                                                                           ref_logp=ref)
+        _, m = L.with_forking_kl(L.gspo_loss, 0.3, 1, per_turn=per_turn)(
+            logp, old, adv, mask, entropy=ent, ref_logp=ref
+        )
         per_seq = [_np_k3(np.asarray(logp)[b][sel[b] > 0], np.asarray(ref)[b][sel[b] > 0]).mean() for b in range(2)]
         np.testing.assert_allclose(float(m["forking_kl"]), np.mean(per_seq), rtol=1e-5)
         kls.append(float(m["forking_kl"]))
@@ -497,8 +535,13 @@ def test_forking_token_mask_per_turn():
 # Rollout / train mismatch corrections: TIS and IcePop
 # ---------------------------------------------------------------------------------------------------------------
 # name -> (eps_low, eps_high, aggregation of the NumPy reference; "gspo" = sequence-level ratio)
-_CLIP = {"gspo": (3e-4, 4e-4, "gspo"), "gspo_token": (3e-4, 4e-4, "gspo"), "grpo": (0.2, 0.2, "seq"),
-         "dr_grpo": (0.2, 0.2, "const"), "dapo": (0.2, 0.28, "tok")}
+_CLIP = {
+    "gspo": (3e-4, 4e-4, "gspo"),
+    "gspo_token": (3e-4, 4e-4, "gspo"),
+    "grpo": (0.2, 0.2, "seq"),
+    "dr_grpo": (0.2, 0.2, "const"),
+    "dapo": (0.2, 0.28, "tok"),
+}
 
 
 def np_corrected(name, logp, old, adv, mask, cap=np.inf, window=(0.0, np.inf)):
@@ -564,9 +607,13 @@ _COMPILED = {}
 def _evaluate_variants(name, logp, old, adv, mask):
     """{variant: (loss, metrics, d loss / d logp)} from one jitted program per base loss (one compile each)."""
     if name not in _COMPILED:
+
         def all_variants(lp, o, a, m):
-            return {key: jax.value_and_grad(lambda x, fn=fn: fn(x, o, a, m), has_aux=True)(lp)
-                    for key, fn in _variants(name).items()}
+            return {
+                key: jax.value_and_grad(lambda x, fn=fn: fn(x, o, a, m), has_aux=True)(lp)
+                for key, fn in _variants(name).items()
+            }
+
         _COMPILED[name] = jax.jit(all_variants)
     out = jax.device_get(_COMPILED[name](logp, old, adv, mask))
     return {key: (float(loss), metrics, np.asarray(grad)) for key, ((loss, metrics), grad) in out.items()}
@@ -578,9 +625,15 @@ def test_corrections_match_numpy(name, correction):
     logp, old, adv, mask, _, _ = _inputs(13, spread=0.4)
     cap, window = _CAP, _WINDOW
     loss, m, grad = _evaluate_variants(name, logp, old, adv, mask)[correction]
-    want_value, want_grad, kept = np_corrected(name, logp, old, adv, mask,
-                                               cap=np.inf if correction == "icepop" else cap,
-                                               window=(0.0, np.inf) if correction == "tis" else window)
+    want_value, want_grad, kept = np_corrected(
+        name,
+        logp,
+        old,
+        adv,
+        mask,
+        cap=np.inf if correction == "icepop" else cap,
+        window=(0.0, np.inf) if correction == "tis" else window,
+    )
     np.testing.assert_allclose(loss, want_value, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-7)
     assert np.all(grad[~kept] == 0.0)
@@ -609,9 +662,15 @@ def test_tis_gradient_has_no_term_through_the_weight():
     cap = 1.2
     frozen_k = np.exp(np.where(mask, logp - old, 0.0))
     factor = np.where(frozen_k > cap, cap / frozen_k, 1.0).astype(np.float32)
-    g_wrapped, g_held = map(np.asarray, jax.jit(lambda lp: (
-        jax.grad(lambda x: L.with_tis(L.grpo_loss, cap)(x, old, adv, mask)[0])(lp),
-        jax.grad(lambda x: L.grpo_loss(x, old, adv, mask, token_weight=factor)[0])(lp)))(logp))
+    g_wrapped, g_held = map(
+        np.asarray,
+        jax.jit(
+            lambda lp: (
+                jax.grad(lambda x: L.with_tis(L.grpo_loss, cap)(x, old, adv, mask)[0])(lp),
+                jax.grad(lambda x: L.grpo_loss(x, old, adv, mask, token_weight=factor)[0])(lp),
+            )
+        )(logp),
+    )
     np.testing.assert_allclose(g_wrapped, g_held, rtol=1e-6, atol=1e-8)
     bites = mask & (frozen_k > cap) & (adv[:, None] < 0)  # truncated and unclipped (negative advantage)
     assert bites.any() and np.all(g_wrapped[bites] != 0.0)
@@ -654,7 +713,8 @@ def test_corrections_compose_in_either_order_and_with_forking_wrappers():
             plain=tis(lp, old, adv, mask, entropy=ent),
             bonus_out=L.with_forking_entropy_bonus(tis, 0.5)(lp, old, adv, mask, entropy=ent),
             bonus_in=L.with_tis(L.with_forking_entropy_bonus(L.gspo_loss, 0.5), _CAP)(lp, old, adv, mask, entropy=ent),
-            kl=L.with_forking_kl(L.with_icepop(L.grpo_loss, *_WINDOW), 0.3)(lp, old, adv, mask, **extras))
+            kl=L.with_forking_kl(L.with_icepop(L.grpo_loss, *_WINDOW), 0.3)(lp, old, adv, mask, **extras),
+        )
 
     out = jax.device_get(run(logp))
     (v1, g1), (v2, g2) = out["tis_outside"], out["icepop_outside"]
@@ -675,14 +735,22 @@ def test_corrections_jit_shapes_empty_mask_and_garbage():
 
     @jax.jit
     def run(lp, o, m):
-        return jax.value_and_grad(lambda x: wrapped(x, o, adv, m, ref_logp=ref, kl_coef=0.1, entropy=ent,
-                                                    entropy_coef=0.01), has_aux=True)(lp)
+        return jax.value_and_grad(
+            lambda x: wrapped(x, o, adv, m, ref_logp=ref, kl_coef=0.1, entropy=ent, entropy_coef=0.01), has_aux=True
+        )(lp)
 
     (loss, m), _ = run(logp, old, mask)
     chex.assert_shape(loss, ())
     chex.assert_type(loss, jnp.float32)
-    assert {"tis_weight_mean", "tis_clipped_frac", "icepop_masked_frac", "icepop_masked_count", "kl",
-            "entropy", "normalizer"} <= set(m)
+    assert {
+        "tis_weight_mean",
+        "tis_clipped_frac",
+        "icepop_masked_frac",
+        "icepop_masked_count",
+        "kl",
+        "entropy",
+        "normalizer",
+    } <= set(m)
     for v in m.values():
         chex.assert_shape(v, ())
         chex.assert_type(v, jnp.float32)
@@ -711,7 +779,7 @@ _INVARIANT_FNS = {}
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2 ** 16), spread=st.floats(0.0, 3.0), cap=st.sampled_from([1.0, 1.3, 5.0]))
+@given(seed=st.integers(0, 2**16), spread=st.floats(0.0, 3.0), cap=st.sampled_from([1.0, 1.3, 5.0]))
 def test_correction_metric_invariants(seed, spread, cap):
     """Weights in (0, C], fractions in [0, 1], the masked count is NumPy's, the loss is finite."""
     logp, old, adv, mask, _, _ = _inputs(seed % 1000, spread=spread)
@@ -739,12 +807,16 @@ def test_correction_metrics_reduce_through_the_train_step():
     # A lookup "policy": one table row per sample, its index in the sample's tokens.
     logp_fn = lambda params, mb: trainer.PolicyOutput(params["table"][mb.tokens[:, 0]])
     loss_fn = L.with_tis(L.with_icepop(L.dapo_loss, 0.7, 1.5), 1.2)
-    step = trainer.make_train_step(logp_fn, loss_fn, trainer.make_optimizer(0.0), num_minibatches=2,
-                                   num_microbatches=2, donate=False)
+    step = trainer.make_train_step(
+        logp_fn, loss_fn, trainer.make_optimizer(0.0), num_minibatches=2, num_microbatches=2, donate=False
+    )
     state = trainer.create_train_state({"table": jnp.asarray(table)}, trainer.make_optimizer(0.0), 0)
-    batch = TrainBatch(tokens=jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, length)),
-                       loss_mask=jnp.asarray(mask), old_logp=jnp.asarray(old),
-                       advantages=jnp.asarray(rng.normal(size=rows), jnp.float32))
+    batch = TrainBatch(
+        tokens=jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, length)),
+        loss_mask=jnp.asarray(mask),
+        old_logp=jnp.asarray(old),
+        advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
+    )
     _, metrics = step(state, batch)
     k = np.exp(table.astype(np.float64) - old)
     dropped = mask & ((k < 0.7) | (k > 1.5))
@@ -754,7 +826,7 @@ def test_correction_metrics_reduce_through_the_train_step():
     micro = [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
     kept_n = [(mask[m] & ~dropped[m]).sum() for m in micro]
     frac = [dropped[m].sum() / mask[m].sum() for m in micro]
-    want = np.mean([np.dot(kept_n[j:j + 2], frac[j:j + 2]) / sum(kept_n[j:j + 2]) for j in (0, 2)])
+    want = np.mean([np.dot(kept_n[j : j + 2], frac[j : j + 2]) / sum(kept_n[j : j + 2]) for j in (0, 2)])
     np.testing.assert_allclose(float(metrics["icepop_masked_frac"]), want, rtol=1e-5)
     assert 0.0 <= float(metrics["tis_clipped_frac"]) <= 1.0 and "tis_weight_mean" in metrics
     assert L.METRIC_REDUCTIONS["icepop_masked_count"] == "count"  # summed, not averaged, over micro-batches

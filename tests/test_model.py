@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.models import conversion, ling3
+from reno_jax.models import conversion, kda, ling3
 from reno_jax.models.config import Ling3Config, ling3_tiny_real, tiny_test_config
-from reno_jax.models import kda
 from reno_jax.models.layers import blocked_dispatch_pays, moe_dense_reference, moe_experts, moe_experts_blocked, route
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "ling3_tiny_a")
@@ -33,6 +32,7 @@ fwd = jax.jit(ling3.forward, static_argnames=("config", "return_hidden"), compil
 @functools.lru_cache(maxsize=None)
 def golden():
     from reno_jax.models.conversion import from_pretrained
+
     config, params = from_pretrained(DATA)
     data = dict(np.load(os.path.join(DATA, "golden.npz")))
     return config, params, data
@@ -66,10 +66,18 @@ def randomize(params, seed):
 
 # Every optional branch at once: a tail MLA layer (3 layers, group 2 -> KDA, MLA, MLA), q_lora_rank None,
 # element-wise output gate, low-rank KDA f/g, the softplus gate, 2 dense layers, 2 shared experts, tied head.
-OTHER = tiny_test_config(num_hidden_layers=3, layer_group_size=2, q_lora_rank=None,
-                         gated_attention_proj_granularity_type="element_wise", no_kda_lora=False,
-                         kda_safe_gate=False, first_k_dense_replace=2, num_shared_experts=2,
-                         tie_word_embeddings=True, vocab_size=96)
+OTHER = tiny_test_config(
+    num_hidden_layers=3,
+    layer_group_size=2,
+    q_lora_rank=None,
+    gated_attention_proj_granularity_type="element_wise",
+    no_kda_lora=False,
+    kda_safe_gate=False,
+    first_k_dense_replace=2,
+    num_shared_experts=2,
+    tie_word_embeddings=True,
+    vocab_size=96,
+)
 CHUNK = 4  # every cached multi-token call in the OTHER tests is padded to this many tokens (one compile)
 
 
@@ -94,6 +102,7 @@ def other_chunk(params, cache, chunk, valid):
 
 # ------------------------------------------------------------------------------------------------ config
 
+
 def test_config_roundtrip_schedule_and_errors():
     with open(os.path.join(DATA, "config.json")) as fh:
         raw = json.load(fh)
@@ -106,7 +115,14 @@ def test_config_roundtrip_schedule_and_errors():
     assert tiny_test_config(num_hidden_layers=5).layer_kinds == ("kda", "mla", "kda", "mla", "mla")
     assert ling3_tiny_real().layer_kinds == ("kda", "kda", "kda", "mla") * 6
     assert tiny_test_config(num_hidden_layers=7, layer_group_size=3).layer_kinds == (
-        "kda", "kda", "mla", "kda", "kda", "mla", "mla")
+        "kda",
+        "kda",
+        "mla",
+        "kda",
+        "kda",
+        "mla",
+        "mla",
+    )
     # round trip of a directly built config
     assert Ling3Config.from_dict(OTHER.to_dict()) == OTHER
     bad = dict(raw)
@@ -137,6 +153,7 @@ def test_real_shape_parameter_counts():
 
 # ------------------------------------------------------------------------------------------------ golden
 
+
 def test_params_layout_matches_golden_checkpoint():
     config, params, _ = golden()
     init = ling3.init_params(config, jax.random.PRNGKey(0))
@@ -151,8 +168,20 @@ def test_params_layout_matches_golden_checkpoint():
     abstract = jax.eval_shape(lambda k: ling3.init_params(config, k, jnp.bfloat16), jax.random.PRNGKey(0))
     assert abstract == conversion.abstract_params(config, jnp.bfloat16)
     assert set(init["model"]["layers_0"]["attention"]) == {
-        "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "A_log", "dt_bias", "b_proj",
-        "f_proj", "g_proj", "o_norm", "o_proj"}
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "q_conv1d",
+        "k_conv1d",
+        "v_conv1d",
+        "A_log",
+        "dt_bias",
+        "b_proj",
+        "f_proj",
+        "g_proj",
+        "o_norm",
+        "o_proj",
+    }
 
 
 def test_init_distributions_and_what_the_values_depend_on():
@@ -180,8 +209,9 @@ def test_init_distributions_and_what_the_values_depend_on():
     # Leaf i of the sorted paths: jax.random from fold_in(key, i) (to float32 rounding: XLA fuses the scaling).
     paths = sorted(ling3.param_shapes(config))
     leaf_key = lambda path: jax.random.fold_in(jax.random.PRNGKey(0), paths.index(path))  # noqa: E731
-    uniform = jax.random.uniform(leaf_key(("model", "layers_0", "attention", "q_conv1d", "kernel")), conv.shape,
-                                 minval=-bound, maxval=bound)
+    uniform = jax.random.uniform(
+        leaf_key(("model", "layers_0", "attention", "q_conv1d", "kernel")), conv.shape, minval=-bound, maxval=bound
+    )
     np.testing.assert_allclose(np.asarray(uniform), conv, rtol=1e-6)
     normal = jax.random.normal(leaf_key(("model", "word_embeddings", "embedding")), emb.shape)
     np.testing.assert_allclose(config.initializer_range * np.asarray(normal), emb, rtol=1e-6, atol=1e-9)
@@ -221,7 +251,7 @@ def test_golden_prefill_then_decode():
     err_prefill = float(np.abs(np.asarray(logits) - g["logits"][:, :p]).max())
     steps = []
     for t in range(p, ids.shape[1]):
-        step, cache = fwd(params, config, ids[:, t:t + 1], cache)
+        step, cache = fwd(params, config, ids[:, t : t + 1], cache)
         steps.append(step[:, 0])
     err_decode = float(np.abs(np.stack(steps, 1) - g["decode_logits"]).max())
     print(f"golden max|prefill diff| {err_prefill:.2e}, max|decode diff| {err_decode:.2e}")
@@ -267,8 +297,10 @@ def test_moe_blocked_dispatch_equals_dense_reference_with_gradients(n, block_row
 
         blocked = lambda *a: moe_experts_blocked(*a, block_rows=block_rows)  # noqa: E731
         out = (blocked(experts_p, x, w, e), moe_dense_reference(experts_p, x, w, e))
-        grads = (jax.grad(functools.partial(loss, blocked), argnums=(0, 1))(experts_p, x),
-                 jax.grad(functools.partial(loss, moe_dense_reference), argnums=(0, 1))(experts_p, x))
+        grads = (
+            jax.grad(functools.partial(loss, blocked), argnums=(0, 1))(experts_p, x),
+            jax.grad(functools.partial(loss, moe_dense_reference), argnums=(0, 1))(experts_p, x),
+        )
         return out, grads
 
     (blocked, dense), (g_blocked, g_dense) = run(p["experts"], x)
@@ -289,7 +321,7 @@ def test_kda_chunked_form_equals_recurrence():
     rng = np.random.default_rng(9)
     b, t, h, d = 3, 21, 2, 8
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    q = kda.l2_normalize(normal(b, t, h, d)) * d ** -0.5
+    q = kda.l2_normalize(normal(b, t, h, d)) * d**-0.5
     k = kda.l2_normalize(normal(b, t, h, d))
     v = normal(b, t, h, d)
     beta = jax.nn.sigmoid(normal(b, t, h))
@@ -302,8 +334,9 @@ def test_kda_chunked_form_equals_recurrence():
 
     for g in (-5.0 * jax.nn.sigmoid(3 * normal(b, t, h, d)), jnp.full((b, t, h, d), -4.99)):  # incl. max decay
         (o_ref, s_ref), (o, s) = both(g)
-        np.testing.assert_allclose(np.where(valid[..., None, None], o, 0), np.where(valid[..., None, None], o_ref, 0),
-                                   atol=2e-4)
+        np.testing.assert_allclose(
+            np.where(valid[..., None, None], o, 0), np.where(valid[..., None, None], o_ref, 0), atol=2e-4
+        )
         np.testing.assert_allclose(s, s_ref, atol=2e-4)
         np.testing.assert_array_equal(s[2], s0[2])  # a row without valid steps keeps its state exactly
     assert kda.chunk_size_for(tiny_test_config()) == 16
@@ -312,6 +345,7 @@ def test_kda_chunked_form_equals_recurrence():
 
 
 # ------------------------------------------------------------------------------------------------ other configs
+
 
 def test_other_config_chunked_and_incremental_decode_equal_full_forward():
     params = other_params()
@@ -323,7 +357,7 @@ def test_other_config_chunked_and_incremental_decode_equal_full_forward():
     # Chunks padded to CHUNK (one compiled program; T = 1 decode steps are covered by the golden decode test).
     for size in (4, 3, 1, 2, 1, 1):
         chunk = np.zeros((3, CHUNK), np.int32)
-        chunk[:, :size] = ids[:, start:start + size]
+        chunk[:, :size] = ids[:, start : start + size]
         out, cache = other_chunk(params, cache, chunk, np.arange(CHUNK)[None, :].repeat(3, 0) < size)
         outs.append(np.asarray(out[:, :size]))
         start += size
@@ -344,7 +378,7 @@ def _run_ragged(params, seqs, plan, junk_seed):
         junk_seed += 1
         valid = np.zeros((b, CHUNK), bool)
         for r, n in enumerate(counts):
-            chunk[r, :n] = seqs[r, done[r]:done[r] + n]
+            chunk[r, :n] = seqs[r, done[r] : done[r] + n]
             valid[r, :n] = True
         out, cache = other_chunk(params, cache, chunk, valid)
         for r, n in enumerate(counts):
@@ -387,8 +421,9 @@ def test_token_logprobs_matches_log_softmax():
     params = other_params()
     ids = other_seqs(6)
     valid = np.arange(12)[None, :] < np.array([[12], [9], [1]])
-    logp = jax.jit(ling3.token_logprobs, static_argnames="config", compiler_options=FAST)(params, OTHER, jnp.asarray(ids),
-                                                                    jnp.asarray(valid))
+    logp = jax.jit(ling3.token_logprobs, static_argnames="config", compiler_options=FAST)(
+        params, OTHER, jnp.asarray(ids), jnp.asarray(valid)
+    )
     chex.assert_shape(logp, (3, 12))
     chex.assert_type(logp, jnp.float32)
     ref = jax.nn.log_softmax(other_full(params, ids, valid), -1)
@@ -406,8 +441,9 @@ def test_other_config_cache_shapes():
     chex.assert_shape(cache["length"], (2,))
     for kind, layer in zip(config.layer_kinds, cache["layers"]):
         if kind == "kda":
-            chex.assert_shape([layer["q_conv"], layer["k_conv"], layer["v_conv"]],
-                              (2, config.short_conv_kernel_size - 1, p))
+            chex.assert_shape(
+                [layer["q_conv"], layer["k_conv"], layer["v_conv"]], (2, config.short_conv_kernel_size - 1, p)
+            )
             chex.assert_shape(layer["state"], (2, config.num_attention_heads, config.head_dim, config.head_dim))
             chex.assert_type(layer["state"], jnp.float32)
         else:
@@ -418,16 +454,21 @@ def test_other_config_cache_shapes():
     attn = params["model"]["layers_0"]["attention"]
     chex.assert_shape(attn["f_a_proj"]["kernel"], (config.hidden_size, config.head_dim))
     chex.assert_shape(attn["g_b_proj"]["kernel"], (config.head_dim, p))
-    chex.assert_shape(params["model"]["layers_1"]["attention"]["g_proj"]["kernel"],
-                      (config.hidden_size, config.num_attention_heads * config.v_head_dim))
+    chex.assert_shape(
+        params["model"]["layers_1"]["attention"]["g_proj"]["kernel"],
+        (config.hidden_size, config.num_attention_heads * config.v_head_dim),
+    )
     assert set(params["model"]["layers_1"]["mlp"]) == {"gate_proj", "up_proj", "down_proj"}
-    chex.assert_shape(params["model"]["layers_2"]["mlp"]["shared_experts"]["up_proj"]["kernel"],
-                      (config.hidden_size, 2 * config.moe_shared_expert_intermediate_size))
+    chex.assert_shape(
+        params["model"]["layers_2"]["mlp"]["shared_experts"]["up_proj"]["kernel"],
+        (config.hidden_size, 2 * config.moe_shared_expert_intermediate_size),
+    )
     with pytest.raises(ValueError, match="input_ids must be"):
         ling3.forward(params, config, jnp.zeros((3,), jnp.int32))
 
 
 # ------------------------------------------------------------------------------------------------ bf16
+
 
 def test_bf16_params_close_to_fp32():
     config, params, g = golden()
@@ -437,7 +478,7 @@ def test_bf16_params_close_to_fp32():
     cache = ling3.init_cache(config, 2, 16, jnp.bfloat16)
     steps = []
     for t in range(ids.shape[1]):
-        step, cache = fwd(bf16, config, ids[:, t:t + 1], cache)
+        step, cache = fwd(bf16, config, ids[:, t : t + 1], cache)
         steps.append(np.asarray(step[:, 0]))
     logits = np.stack(steps, 1)
     assert cache["layers"][1]["latent"].dtype == jnp.bfloat16 and cache["layers"][0]["state"].dtype == jnp.float32
@@ -476,6 +517,7 @@ def test_long_sequences_attend_block_by_block_with_the_same_values(monkeypatch):
     the keys before its end (padding at the end of some rows included): logits and gradients equal the one-block
     computation."""
     from reno_jax.models import mla
+
     config = tiny_test_config()
     params = ling3.init_params(config, jax.random.PRNGKey(0))
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 45), 0, config.vocab_size)

@@ -20,8 +20,14 @@ from experiments import cli, distributed
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The programs of the one-device resume (rollout, train step) are those of tests/test_experiments.py's short
 # config resumed to 3 steps, which the session's compilation cache already holds when that file ran first.
-SMALL = ["--config.sft.num_steps=2", "--config.sft.batch_size=8", "--config.rollout.boards_per_step=4",
-         "--config.rollout.group_size=4", "--config.rl.train_groups=2", "--config.model.tiny.num_hidden_layers=2"]
+SMALL = [
+    "--config.sft.num_steps=2",
+    "--config.sft.batch_size=8",
+    "--config.rollout.boards_per_step=4",
+    "--config.rollout.group_size=4",
+    "--config.rl.train_groups=2",
+    "--config.model.tiny.num_hidden_layers=2",
+]
 
 
 def _free_port() -> int:
@@ -41,8 +47,14 @@ def _env(devices: int, cache: bool = True) -> dict:
 
 
 def _train(args, env):
-    return subprocess.Popen([sys.executable, "-m", "experiments.train", "--config=configs/tictactoe_tiny.py", *args],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", "--config=configs/tictactoe_tiny.py", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_all(procs, timeout):
@@ -69,8 +81,14 @@ def _rows(workdir):
 def test_two_processes_train_one_run_and_one_process_resumes_it(tmp_path):
     workdir = str(tmp_path / "run")
     port = _free_port()
-    common = [f"--workdir={workdir}", "--config.num_steps=2", "--config.mesh.data=4", *SMALL,
-              f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+    common = [
+        f"--workdir={workdir}",
+        "--config.num_steps=2",
+        "--config.mesh.data=4",
+        *SMALL,
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+    ]
     outs = _wait_all([_train(common + [f"--process_id={i}"], _env(2, cache=False)) for i in range(2)], timeout=400)
     # Process 0 alone writes the run's files and prints the summary.
     assert '"steps": 2' in outs[0][0] and '"steps"' not in outs[1][0]
@@ -83,12 +101,15 @@ def test_two_processes_train_one_run_and_one_process_resumes_it(tmp_path):
     # Each process wrote its own shards of the checkpoint (the data of Orbax's OCDBT store, one per process).
     state_dir = os.path.join(workdir, "checkpoints", "2", "state")
     assert sorted(d for d in os.listdir(state_dir) if d.startswith("ocdbt.process_")) == [
-        "ocdbt.process_0", "ocdbt.process_1"]
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
 
     # This test process (one device) restores what the two processes wrote: the trained parameters, not the
     # warm start they started from.
-    from reno_jax.loop import runs
     from reno_jax.checkpoint import orbax as ckpt_lib
+    from reno_jax.loop import runs
+
     _, _, _, params, step = runs.load_run(workdir)
     assert step == 2 and {x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(params)} == {True}
     warm = ckpt_lib.restore_item(os.path.join(workdir, "warmstart"), {"params": params})["params"]
@@ -110,9 +131,17 @@ def test_two_processes_draw_and_load_the_model_straight_onto_their_shards():
     """init_params(shardings=) and from_pretrained(shardings=) over a mesh of both processes' devices: each
     process makes only its own shards, equal to the one-device values (tests/_sharded_io.py process)."""
     address = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "_sharded_io.py"), "process", address,
-                               str(i)], cwd=REPO, env=_env(2, cache=False), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "tests", "_sharded_io.py"), "process", address, str(i)],
+            cwd=REPO,
+            env=_env(2, cache=False),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     for i, (out, _) in enumerate(_wait_all(procs, timeout=300)):
         found = json.loads(out.strip().splitlines()[-1])
         assert found["process"] == i and found["devices"] == 4, found
@@ -120,25 +149,43 @@ def test_two_processes_draw_and_load_the_model_straight_onto_their_shards():
 
 
 def test_a_process_id_out_of_range_is_one_line_naming_the_flag(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/tictactoe_tiny.py",
-                          f"--workdir={tmp_path / 'w'}", "--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"],
-                         cwd=REPO, env=_env(1), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--config=configs/tictactoe_tiny.py",
+            f"--workdir={tmp_path / 'w'}",
+            "--coordinator_address=127.0.0.1:1",
+            "--num_processes=2",
+            "--process_id=2",
+        ],
+        cwd=REPO,
+        env=_env(1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.strip().splitlines() if "error" in line.lower() or "Traceback" in line]
-    assert len(lines) == 1 and lines[0].endswith("error: --process_id=2 must be in [0, 2) for --num_processes=2"), \
+    assert len(lines) == 1 and lines[0].endswith("error: --process_id=2 must be in [0, 2) for --num_processes=2"), (
         out.stderr
+    )
     assert not os.path.exists(tmp_path / "w")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("127.0.0.1:1", 2, None), "--num_processes=2 needs --process_id"),
-    ((None, 2, 0), "needs --coordinator_address"),
-    (("127.0.0.1:1", None, 0), "--process_id=0 needs --num_processes"),
-    (("127.0.0.1:1", None, None), "--coordinator_address=127.0.0.1:1 needs --num_processes"),
-    (("127.0.0.1:1", 0, 0), "--num_processes=0 must be >= 1"),
-    (("127.0.0.1:1", 2, -1), r"--process_id=-1 must be in \[0, 2\)"),
-    (("host0", 2, 1), "--coordinator_address=host0 must be HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("127.0.0.1:1", 2, None), "--num_processes=2 needs --process_id"),
+        ((None, 2, 0), "needs --coordinator_address"),
+        (("127.0.0.1:1", None, 0), "--process_id=0 needs --num_processes"),
+        (("127.0.0.1:1", None, None), "--coordinator_address=127.0.0.1:1 needs --num_processes"),
+        (("127.0.0.1:1", 0, 0), "--num_processes=0 must be >= 1"),
+        (("127.0.0.1:1", 2, -1), r"--process_id=-1 must be in \[0, 2\)"),
+        (("host0", 2, 1), "--coordinator_address=host0 must be HOST:PORT"),
+    ],
+)
 def test_inconsistent_distributed_flags_name_the_flag(flags, message):
     with pytest.raises(cli.UserError, match=message):
         distributed.check_flags(*flags)

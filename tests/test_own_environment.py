@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A whole environment in a user's package: the prompt shows a number, the agent answers it with `answer(number)`.
-ECHO_ENV = textwrap.dedent('''
+ECHO_ENV = textwrap.dedent("""
     import flax.struct
     import jax
     import jax.numpy as jnp
@@ -78,11 +78,19 @@ ECHO_ENV = textwrap.dedent('''
         "echo", lambda env_config, **overrides: EchoEnv(), lambda config: sample,
         lambda config, env: interface.Teacher(teacher, tuple(("answer", {"number": k}) for k in range(10))),
         eval_suites=suites)
-''')
+""")
 
-SMALL = ["--config.num_steps=2", "--config.sft.num_steps=2", "--config.sft.batch_size=4",
-         "--config.rollout.boards_per_step=4", "--config.rollout.group_size=2", "--config.rollout.max_new_tokens=16",
-         "--config.rollout.max_turns=1", "--config.checkpoint_every=2", "--config.plot_every=0"]
+SMALL = [
+    "--config.num_steps=2",
+    "--config.sft.num_steps=2",
+    "--config.sft.batch_size=4",
+    "--config.rollout.boards_per_step=4",
+    "--config.rollout.group_size=2",
+    "--config.rollout.max_new_tokens=16",
+    "--config.rollout.max_turns=1",
+    "--config.checkpoint_every=2",
+    "--config.plot_every=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +105,24 @@ def user_package(tmp_path_factory):
 
 def _run(args, pythonpath):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([pythonpath, ROOT, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
 def test_an_environment_of_the_users_package_trains_and_evaluates_from_the_cli(user_package, tmp_path):
     workdir = str(tmp_path / "run")
-    lines = _run(["experiments.train", "--config=configs/guess_number_tiny.py", f"--workdir={workdir}",
-                  "--config.env.module=my_envs.echo", "--config.env.name=echo", *SMALL], user_package)
+    lines = _run(
+        [
+            "experiments.train",
+            "--config=configs/guess_number_tiny.py",
+            f"--workdir={workdir}",
+            "--config.env.module=my_envs.echo",
+            "--config.env.name=echo",
+            *SMALL,
+        ],
+        user_package,
+    )
     assert lines[-1]["steps"] == 2 and "last20/rollout/right_rate" in lines[-1]
     rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     assert [row["step"] for row in rows] == [1, 2] and all("rollout/right_rate" in row for row in rows)
@@ -118,18 +134,29 @@ def test_an_environment_of_the_users_package_trains_and_evaluates_from_the_cli(u
 
 
 def test_an_unknown_module_is_one_line_naming_the_setting(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/guess_number_tiny.py",
-                          f"--workdir={tmp_path}", "--config.env.module=no_such_pkg.env"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--config=configs/guess_number_tiny.py",
+            f"--workdir={tmp_path}",
+            "--config.env.module=no_such_pkg.env",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2
     assert "env.module='no_such_pkg.env' cannot be imported" in out.stderr.strip().splitlines()[-1]
 
 
 def test_the_loop_is_a_library_call(user_package, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(user_package)
-    from configs import guess_number_tiny
     from my_envs import echo
 
+    from configs import guess_number_tiny
     from reno_jax import loop
     from reno_jax.loop import warmstart
 
@@ -143,8 +170,7 @@ def test_the_loop_is_a_library_call(user_package, tmp_path, monkeypatch):
     # The warm start on the right answers taught the format and the answer: the model now echoes the number.
     config2, tokenizer, model_config, params, step = loop.load_run(str(tmp_path))
     assert step == 2 and config2.env.name == "echo"
-    results = loop.evaluate(params, model_config, tokenizer, config2, key=jax.random.PRNGKey(0),
-                            show_progress=False)
+    results = loop.evaluate(params, model_config, tokenizer, config2, key=jax.random.PRNGKey(0), show_progress=False)
     assert results["all"].figures["tool_call_valid_rate"] > 0.5
     assert loop.flat_figures(results)["all/right_rate"] == results["all"].figures["right_rate"]
     # Resuming is a no-op (the run is complete) and the cached warm start is reused.

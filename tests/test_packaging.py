@@ -1,5 +1,6 @@
 """Packaging: the core install (setup.py's install_requires) has no web server stack, and the core path (the loop,
-the losses, the train / evaluate CLIs) imports without it; the play page says in one line how to get it. Also:
+the losses, the train / evaluate CLIs) imports without it; the play page says in one line how to get it. Neither
+is a task library (reasoning-gym, the `tasks` extra) needed to import the package, its tools or tasks. Also:
 every test named in tests/conftest.py's SLOW table exists (a renamed test would silently join the fast tier), and
 the scripts in benchmarks/ and studies/ import the installed package, not each other, each with its row in
 docs/benchmarks.md."""
@@ -35,8 +36,7 @@ def _name(requirement: str) -> str:
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SHIM + code], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-c", SHIM + code], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def test_core_install_requires_no_web_package_and_the_extras_have_them(monkeypatch):
@@ -52,10 +52,13 @@ def test_core_install_requires_no_web_package_and_the_extras_have_them(monkeypat
     assert sys.version_info[:2] >= minimum
 
 
-@pytest.mark.parametrize("modules", [
-    ("reno_jax.rl.losses", "reno_jax.loop", "experiments.train"),
-    ("experiments.evaluate",),  # a process of its own: train and evaluate define the same absl flags
-])
+@pytest.mark.parametrize(
+    "modules",
+    [
+        ("reno_jax.rl.losses", "reno_jax.loop", "experiments.train"),
+        ("experiments.evaluate",),  # a process of its own: train and evaluate define the same absl flags
+    ],
+)
 def test_the_core_path_imports_without_the_web_packages(modules):
     """Any import of fastapi / uvicorn / starlette / selenium on the way would raise ImportError."""
     out = _python("".join(f"import {m}\n" for m in modules))
@@ -63,11 +66,14 @@ def test_the_core_path_imports_without_the_web_packages(modules):
 
 
 def test_play_without_the_extra_is_one_line_naming_it(tmp_path):
-    out = _python(f"import runpy\nsys.argv = ['play.py', '--workdir={tmp_path}']\n"
-                  "runpy.run_module('experiments.play', run_name='__main__')\n")
+    out = _python(
+        f"import runpy\nsys.argv = ['play.py', '--workdir={tmp_path}']\n"
+        "runpy.run_module('experiments.play', run_name='__main__')\n"
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
-        'play.py: error: the play page needs fastapi, uvicorn; install them with: pip install -e ".[play]"']
+        'play.py: error: the play page needs fastapi, uvicorn; install them with: pip install -e ".[play]"'
+    ]
 
 
 def _slow_table() -> dict:
@@ -121,7 +127,8 @@ def test_no_script_edits_sys_path_or_imports_another_script():
             for name in names:
                 top = name.split(".")[0]
                 assert top not in script_modules and top not in SCRIPT_FOLDERS, (
-                    f"{path}:{node.lineno} imports the script {name}: move what it shares into reno_jax")
+                    f"{path}:{node.lineno} imports the script {name}: move what it shares into reno_jax"
+                )
 
 
 def test_every_script_has_a_row_in_docs_benchmarks():
@@ -129,3 +136,21 @@ def test_every_script_has_a_row_in_docs_benchmarks():
         text = f.read()
     for path in _scripts():
         assert path in text, f"{path} is cited nowhere in docs/benchmarks.md"
+
+
+TASK_LIBRARIES = ("reasoning_gym",)
+
+
+def test_the_task_libraries_are_an_optional_extra_and_the_package_imports_without_them(monkeypatch):
+    kwargs = _setup_kwargs(monkeypatch)
+    core = {_name(r) for r in kwargs["install_requires"]}
+    tasks = {_name(r) for r in kwargs["extras_require"]["tasks"]}
+    assert "reasoning-gym" in tasks and not core & tasks
+    # Importing the package, its tools and the task adapters loads no task library (they import it when used).
+    out = _python(
+        "import reno_jax, reno_jax.tools, reno_jax.tools.calculator, reno_jax.tools.knowledge_base\n"
+        "import reno_jax.tasks, reno_jax.tasks.reasoning_gym\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {TASK_LIBRARIES!r}))\n"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

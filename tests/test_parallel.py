@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from reno_jax import parallel
-from reno_jax.sharding.axes import MESH_AXES
 from reno_jax.models import config as config_lib
 from reno_jax.models import conversion, ling3
+from reno_jax.sharding.axes import MESH_AXES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(REPO, "tests", "data", "partition_specs_ling3_tiny_real.json")
@@ -35,8 +35,14 @@ def test_real_shape_layout_matches_the_golden_file():
     assert all(all(p is None for p in spec) for spec in golden["dp"].values())
 
 
-@pytest.mark.parametrize("config", [config_lib.ling3_tiny_real(), ling3.tiny_test_config(),
-                                    ling3.tiny_test_config(num_hidden_layers=3, tie_word_embeddings=True)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        config_lib.ling3_tiny_real(),
+        ling3.tiny_test_config(),
+        ling3.tiny_test_config(num_hidden_layers=3, tie_word_embeddings=True),
+    ],
+)
 def test_every_parameter_has_logical_axes_of_its_rank(config):
     axes = parallel.param_logical_axes(config)
     abstract = conversion.abstract_params(config)
@@ -44,8 +50,9 @@ def test_every_parameter_has_logical_axes_of_its_rank(config):
     for a, leaf in zip(jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(abstract)):
         assert len(a) == leaf.ndim and set(a) <= set(conversion.LOGICAL_AXES)
     for preset in parallel.PRESETS:
-        for spec in jax.tree.leaves(parallel.param_partition_specs(config, preset),
-                                    is_leaf=lambda x: isinstance(x, PartitionSpec)):
+        for spec in jax.tree.leaves(
+            parallel.param_partition_specs(config, preset), is_leaf=lambda x: isinstance(x, PartitionSpec)
+        ):
             used = [n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)]
             assert len(used) == len(set(used)) and set(used) <= set(MESH_AXES)
 
@@ -75,18 +82,26 @@ def test_fit_spec_replicates_what_the_mesh_does_not_divide():
     assert parallel.fit_spec(PartitionSpec("fsdp", None), (6, 4), mesh) == PartitionSpec(None, None)
     assert parallel.logical_to_spec(("embed", "embed"), {"embed": ("fsdp",)}) == PartitionSpec("fsdp", None)
     abstract_mesh = jax.sharding.AbstractMesh((2, 4, 1, 1), MESH_AXES)
-    assert parallel.fit_spec(PartitionSpec("fsdp", ("data", "fsdp")), (8, 6), abstract_mesh) == \
-        PartitionSpec("fsdp", None)
-    assert parallel.fit_spec(PartitionSpec(("data", "fsdp"), None), (16, 3), abstract_mesh) == \
-        PartitionSpec(("data", "fsdp"), None)
+    assert parallel.fit_spec(PartitionSpec("fsdp", ("data", "fsdp")), (8, 6), abstract_mesh) == PartitionSpec(
+        "fsdp", None
+    )
+    assert parallel.fit_spec(PartitionSpec(("data", "fsdp"), None), (16, 3), abstract_mesh) == PartitionSpec(
+        ("data", "fsdp"), None
+    )
 
 
 @pytest.fixture(scope="module")
 def eight_devices():
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=REPO)  # keeps conftest's optimisation level
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_multidevice_forward.py")], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "_multidevice_forward.py")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -130,12 +145,16 @@ def test_blocked_moe_dispatch_per_device_rows_is_exact(eight_devices):
 
 def test_a_batch_that_does_not_split_over_the_mesh_names_the_numbers(eight_devices):
     errors = eight_devices["batch_split_errors"]
-    assert errors["boards"] == ("--config.rollout.boards_per_step=12 groups do not split over the mesh's batch axes "
-                                "(data 2 x fsdp 2 x expert 2 = 8)"), errors
-    assert errors["sft"] == ("--config.sft.batch_size=12 rows do not split over the mesh's batch axes "
-                             "(data 2 x fsdp 2 x expert 2 = 8)"), errors
-    assert errors["evaluate"] == ("--batch_size=12 does not split over the mesh's batch axes "
-                                  "(data 4 x fsdp 2 x expert 1 = 8)"), errors
+    assert errors["boards"] == (
+        "--config.rollout.boards_per_step=12 groups do not split over the mesh's batch axes "
+        "(data 2 x fsdp 2 x expert 2 = 8)"
+    ), errors
+    assert errors["sft"] == (
+        "--config.sft.batch_size=12 rows do not split over the mesh's batch axes (data 2 x fsdp 2 x expert 2 = 8)"
+    ), errors
+    assert errors["evaluate"] == (
+        "--batch_size=12 does not split over the mesh's batch axes (data 4 x fsdp 2 x expert 1 = 8)"
+    ), errors
     assert errors["evaluate_ok"] == {"data": 4, "fsdp": 2, "expert": 1, "tensor": 1}, errors
 
 
@@ -143,6 +162,7 @@ def test_a_mesh_the_devices_cannot_hold_is_a_config_error(tmp_path):
     from configs import tictactoe_tiny
     from reno_jax import errors, loop
     from reno_jax.loop import build
+
     c = tictactoe_tiny.get_config()
     c.mesh.data = 2 * jax.device_count()
     with pytest.raises(errors.ConfigError, match=r"--config.mesh: mesh \(data=\d+, .*\) has \d+ devices but \d+ are"):

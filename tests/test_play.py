@@ -27,11 +27,13 @@ import pytest
 from configs import connect4_tiny, guess_number_tiny, tictactoe_tiny
 from reno_jax import loop
 from reno_jax.envs import interface, registry
-from reno_jax.envs.connect4 import board_view as c4_view
 from reno_jax.envs.connect4 import env as c4_env
 from reno_jax.envs.tictactoe import board_view as ttt_view
+from reno_jax.errors import RunError
+from reno_jax.loop import runs
 from reno_jax.models import ling3
-from reno_jax.play import run_dir as run_dir_lib, service as service_lib
+from reno_jax.play import run_dir as run_dir_lib
+from reno_jax.play import service as service_lib
 from reno_jax.protocol import chat, toolcall
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,7 +101,9 @@ def guess_config():
 
 def _client(service):
     from fastapi.testclient import TestClient
+
     from reno_jax.play import app as app_lib
+
     return TestClient(app_lib.create_app(service), raise_server_exceptions=False)
 
 
@@ -148,6 +152,7 @@ def error_of(response, status):
 
 # ---------------------------------------------------------------------------------------------- board views
 
+
 def _view(name, **env):
     return registry.get(name).board_view(ml_collections.ConfigDict({"env": env}))
 
@@ -166,9 +171,14 @@ def test_tictactoe_board_view_rules():
     assert view.best_actions(b) == [2, 4] and view.label(2) == "3"
     assert not view.legal(view.parse("xxxoo....")).any()  # a finished game has no legal move
     refusals = {
-        "xx": "9 characters", "xx.o.o..z": "'z'", 12: "9 characters",
-        "xxx......": "#X must be", "ooo......": "#X must be",
-        "xxxooo...": "both X and O", "xxxoo.o..": "X has a line", "ooox.xx.x": "O has a line",
+        "xx": "9 characters",
+        "xx.o.o..z": "'z'",
+        12: "9 characters",
+        "xxx......": "#X must be",
+        "ooo......": "#X must be",
+        "xxxooo...": "both X and O",
+        "xxxoo.o..": "X has a line",
+        "ooox.xx.x": "O has a line",
     }
     for text, message in refusals.items():
         with pytest.raises(ValueError, match=message):
@@ -200,22 +210,42 @@ def test_connect4_board_view_rules():
     assert view.best_actions(view.parse(_c4(["ooo.xxx", "x......"]))) == [3]  # O to move wins at 4
     assert view.best_actions(view.parse(_c4(["xxx.oo.", "o......"]))) == [3]  # X to move wins at 4
     assert view.best_actions(board) == []
-    refusals = {"x" * 41: "42 characters", "." * 41 + "z": "'z'", "x" + "." * 41: "floats",
-                _c4(["xx....."]): "#X must be", _c4(["xxxx...", "oooo..."]): "both X and O",
-                _c4(["xxxxooo", "o......"]): "moved last"}
+    refusals = {
+        "x" * 41: "42 characters",
+        "." * 41 + "z": "'z'",
+        "x" + "." * 41: "floats",
+        _c4(["xx....."]): "#X must be",
+        _c4(["xxxx...", "oooo..."]): "both X and O",
+        _c4(["xxxxooo", "o......"]): "moved last",
+    }
     for text, message in refusals.items():
         with pytest.raises(ValueError, match=message):
             view.parse(text)
 
 
 def test_board_view_declarations_are_checked():
-    base = dict(rows=3, cols=3, input="cell", chars=".xo", symbols=("", "X", "O"), colors=("", "a", "b"),
-                sides=("X", "O"), to_move=ttt_view.to_move, legal=ttt_view.legal, apply=ttt_view.apply,
-                result=ttt_view.result, decision_start=ttt_view.decision_start)
+    base = dict(
+        rows=3,
+        cols=3,
+        input="cell",
+        chars=".xo",
+        symbols=("", "X", "O"),
+        colors=("", "a", "b"),
+        sides=("X", "O"),
+        to_move=ttt_view.to_move,
+        legal=ttt_view.legal,
+        apply=ttt_view.apply,
+        result=ttt_view.result,
+        decision_start=ttt_view.decision_start,
+    )
     assert interface.BoardView(**base).num_actions == 9
-    for change, message in (({"input": "drag"}, "input"), ({"chars": ".x"}, "one entry per cell value"),
-                            ({"sides": ("X",)}, "sides"), ({"trained_side": 3}, "trained_side"),
-                            ({"action_labels": ("a",)}, "labels")):
+    for change, message in (
+        ({"input": "drag"}, "input"),
+        ({"chars": ".x"}, "one entry per cell value"),
+        ({"sides": ("X",)}, "sides"),
+        ({"trained_side": 3}, "trained_side"),
+        ({"action_labels": ("a",)}, "labels"),
+    ):
         with pytest.raises(ValueError, match=message):
             interface.BoardView(**{**base, **change})
     with pytest.raises(ValueError, match="call_actions"):
@@ -231,10 +261,16 @@ def test_connect4_starts_at_a_position_for_one_move():
     env = c4_env.Connect4Env(single_move=True)
     assert env.max_turns() == 1
     view = _view("connect4")
-    boards = np.stack([view.parse(_c4(rows)) for rows in (
-        ["...x..."],  # O to move
-        ["xxx.oo.", "o......"],  # X to move, wins in column 4
-        ["xo.....", "ox.....", "xo.....", "ox.....", "xo.....", "ox....."])])  # X to move, column 1 full
+    boards = np.stack(
+        [
+            view.parse(_c4(rows))
+            for rows in (
+                ["...x..."],  # O to move
+                ["xxx.oo.", "o......"],  # X to move, wins in column 4
+                ["xo.....", "ox.....", "xo.....", "ox.....", "xo.....", "ox....."],
+            )
+        ]
+    )  # X to move, column 1 full
     starts = c4_env.position_starts(boards)
     np.testing.assert_array_equal(starts.agent_player, [2, 1, 1])
     state, message = jax.vmap(env.reset)(starts)
@@ -242,13 +278,15 @@ def test_connect4_starts_at_a_position_for_one_move():
     np.testing.assert_array_equal(state.agent_player, [2, 1, 1])
     text = chat.user_messages(env.chat(), jax.tree.map(lambda a: a[0], message))[1]["content"]
     assert text.startswith("You are O.\n") and "Opponent" not in text
-    calls = interface.ToolCall(kind=jnp.zeros((3,), jnp.int32), tool=jnp.zeros((3,), jnp.int32),
-                               args=jnp.asarray([[4], [4], [1]], jnp.int32))
+    calls = interface.ToolCall(
+        kind=jnp.zeros((3,), jnp.int32), tool=jnp.zeros((3,), jnp.int32), args=jnp.asarray([[4], [4], [1]], jnp.int32)
+    )
     out = jax.vmap(env.step)(state, calls)
     np.testing.assert_array_equal(out.done, [True, True, True])
     np.testing.assert_array_equal(out.reward, [0.0, 1.0, -1.0])  # a quiet move, a win, a full column
-    np.testing.assert_array_equal(out.info["outcome"], [c4_env.OUTCOME_ONGOING, c4_env.OUTCOME_WIN,
-                                                        c4_env.OUTCOME_ILLEGAL])
+    np.testing.assert_array_equal(
+        out.info["outcome"], [c4_env.OUTCOME_ONGOING, c4_env.OUTCOME_WIN, c4_env.OUTCOME_ILLEGAL]
+    )
     after = np.asarray(out.state.game.board[0])
     assert int((after != 0).sum()) == 2 and after[4, 3] == 2  # the agent's piece only: no reply
     reply = chat.tool_message(env.chat(), jax.tree.map(lambda a: a[0], out.message))["content"]
@@ -262,12 +300,14 @@ def test_tictactoe_move_task_answer_says_what_the_move_did():
     state, _ = env.reset(jax.tree.map(lambda a: a[0], ttt_view.decision_start(np.asarray(board).reshape(3, 3))))
     for square, expected in ((3, "You won."), (1, "taken"), (0, "Invalid call"), (7, "X | X |")):
         kind = toolcall.KIND_OK if square else toolcall.KIND_NO_CALL
-        step = env.step(state, interface.ToolCall(kind=jnp.int32(kind), tool=jnp.int32(0),
-                                                  args=jnp.asarray([square], jnp.int32)))
+        step = env.step(
+            state, interface.ToolCall(kind=jnp.int32(kind), tool=jnp.int32(0), args=jnp.asarray([square], jnp.int32))
+        )
         assert expected in chat.tool_message(env.chat(), step.message)["content"], (square, expected)
 
 
 # ---------------------------------------------------------------------------------------------- the model
+
 
 def test_run_dir_lists_warm_start_and_checkpoints(run_path, service):
     assert service.run.steps() == [0, 1, 2]
@@ -321,6 +361,7 @@ def test_zero_model_answers_with_an_invalid_call(service):
 
 # ---------------------------------------------------------------------------------------------- API: tic-tac-toe
 
+
 def test_api_policy_happy_path(client, service):
     for step in service.run.steps():
         out = client.get(f"/api/policy?board={BOARD}&step={step}").json()
@@ -372,8 +413,14 @@ def test_api_play_a_move_and_model_first(client):
     assert first["after_person"] == "........." and first["model"]["side"] == "X"
     # The person's winning move ends the game before the model is asked.
     won = client.post("/api/play", json={"board": "xx.oo....", "action": 2}).json()
-    assert won == {"board": "xxxoo....", "after_person": "xxxoo....", "person_action": 2, "person_label": "3",
-                   "status": "x_won", "model": None}
+    assert won == {
+        "board": "xxxoo....",
+        "after_person": "xxxoo....",
+        "person_action": 2,
+        "person_label": "3",
+        "status": "x_won",
+        "model": None,
+    }
 
 
 def test_api_refusals_are_clear_and_the_server_survives(client):
@@ -385,23 +432,31 @@ def test_api_refusals_are_clear_and_the_server_survives(client):
     assert "step" in error_of(client.get(f"/api/policy?board={BOARD}&step=abc"), 400)
     assert "board" in error_of(client.get("/api/policy"), 400)
     assert "seed" in error_of(client.get(f"/api/policy?board={BOARD}&sampled=true&seed=-3"), 400)
-    assert "cell 1 is not a legal move" in error_of(client.post("/api/play", json={"board": "x...o....",
-                                                                                     "action": 0}), 409)
+    assert "cell 1 is not a legal move" in error_of(
+        client.post("/api/play", json={"board": "x...o....", "action": 0}), 409
+    )
     assert "0..8" in error_of(client.post("/api/play", json={"board": ".........", "action": 9}), 400)
     assert "game is over" in error_of(client.post("/api/play", json={"board": "xxxoo....", "action": 5}), 409)
     assert "impossible" in error_of(client.post("/api/play", json={"board": "oo.......", "action": 2}), 400)
-    assert error_of(client.post("/api/play", content=b"{not json", headers={"content-type": "application/json"}),
-                    400)
+    assert error_of(client.post("/api/play", content=b"{not json", headers={"content-type": "application/json"}), 400)
     assert "no suite 'chess'" in error_of(client.get("/api/episode?suite=chess"), 404)
     assert "square" in error_of(client.post("/api/play", json={"board": ".........", "square": 5}), 400)
     assert client.get(f"/api/policy?board={BOARD}&step=1").status_code == 200  # still serving
 
 
 def test_api_shows_a_refused_model_move(client, service, monkeypatch):
-    refused = {"text": '<tool_call>{"name": "choose_square", "arguments": {"square": 5}}</tool_call>',
-               "parse": "ok", "call": None, "action": 4, "label": "5", "verdict": "illegal",
-               "board_after": "x...o....", "reward": -1.0, "tool_response": "That square is taken. You lost.",
-               "greedy": True}
+    refused = {
+        "text": '<tool_call>{"name": "choose_square", "arguments": {"square": 5}}</tool_call>',
+        "parse": "ok",
+        "call": None,
+        "action": 4,
+        "label": "5",
+        "verdict": "illegal",
+        "board_after": "x...o....",
+        "reward": -1.0,
+        "tool_response": "That square is taken. You lost.",
+        "greedy": True,
+    }
     monkeypatch.setattr(service.decisions, "reply", lambda *a, **k: dict(refused))
     out = client.post("/api/play", json={"board": "x........", "action": 4}).json()
     assert out["status"] == "model_illegal" and out["board"] == "x...o...."
@@ -409,6 +464,7 @@ def test_api_shows_a_refused_model_move(client, service, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- API: Connect Four
+
 
 def test_api_connect4_board(c4_client):
     run = c4_client.get("/api/run").json()
@@ -428,8 +484,9 @@ def test_api_connect4_board(c4_client):
     assert played["after_person"] == "." * 38 + "x..." and played["person_label"] == "4"
     assert played["model"]["side"] == "O" and played["status"] in ("ongoing", "model_illegal", "model_invalid")
     column_full = _c4(["xo.....", "ox.....", "xo.....", "ox.....", "xo.....", "ox....."])
-    assert "column 1 is not a legal move" in error_of(c4_client.post("/api/play", json={"board": column_full,
-                                                                                          "action": 0}), 409)
+    assert "column 1 is not a legal move" in error_of(
+        c4_client.post("/api/play", json={"board": column_full, "action": 0}), 409
+    )
     assert "floats" in error_of(c4_client.get("/api/policy?board=x" + "." * 41), 400)
     assert "42 characters" in error_of(c4_client.get("/api/policy?board=" + "." * 9), 400)
     assert "0..6" in error_of(c4_client.post("/api/play", json={"action": 7}), 400)
@@ -439,6 +496,7 @@ def test_api_connect4_board(c4_client):
 
 
 # ---------------------------------------------------------------------------------------------- API: transcripts
+
 
 def test_api_board_less_environment_shows_transcripts(guess_client):
     run = guess_client.get("/api/run").json()
@@ -458,12 +516,15 @@ def test_api_board_less_environment_shows_transcripts(guess_client):
     assert "declares no board view" in error_of(guess_client.get(f"/api/policy?board={BOARD}"), 404)
     assert "declares no board view" in error_of(guess_client.post("/api/play", json={"action": 1}), 404)
     metrics = guess_client.get("/api/metrics").json()
-    assert metrics["default_keys"] == [k for k in ("rollout/rewards_mean", "rollout/tool_call_valid_rate",
-                                                   "rollout/found_rate", "rollout/guesses_mean")
-                                       if k in metrics["keys"]]
+    assert metrics["default_keys"] == [
+        k
+        for k in ("rollout/rewards_mean", "rollout/tool_call_valid_rate", "rollout/found_rate", "rollout/guesses_mean")
+        if k in metrics["keys"]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- the user's own
+
 
 def test_an_environment_of_the_users_package_gets_its_board_with_no_edit(run_path, tmp_path, monkeypatch):
     """A module of the user's (env.module) registers an environment with its own board view: the page draws its
@@ -471,7 +532,7 @@ def test_an_environment_of_the_users_package_gets_its_board_with_no_edit(run_pat
     package = tmp_path / "my_games"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "letters.py").write_text('''
+    (package / "letters.py").write_text("""
 import dataclasses
 from reno_jax.envs import registry
 from reno_jax.envs.tictactoe import board_view, registration
@@ -482,7 +543,7 @@ def view(config):
 
 registry.register("letters", registration.make_env, registration.make_sampler, registration.make_teacher,
                   board_view=view)
-''')
+""")
     monkeypatch.syspath_prepend(str(tmp_path))
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -503,8 +564,11 @@ def test_the_page_imports_no_game():
     the environment (`BoardView`)."""
     files = glob.glob(os.path.join(REPO, "reno_jax", "play", "**", "*.*"), recursive=True)
     files.append(os.path.join(REPO, "experiments", "play.py"))
-    pattern = re.compile(r"tictactoe|tic-tac-toe|connect ?4|connect four|guess_number|guess the number|"
-                         r"choose_square|drop_piece|minimax", re.IGNORECASE)
+    pattern = re.compile(
+        r"tictactoe|tic-tac-toe|connect ?4|connect four|guess_number|guess the number|"
+        r"choose_square|drop_piece|minimax",
+        re.IGNORECASE,
+    )
     for path in files:
         if os.path.isfile(path) and not path.endswith(".pyc"):
             found = pattern.search(open(path, encoding="utf-8").read())
@@ -512,6 +576,7 @@ def test_the_page_imports_no_game():
 
 
 # ---------------------------------------------------------------------------------------------- runs, CLI
+
 
 def test_a_run_still_training(run_path, tmp_path):
     """config.json only (warming up), then a half-written checkpoint and metrics line: clear answers, no crash."""
@@ -540,23 +605,34 @@ def test_a_run_still_training(run_path, tmp_path):
 
 
 def test_cli_refuses_a_bad_workdir_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.play", f"--workdir={tmp_path / 'missing'}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.play", f"--workdir={tmp_path / 'missing'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "does not exist" in out.stderr and "Traceback" not in out.stderr
-    with pytest.raises(run_dir_lib.RunDirError, match="no config.json"):  # the CLI's check, in process
-        run_dir_lib.load_config(str(tmp_path))
+    with pytest.raises(RunError, match="no config.json"):  # the CLI's check, in process
+        runs.read_run_config(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(run_dir_lib.RunDirError, match="not readable JSON"):
-        run_dir_lib.load_config(str(tmp_path))
+    with pytest.raises(RunError, match="not readable JSON"):
+        runs.read_run_config(str(tmp_path))
 
 
 def test_cli_serves_a_run_and_prints_its_url(run_path, tmp_path):
     """The command itself, on a run that has only started (no checkpoint: nothing to compile)."""
     import httpx
+
     shutil.copy(os.path.join(run_path, "config.json"), tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.play", f"--workdir={tmp_path}", "--port=0"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.play", f"--workdir={tmp_path}", "--port=0"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         url = re.search(r"at (http://127\.0\.0\.1:\d+/)$", line.strip())
@@ -571,6 +647,7 @@ def test_cli_serves_a_run_and_prints_its_url(run_path, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- real browser
 
+
 def _chromium():
     """(browser, driver) paths of the system Chromium (Debian: chromium + chromium-driver), or None."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -581,7 +658,9 @@ def _chromium():
 def _serve(svc):
     """The app served by uvicorn on a free port in a thread (sharing the module's compiled model)."""
     import uvicorn
+
     from reno_jax.play import app as app_lib
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app_lib.create_app(svc), log_level="warning"))
@@ -601,10 +680,16 @@ def browser():
             pytest.fail("CI needs chromium and chromium-driver (.ci/run installs them)")
         pytest.skip("chromium / chromedriver not installed")
     from selenium import webdriver
+
     options = webdriver.ChromeOptions()
     options.binary_location = paths[0]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1280,1400"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,1400",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=paths[1]), options=options)
     yield driver
@@ -638,8 +723,12 @@ def _play_until_over(driver, wait, by, pick, max_moves):
         action, target = pick(_board_text(driver, by))
         before = len(driver.find_elements(by.CSS_SELECTOR, "#move-log li"))
         driver.find_element(by.CSS_SELECTOR, target).click()
-        wait.until(lambda d: len(d.find_elements(by.CSS_SELECTOR, "#move-log li")) > before
-                   and "thinking" not in d.find_element(by.ID, "status").text)
+        wait.until(
+            lambda d: (
+                len(d.find_elements(by.CSS_SELECTOR, "#move-log li")) > before
+                and "thinking" not in d.find_element(by.ID, "status").text
+            )
+        )
         log = [li.text for li in driver.find_elements(by.CSS_SELECTOR, "#move-log li")]
         assert log[before] == f"You: {action + 1}", log
         if len(log) > before + 1:
@@ -657,14 +746,19 @@ def _play_until_over(driver, wait, by, pick, max_moves):
 def test_browser_plays_tictactoe_and_moves_the_slider(service, browser, live, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
     driver, wait = browser, WebDriverWait(browser, 90)
     driver.get(live(service))
     wait.until(lambda d: d.find_element(By.ID, "step-select").get_attribute("value") == "2")
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#curves .curve svg path")) >= 1)
     # The default run trained X: the model plays X and opens, the person plays O.
     assert driver.find_element(By.ID, "side-select").get_attribute("value") == "2"
-    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#move-log li")) >= 1
-               and "opens" not in d.find_element(By.ID, "status").text)
+    wait.until(
+        lambda d: (
+            len(d.find_elements(By.CSS_SELECTOR, "#move-log li")) >= 1
+            and "opens" not in d.find_element(By.ID, "status").text
+        )
+    )
     assert driver.find_element(By.CSS_SELECTOR, "#move-log li").text.startswith("Model (step 2): ")
     assert len(driver.find_elements(By.CSS_SELECTOR, "#heatmap .heat-cell")) == 9
     if driver.find_element(By.ID, "status").get_attribute("data-game") == "ongoing":
@@ -700,6 +794,7 @@ def test_browser_plays_tictactoe_and_moves_the_slider(service, browser, live, tm
 def test_browser_plays_connect4_with_column_buttons(c4_service, browser, live, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
     driver, wait = browser, WebDriverWait(browser, 90)
     driver.get(live(c4_service))
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#drop-row .drop")) == 7)

@@ -15,8 +15,12 @@ def test_entropy_top_k():
     cfg = ling3.tiny_test_config(num_hidden_layers=2)
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 6), 0, cfg.vocab_size)
-    batch = TrainBatch(tokens=tokens, loss_mask=jnp.ones(tokens.shape, bool), old_logp=jnp.zeros(tokens.shape),
-                       advantages=jnp.zeros(tokens.shape[:1]))
+    batch = TrainBatch(
+        tokens=tokens,
+        loss_mask=jnp.ones(tokens.shape, bool),
+        old_logp=jnp.zeros(tokens.shape),
+        advantages=jnp.zeros(tokens.shape[:1]),
+    )
     out = jax.jit(policy.make_logp_fn(cfg))(params, batch)
     assert isinstance(out, trainer.PolicyOutput) and out.routing is None  # no recorded routing in the batch
     logp_full, ent_full = out.logp, out.entropy
@@ -47,6 +51,7 @@ def _eqn_shapes(jaxpr):
 @pytest.mark.parametrize("shared", [False, True])
 def test_chunked_logits_match_and_never_hold_the_full_logits(shared):
     from reno_jax.rl import shared_prefix
+
     cfg = ling3.tiny_test_config(num_hidden_layers=2)
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     b, t, s = 4, 11, 5  # t - 1 = 10 positions: chunks of 4 leave a partial last chunk
@@ -54,8 +59,9 @@ def test_chunked_logits_match_and_never_hold_the_full_logits(shared):
     if shared:
         tokens = tokens.at[:, :s].set(tokens[0, :s])
     valid = jnp.arange(t)[None] < jnp.array([t, t - 2, t, 7])[:, None]
-    batch = TrainBatch(tokens=tokens, valid=valid, loss_mask=valid, old_logp=jnp.zeros(tokens.shape),
-                       advantages=jnp.zeros((b,)))
+    batch = TrainBatch(
+        tokens=tokens, valid=valid, loss_mask=valid, old_logp=jnp.zeros(tokens.shape), advantages=jnp.zeros((b,))
+    )
     if shared:
         batch = shared_prefix.split_shared_prefix(batch, s)
     w = jax.random.normal(jax.random.PRNGKey(2), batch.tokens.shape)
@@ -66,6 +72,7 @@ def test_chunked_logits_match_and_never_hold_the_full_logits(shared):
         def objective(p):
             out = fn(p, batch)
             return jnp.sum(jnp.where(batch.valid, out.logp * w + 0.1 * out.entropy, 0.0)), out
+
         return jax.jit(jax.grad(objective, has_aux=True))(params), jax.make_jaxpr(objective)(params)
 
     for top_k in (0, 3):
@@ -77,8 +84,9 @@ def test_chunked_logits_match_and_never_hold_the_full_logits(shared):
         for a, c in zip(jax.tree.leaves(g0), jax.tree.leaves(g4)):
             np.testing.assert_allclose(np.asarray(c), np.asarray(a), atol=1e-5 * (float(jnp.max(jnp.abs(a))) + 1))
         vocab_arrays = [sh for sh in _eqn_shapes(jaxpr.jaxpr) if sh and sh[-1] == cfg.vocab_size]
-        assert vocab_arrays and all(len(sh) == 3 and sh[1] == 4 for sh in vocab_arrays if len(sh) == 3), \
-            vocab_arrays  # every [., ., V] array is one chunk of 4 positions
+        assert vocab_arrays and all(len(sh) == 3 and sh[1] == 4 for sh in vocab_arrays if len(sh) == 3), (
+            vocab_arrays
+        )  # every [., ., V] array is one chunk of 4 positions
 
 
 def test_chunked_logits_soft_targets():
@@ -86,9 +94,14 @@ def test_chunked_logits_soft_targets():
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, cfg.vocab_size)
     weights = jax.random.uniform(jax.random.PRNGKey(3), (2, 9, 3)) * (jnp.arange(9) % 2 == 0)[None, :, None]
-    batch = TrainBatch(tokens=tokens, loss_mask=jnp.ones(tokens.shape, bool), old_logp=jnp.zeros(tokens.shape),
-                       advantages=jnp.zeros((2,)), soft_target_ids=jnp.array([[1, 2, 3], [4, 5, 6]]),
-                       soft_target_weights=weights)
+    batch = TrainBatch(
+        tokens=tokens,
+        loss_mask=jnp.ones(tokens.shape, bool),
+        old_logp=jnp.zeros(tokens.shape),
+        advantages=jnp.zeros((2,)),
+        soft_target_ids=jnp.array([[1, 2, 3], [4, 5, 6]]),
+        soft_target_weights=weights,
+    )
     full = jax.jit(policy.make_logp_fn(cfg, with_entropy=False))(params, batch)
     chunked = jax.jit(policy.make_logp_fn(cfg, with_entropy=False, logits_chunk=3))(params, batch)
     assert chunked.entropy is None

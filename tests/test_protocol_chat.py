@@ -1,13 +1,13 @@
 """Tests for the chat-template compiler (reno_jax.protocol.chat): tic-tac-toe identity with the reference the
 wording wrote before it moved onto the compiler, and a second, unrelated ChatSpec."""
 
+import chat_reference
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import chat_reference
 from reno_jax.envs.tictactoe import wording
 from reno_jax.protocol import chat
 from reno_jax.protocol import tokenizer as tokenizer_lib
@@ -26,7 +26,7 @@ def test_tictactoe_renders_equal_the_reference(shipped):
             continue
         want = ref[k].astype(np.int64)
         assert np.array_equal(got[k], want), k
-        general = "general_" + k[len("fast_"):]
+        general = "general_" + k[len("fast_") :]
         if k.startswith("fast_"):
             assert np.array_equal(got[general], want), general
     want_texts = bytes(ref["texts"]).decode().split("\0")
@@ -46,24 +46,49 @@ def _shop_spec(**overrides):
     mood = chat.Slot(MOOD, ("Hi!", "Good evening, dear customer."))
     count, item = chat.Slot(COUNT, DIGITS), chat.Slot(ITEM, ITEMS)
     tools = (
-        {"type": "function", "function": {"name": "buy", "description": "Buy an item.", "parameters": {
-            "type": "object", "properties": {"item": {"type": "string", "enum": list(ITEMS)},
-                                             "count": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["item", "count"]}}},
-        {"type": "function", "function": {"name": "ask", "description": "Ask the shopkeeper.", "parameters": {
-            "type": "object", "properties": {"question": {"type": "string"}}, "required": ["question"]}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "buy",
+                "description": "Buy an item.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "item": {"type": "string", "enum": list(ITEMS)},
+                        "count": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["item", "count"],
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "ask",
+                "description": "Ask the shopkeeper.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"question": {"type": "string"}},
+                    "required": ["question"],
+                },
+            },
+        },
     )
     # Slot boundaries sit at digits and newlines, where the shipped pre-tokenizer splits: so even the ids agree
     # with tokenizing the whole text.
     kw = dict(
         system="You run errands in a shop. Use the tools.",
         tools=tools,
-        user=((mood, "\nI want ", count, " of:\n", item, "\nPlease."),
-              ("Inventory check.\n", item, "\n", count, " left.")),
-        tool=(("Bought ", count, ":\n", item, "\nAnything else?"),
-              ("Sold out.",),
-              (mood, "\nTotal: ", chat.Slot(TENS, DIGITS), chat.Slot(ONES, DIGITS)),
-              (item, "\nis not on the menu.")),
+        user=(
+            (mood, "\nI want ", count, " of:\n", item, "\nPlease."),
+            ("Inventory check.\n", item, "\n", count, " left."),
+        ),
+        tool=(
+            ("Bought ", count, ":\n", item, "\nAnything else?"),
+            ("Sold out.",),
+            (mood, "\nTotal: ", chat.Slot(TENS, DIGITS), chat.Slot(ONES, DIGITS)),
+            (item, "\nis not on the menu."),
+        ),
         tool_continues=(True, False, True, False),
         num_values=6,
     )
@@ -99,9 +124,13 @@ def test_spec_defaults_and_host_messages(shop):
     assert shop.value_options() == tuple(N_OPTS)
     values = [1, 3, 3, 4, 2, 0]
     assert chat.user_messages(shop, (0, values))[1]["content"] == (
-        "Good evening, dear customer.\nI want 3 of:\ndragon fruit salad\nPlease.")
+        "Good evening, dear customer.\nI want 3 of:\ndragon fruit salad\nPlease."
+    )
     assert chat.tool_message(shop, (2, values)) == {
-        "role": "tool", "name": "buy", "content": "Good evening, dear customer.\nTotal: 42"}
+        "role": "tool",
+        "name": "buy",
+        "content": "Good evening, dear customer.\nTotal: 42",
+    }
     assert chat.resolve(shop.tool[3], values) == "dragon fruit salad\nis not on the menu."
     with pytest.raises(ValueError, match="out of range"):
         chat.resolve(shop.tool[3], [0, 0, 4, 0, 0, 0])
@@ -135,8 +164,10 @@ def test_jit_render_equals_the_chat_template(shipped, shop, shop_tables):
 def test_whole_conversation_equals_the_template(shipped, shop, shop_tables):
     """user render + policy turn + tool render + policy turn + final tool render == the template's whole chat."""
     fast, _ = shop_tables
-    policy = ["<tool_call>" + '{"name": "ask", "arguments": {"question": "total?"}}' + "</tool_call><|im_end|>",
-              "Thanks."]  # the second turn stops without its turn end: the render adds it
+    policy = [
+        "<tool_call>" + '{"name": "ask", "arguments": {"question": "total?"}}' + "</tool_call><|im_end|>",
+        "Thanks.",
+    ]  # the second turn stops without its turn end: the render adds it
     v1, v2 = np.array([0, 2, 1, 0, 0, 0], np.int32), np.array([0, 2, 1, 0, 7, 0], np.int32)
     ids, n = chat.render_user(fast, (0, v1))
     tokens = list(np.asarray(ids)[: int(n)]) + shipped.encode(policy[0], add_special_tokens=False)
@@ -145,8 +176,11 @@ def test_whole_conversation_equals_the_template(shipped, shop, shop_tables):
     r, n = chat.render_tool(fast, (1, v2), True)
     tokens += list(np.asarray(r)[: int(n)])
     messages = chat.user_messages(shop, (0, v1)) + [
-        {"role": "assistant", "content": policy[0][: -len("<|im_end|>")]}, chat.tool_message(shop, (2, v2)),
-        {"role": "assistant", "content": policy[1]}, chat.tool_message(shop, (1, v2))]
+        {"role": "assistant", "content": policy[0][: -len("<|im_end|>")]},
+        chat.tool_message(shop, (2, v2)),
+        {"role": "assistant", "content": policy[1]},
+        chat.tool_message(shop, (1, v2)),
+    ]
     assert _decode(shipped, tokens, len(tokens)) == chat.chat_text(shipped, shop, messages, add_generation_prompt=False)
 
 
@@ -222,7 +256,9 @@ def test_bad_specs_are_rejected_clearly(shipped):
     short = "{%- for m in messages -%}<|im_start|>{{ m['content'][:10] }}<|im_end|>{%- endfor -%}"
     with pytest.raises(ValueError, match="dropped"):
         chat.compile_chat(shipped, _shop_spec(), chat_template=short)
-    rewrite = "{%- for m in messages -%}<|im_start|>{{ m['content'] | replace('Hi!', 'Hi.') }}<|im_end|>\n{%- endfor -%}"
+    rewrite = (
+        "{%- for m in messages -%}<|im_start|>{{ m['content'] | replace('Hi!', 'Hi.') }}<|im_end|>\n{%- endfor -%}"
+    )
     with pytest.raises(ValueError, match="user-template 0 pieces do not reproduce"):
         chat.compile_chat(shipped, _shop_spec(), chat_template=rewrite)
 
@@ -234,8 +270,12 @@ def test_tictactoe_message_values_drive_the_generic_renderer(shipped):
     board = np.array([1, 0, 2, 0, 1, 0, 0, 0, 2], np.int8)
     values = wording.message_values(board, 2, 7)
     chex.assert_trees_all_equal(values, jnp.asarray([1, 0, 2, 0, 1, 0, 0, 0, 2, 1, 7], jnp.int32))
-    chex.assert_trees_all_equal(chat.render_tool(spec, Message(jnp.int32(wording.STATUS_LOSS), values), True),
-                                wording.render_tool_response(spec, board, 7, wording.STATUS_LOSS, True))
-    chex.assert_trees_all_equal(chat.render_user(spec, Message(jnp.int32(wording.USER_GAME), values)),
-                                wording.render_prompt(spec, board, 2, True))
+    chex.assert_trees_all_equal(
+        chat.render_tool(spec, Message(jnp.int32(wording.STATUS_LOSS), values), True),
+        wording.render_tool_response(spec, board, 7, wording.STATUS_LOSS, True),
+    )
+    chex.assert_trees_all_equal(
+        chat.render_user(spec, Message(jnp.int32(wording.USER_GAME), values)),
+        wording.render_prompt(spec, board, 2, True),
+    )
     assert chat.user_messages(wording.chat_spec(), (wording.USER_MOVE, values)) == wording.move_task_messages(board, 2)

@@ -26,8 +26,14 @@ B, T = 8, 96  # rows per hypothesis draw (one vmapped call) and tokens per row (
 
 def _fn(name, props=None):
     props = props or {}
-    return {"type": "function", "function": {"name": name, "description": "d", "parameters": {
-        "type": "object", "properties": props, "required": list(props)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "d",
+            "parameters": {"type": "object", "properties": props, "required": list(props)},
+        },
+    }
 
 
 def _int(lo, hi):
@@ -134,13 +140,17 @@ def test_tables_shape_and_sizes(tok, tables):
     # The single-register schema compiles to the original tic-tac-toe tables: same states, packing and dtype.
     assert (single.num_states, single.reg_bits, single.class_next.dtype) == (137, 4, jnp.int16)
     assert single.class_pair_next is not None and single.store_val is None and single.result is not None
-    print(f"\n[toolcall] choose_square: {single.num_states} states (raw {single.raw_states}), "
-          f"{single.num_classes} classes, table {single.class_next.shape} {single.class_next.dtype}, pair "
-          f"{single.class_pair_next.shape}")
+    print(
+        f"\n[toolcall] choose_square: {single.num_states} states (raw {single.raw_states}), "
+        f"{single.num_classes} classes, table {single.class_next.shape} {single.class_next.dtype}, pair "
+        f"{single.class_pair_next.shape}"
+    )
     pair = None if tables.class_pair_next is None else tables.class_pair_next.shape
-    print(f"[toolcall] multi: {tables.num_states} states (raw {tables.raw_states}), {tables.num_classes} classes, "
-          f"table {tables.class_next.shape} {tables.class_next.dtype}, reg_bits {tables.reg_bits}, "
-          f"{tables.store_val.shape[0]} store codes x {tables.num_registers} registers, pair {pair}")
+    print(
+        f"[toolcall] multi: {tables.num_states} states (raw {tables.raw_states}), {tables.num_classes} classes, "
+        f"table {tables.class_next.shape} {tables.class_next.dtype}, reg_bits {tables.reg_bits}, "
+        f"{tables.store_val.shape[0]} store codes x {tables.num_registers} registers, pair {pair}"
+    )
     assert (tables.num_tools, tables.max_args, tables.num_registers) == (3, 3, 4)
     assert tables.token_class.shape == (tables.vocab_size + 1,)
     assert tables.num_classes < tables.vocab_size // 2
@@ -192,8 +202,7 @@ def test_single_register_wide_range_without_result_table(tok):
     texts = [call(f'{{"name": "pick", "arguments": {{"n": {v}}}}}') for v in (0, 7, 42, 300, 301, 3000, -3)]
     texts += [call('{"arguments": {}, "name": "none"}')]
     got = [tc.parse_text(schema, t) for t in texts]
-    assert [g[0] for g in got] == [OK] * 4 + [OOR] * 3 + [OK] and [g[2] for g in got][:4] == [(0,), (7,), (42,),
-                                                                                               (300,)]
+    assert [g[0] for g in got] == [OK] * 4 + [OOR] * 3 + [OK] and [g[2] for g in got][:4] == [(0,), (7,), (42,), (300,)]
     assert_agree(tok, tables, [_encode(tok, t) for t in texts])
 
 
@@ -215,33 +224,79 @@ WS = st.sampled_from(["", "", "", "", " ", " ", " ", "  ", "\n", "\t", "\r\n", "
 OFTEN = st.sampled_from([True] * 14 + [False])
 RARELY = st.sampled_from([False] * 14 + [True])
 RANGES = {"column": (1, 7), "dx": (0, 2), "dy": (0, 2)}
-INT_NEAR_MISSES = ["-0", "-1", "00", "01", "-05", "1.0", "2e0", '"1"', "true", "null", "[1]", "{}", "+1", "-", "",
-                   "9" * 25, "1 1", "NaN", "٣", "10"]
+INT_NEAR_MISSES = [
+    "-0",
+    "-1",
+    "00",
+    "01",
+    "-05",
+    "1.0",
+    "2e0",
+    '"1"',
+    "true",
+    "null",
+    "[1]",
+    "{}",
+    "+1",
+    "-",
+    "",
+    "9" * 25,
+    "1 1",
+    "NaN",
+    "٣",
+    "10",
+]
 
 
 def int_values(key):
     lo, hi = RANGES.get(key, (0, 9))
     # Mostly in range, so that calls with several arguments are often well formed as a whole.
     category = st.sampled_from(["in"] * 7 + ["out"] * 2 + ["miss"])
-    return category.flatmap(lambda c: st.integers(lo, hi).map(str) if c == "in" else st.sampled_from(
-        [str(lo - 1), str(hi + 1), str(hi + 10)]) if c == "out" else st.sampled_from(INT_NEAR_MISSES))
-ENUM_VALUES = st.sampled_from(['"slow"', '"fast"'] * 10 + ['"slo"', '"Slow"', '""', '"fast "', "fast", "1",
-                                                         '"fa\\u0073t"', '"slowfast"', '"slow'])
+    return category.flatmap(
+        lambda c: (
+            st.integers(lo, hi).map(str)
+            if c == "in"
+            else st.sampled_from([str(lo - 1), str(hi + 1), str(hi + 10)])
+            if c == "out"
+            else st.sampled_from(INT_NEAR_MISSES)
+        )
+    )
+
+
+ENUM_VALUES = st.sampled_from(
+    ['"slow"', '"fast"'] * 10 + ['"slo"', '"Slow"', '""', '"fast "', "fast", "1", '"fa\\u0073t"', '"slowfast"', '"slow']
+)
 TOOL_NAMES = st.sampled_from(["drop_piece", "move", "pass"] * 6 + ["Move", "mov", "moves", "", "pass ", "dro"])
 ARG_KEYS = {"drop_piece": ["column"], "move": ["dx", "dy", "speed"], "pass": []}
 EXTRA_KEYS = st.sampled_from(["dz", "column", "dx", "speed", "name", "Dx"])
-PREFIXES = st.sampled_from(["", "", "<think>pass?</think>", "Sure. ", "</tool_call>", "<tool_", "<|im_end|>",
-                            "é中🙂 ", "<tool_call>", "<<tool_call"])
-SUFFIXES = st.sampled_from(["", "<|im_end|>", "</tool_call>", " trailing", "<tool_call>",
-                            call('{"name": "pass", "arguments": {}}')])
+PREFIXES = st.sampled_from(
+    [
+        "",
+        "",
+        "<think>pass?</think>",
+        "Sure. ",
+        "</tool_call>",
+        "<tool_",
+        "<|im_end|>",
+        "é中🙂 ",
+        "<tool_call>",
+        "<<tool_call",
+    ]
+)
+SUFFIXES = st.sampled_from(
+    ["", "<|im_end|>", "</tool_call>", " trailing", "<tool_call>", call('{"name": "pass", "arguments": {}}')]
+)
 
 
 @st.composite
 def call_texts(draw):
     w = lambda: draw(WS)  # noqa: E731
     name = draw(TOOL_NAMES)
-    keys_of = draw(st.sampled_from([name] * 6 + list(ARG_KEYS))) if name in ARG_KEYS else draw(
-        st.sampled_from(list(ARG_KEYS)))
+    keys_of = (
+        draw(st.sampled_from([name] * 6 + list(ARG_KEYS)))
+        if name in ARG_KEYS
+        else draw(st.sampled_from(list(ARG_KEYS)))
+    )
     keys = list(draw(st.permutations(ARG_KEYS[keys_of])))
     if keys and draw(RARELY):
         keys.pop(draw(st.integers(0, len(keys) - 1)))  # missing argument
@@ -279,8 +334,9 @@ def tokenized(draw, texts):
     return text, [p for a, b in zip(bounds, bounds[1:]) if a < b for p in [text[a:b]]]
 
 
-HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                      HealthCheck.too_slow])
+HYP = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @HYP
@@ -293,12 +349,16 @@ def test_near_miss_calls_agree(tok, tables, items):
 
 
 @HYP
-@given(items=st.lists(st.tuples(st.text(alphabet="xé<> ", max_size=30), tokenized(call_texts())), min_size=B,
-                     max_size=B), cap=st.sampled_from([50, 90]))
+@given(
+    items=st.lists(st.tuples(st.text(alphabet="xé<> ", max_size=30), tokenized(call_texts())), min_size=B, max_size=B),
+    cap=st.sampled_from([50, 90]),
+)
 def test_near_miss_calls_agree_under_a_byte_cap(tok, tables, items, cap):
     """The cap is static (one compile each), the random prefix moves the cut over the call, inside tokens too."""
-    rows = [_encode(tok, pre + text) if p is None else _encode(tok, pre) + [i for s in p for i in _encode(tok, s)]
-            for pre, (text, p) in items]
+    rows = [
+        _encode(tok, pre + text) if p is None else _encode(tok, pre) + [i for s in p for i in _encode(tok, s)]
+        for pre, (text, p) in items
+    ]
     assert_agree(tok, tables, rows, max_bytes=cap)
 
 
@@ -306,12 +366,26 @@ def test_near_miss_calls_agree_under_a_byte_cap(tok, tables, items, cap):
 @given(data=st.data())
 def test_token_garbage_agrees(tok, tables, data):
     """Random token ids (partial UTF-8, special tokens) mixed with pieces of real calls."""
-    pieces = [_encode(tok, s) for s in ["<tool_call>", "</tool_call>", '{"name": "move", "arguments": {',
-                                        '"dx": 1, ', '"speed": "fast"', "}}", "7", '{"name": "pass"']]
+    pieces = [
+        _encode(tok, s)
+        for s in [
+            "<tool_call>",
+            "</tool_call>",
+            '{"name": "move", "arguments": {',
+            '"dx": 1, ',
+            '"speed": "fast"',
+            "}}",
+            "7",
+            '{"name": "pass"',
+        ]
+    ]
     rows = []
     for _ in range(B):
-        parts = data.draw(st.lists(st.one_of(st.lists(st.integers(0, len(tok) - 1), max_size=5),
-                                             st.sampled_from(pieces)), max_size=10))
+        parts = data.draw(
+            st.lists(
+                st.one_of(st.lists(st.integers(0, len(tok) - 1), max_size=5), st.sampled_from(pieces)), max_size=10
+            )
+        )
         rows.append([i for p in parts for i in p])
     assert_agree(tok, tables, rows)
 
@@ -359,12 +433,39 @@ BAD_SCHEMAS = [
     ([_fn("f", {"s": {"type": "string", "enum": ["é"]}})], r"'f' argument 's'.*printable ASCII"),
     ([_fn("f", {"s": {"type": "string", "enum": ["a", "a"]}})], r"'f' argument 's'.*duplicate"),
     ([_fn("f", {"x": {**_int(0, 3), "exclusiveMinimum": 0}})], r"'f' argument 'x'.*exclusiveMinimum"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": _int(0, 1)}, "required": []}}}], r"'f'.*required.*\['x'\]"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {}, "required": ["y"]}}}], r"'f'.*unknown arguments \['y'\]"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {}, "additionalProperties": True}}}], r"'f'.*additionalProperties"),
+    (
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"x": _int(0, 1)}, "required": []},
+                },
+            }
+        ],
+        r"'f'.*required.*\['x'\]",
+    ),
+    (
+        [
+            {
+                "type": "function",
+                "function": {"name": "f", "parameters": {"type": "object", "properties": {}, "required": ["y"]}},
+            }
+        ],
+        r"'f'.*unknown arguments \['y'\]",
+    ),
+    (
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {}, "additionalProperties": True},
+                },
+            }
+        ],
+        r"'f'.*additionalProperties",
+    ),
     ([_fn('f"')], "printable ASCII"),
     ([_fn("f"), _fn("f")], "duplicate tool names"),
     ([_fn("f", {f"a{i}": _int(0, 1) for i in range(9)})], r"'f'.*at most 8"),
@@ -407,9 +508,19 @@ def test_stop_tables_equal_a_byte_by_byte_kmp(tok, pattern):
 # Tokens that store several registers at once, and the two-token pair table with several registers
 # ---------------------------------------------------------------------------------------------------------------
 
-MULTI_STORE_PIECES = [b'1, "dy": 2', b'0,"dy":0,"speed":"slow"', b'"dx": 2, "dy": 1, "speed": "fast"}',
-                      b'{"name": "move", "arguments": {"dx": 1, "dy": 2, "speed": "fast"}}', b'"}', b'2}',
-                      b'"fast", "dx": 0', b': 1, "dx": 1', b'<tool_call>', b'</tool_call>', b'"}}</tool_call>']
+MULTI_STORE_PIECES = [
+    b'1, "dy": 2',
+    b'0,"dy":0,"speed":"slow"',
+    b'"dx": 2, "dy": 1, "speed": "fast"}',
+    b'{"name": "move", "arguments": {"dx": 1, "dy": 2, "speed": "fast"}}',
+    b'"}',
+    b"2}",
+    b'"fast", "dx": 0',
+    b': 1, "dx": 1',
+    b"<tool_call>",
+    b"</tool_call>",
+    b'"}}</tool_call>',
+]
 
 
 @pytest.fixture(scope="module")

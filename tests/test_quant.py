@@ -16,8 +16,17 @@ from reno_jax.models import ling3, lora, quant
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "data" / "ling3_tiny_a"
 
 
-@pytest.mark.parametrize("shape,axis,block", [((64, 48), -2, None), ((64, 48), -2, 16), ((4, 32, 24), -2, None),
-                                              ((4, 32, 24), -2, 8), ((40, 32), -1, None), ((40, 32), -1, 8)])
+@pytest.mark.parametrize(
+    "shape,axis,block",
+    [
+        ((64, 48), -2, None),
+        ((64, 48), -2, 16),
+        ((4, 32, 24), -2, None),
+        ((4, 32, 24), -2, 8),
+        ((40, 32), -1, None),
+        ((40, 32), -1, 8),
+    ],
+)
 def test_round_trip_within_half_a_step(shape, axis, block):
     w = jax.random.normal(jax.random.key(0), shape) * jnp.exp(jax.random.normal(jax.random.key(1), shape))
     q = quant.quantize_array(w, axis, block)
@@ -25,7 +34,7 @@ def test_round_trip_within_half_a_step(shape, axis, block):
     chex.assert_shape(q.values, shape)
     blk = shape[axis] if block is None else block
     blocked, ax = quant._blocked_shape(shape, axis, blk)
-    chex.assert_shape(q.scale, blocked[:ax + 1] + (1,) + blocked[ax + 2:])
+    chex.assert_shape(q.scale, blocked[: ax + 1] + (1,) + blocked[ax + 2 :])
     wb = np.asarray(w).reshape(blocked)
     amax = np.abs(wb).max(axis=ax + 1, keepdims=True)
     err = np.abs(wb - np.asarray(q.astype(jnp.float32)).reshape(blocked))
@@ -92,8 +101,9 @@ def test_quantize_tree_structure_and_jit():
     chex.assert_trees_all_equal(jitted, q)
     deq = quant.dequantize(q)
     chex.assert_trees_all_equal_shapes_and_dtypes(deq, params)
-    chex.assert_trees_all_close(deq, params, atol=float(max(jnp.abs(x).max() for x in jax.tree.leaves(params))) / 254,
-                                rtol=0)
+    chex.assert_trees_all_close(
+        deq, params, atol=float(max(jnp.abs(x).max() for x in jax.tree.leaves(params))) / 254, rtol=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +165,7 @@ def test_hf_checkpoint_read_straight_into_int8():
 def _calls_by_computation(hlo_text: str, callees: set) -> dict:
     """{computation name: how many of its instructions call a fused computation in `callees`}."""
     import re
+
     out = {}
     for comp in re.split(r"\n(?=\S)", hlo_text):
         head = comp.splitlines()[0]
@@ -174,8 +185,14 @@ def test_dequantization_stays_inside_the_decode_loop(monkeypatch):
     monkeypatch.setattr(ling3, "TIE_WEIGHTS_MIN_BYTES", 0)
     import dataclasses
     import re
-    cfg = dataclasses.replace(ling3.tiny_test_config(num_hidden_layers=4), num_experts=16, hidden_size=128,
-                              moe_intermediate_size=256, intermediate_size=256)
+
+    cfg = dataclasses.replace(
+        ling3.tiny_test_config(num_hidden_layers=4),
+        num_experts=16,
+        hidden_size=128,
+        moe_intermediate_size=256,
+        intermediate_size=256,
+    )
     params = quant.quantize(ling3.init_params(cfg, jax.random.PRNGKey(0)))
 
     def decode(params, tok):
@@ -183,10 +200,14 @@ def test_dequantization_stays_inside_the_decode_loop(monkeypatch):
             cache, tok = carry
             logits, cache = ling3.forward(params, cfg, tok, cache)
             return cache, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)
+
         return jax.lax.fori_loop(0, 4, step, (ling3.init_cache(cfg, 1, 8), tok))[1]
 
     text = jax.jit(decode).lower(params, jnp.zeros((1, 1), jnp.int32)).compile().as_text()
-    dequant = {comp.splitlines()[0].split()[0].lstrip("%") for comp in re.split(r"\n(?=\S)", text)
-               if comp.startswith("%fused") and "s8[" in comp.splitlines()[0].split("->")[0] and "convert" in comp}
+    dequant = {
+        comp.splitlines()[0].split()[0].lstrip("%")
+        for comp in re.split(r"\n(?=\S)", text)
+        if comp.startswith("%fused") and "s8[" in comp.splitlines()[0].split("->")[0] and "convert" in comp
+    }
     calls = _calls_by_computation(text, dequant)
     assert calls.get("ENTRY", 0) == 0 and sum(calls.values()) >= 4 * 3, calls  # every layer's experts, in the loop

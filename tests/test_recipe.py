@@ -1,4 +1,4 @@
-"""reno_jax.rl.recipe: a config's loss, with the mismatch corrections (TIS, IcePop) and their config errors."""
+"""reno_jax.loop.recipe: a config's loss, with the mismatch corrections (TIS, IcePop) and their config errors."""
 
 import functools
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from configs import tictactoe_tiny
-from reno_jax.rl import losses, recipe
+from reno_jax.loop import recipe
+from reno_jax.rl import losses
 
 
 def test_make_loss_fn_mismatch_corrections():
@@ -29,9 +30,14 @@ def test_make_loss_fn_mismatch_corrections():
     config.rl.forking_entropy_coef = 0.1  # the forking bonus wraps the corrected loss
     _, forking_metrics = recipe.make_loss_fn(config)(logp, old, adv, mask, entropy=ent)
     assert {"forking_entropy", "tis_weight_mean", "icepop_masked_count"} <= set(forking_metrics)
-    for field, value, match in (("tis_cap", 0.5, "tis_cap"), ("tis_cap", -2.0, "tis_cap"),
-                                ("icepop_low", 1.0, "icepop_low"), ("icepop_low", -0.1, "icepop_low"),
-                                ("icepop_high", 0.9, "icepop_high"), ("icepop_high", -1.0, "icepop_high")):
+    for field, value, match in (
+        ("tis_cap", 0.5, "tis_cap"),
+        ("tis_cap", -2.0, "tis_cap"),
+        ("icepop_low", 1.0, "icepop_low"),
+        ("icepop_low", -0.1, "icepop_low"),
+        ("icepop_high", 0.9, "icepop_high"),
+        ("icepop_high", -1.0, "icepop_high"),
+    ):
         bad = tictactoe_tiny.get_config()
         bad.rl[field] = value
         with pytest.raises(ValueError, match=match):

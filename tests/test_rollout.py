@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reno_jax.envs.tictactoe import tasks, wording as text
 from reno_jax.envs.tictactoe import env as E
 from reno_jax.envs.tictactoe import rules as ttt
-from reno_jax.protocol.tokenizer import load_tokenizer
+from reno_jax.envs.tictactoe import tasks
+from reno_jax.envs.tictactoe import wording as text
 from reno_jax.models import ling3
+from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.rollout import generate as gen
 from reno_jax.rollout import rollout as R
 
@@ -54,8 +55,9 @@ def _numpy_params(config, seed=0):
 
 def _counted_rollout(params, keys, starts, env, forced):
     TRACES.append(1)  # Python side effect: runs once per trace
-    return R.rollout(params, keys, starts, model_config=MC, rollout_config=RC, env=env, forced_tokens=forced,
-                     return_cache=True)
+    return R.rollout(
+        params, keys, starts, model_config=MC, rollout_config=RC, env=env, forced_tokens=forced, return_cache=True
+    )
 
 
 ROLLOUT = jax.jit(_counted_rollout, compiler_options=FAST_COMPILE)
@@ -99,8 +101,12 @@ def world():
     params = _numpy_params(MC)
     keys = jax.random.split(jax.random.key(11), B)
     # Group 0: agent X vs a uniformly random opponent; group 1: agent O vs minimax (the opponent opens).
-    starts = E.game_starts(jax.random.key(5), 2, agent_player=jnp.array([1, 2]),
-                           opponent=jnp.array([tasks.OPPONENT_RANDOM, tasks.OPPONENT_MINIMAX]))
+    starts = E.game_starts(
+        jax.random.key(5),
+        2,
+        agent_player=jnp.array([1, 2]),
+        opponent=jnp.array([tasks.OPPONENT_RANDOM, tasks.OPPONENT_MINIMAX]),
+    )
     call = lambda sq: tok.encode(_call_text(sq), add_special_tokens=False)  # noqa: E731
     assert len(call(5)) <= M
 
@@ -119,15 +125,24 @@ def world():
     for turn in range(3):
         sq = _choose(boards[-1][0], 1)
         squares[0].append(sq)
-        forced[0, turn, :len(call(sq))] = call(sq)
-        forced[1, turn, :len(call(sq))] = call(sq)
+        forced[0, turn, : len(call(sq))] = call(sq)
+        forced[1, turn, : len(call(sq))] = call(sq)
         if turn == 0:
             sq2 = _choose(boards[-1][2], 2)
             squares[2].append(sq2)
-            forced[2, 0, :len(call(sq2))] = call(sq2)
+            forced[2, 0, : len(call(sq2))] = call(sq2)
         boards.append(np.asarray(run(forced)[0].info["final_board"]))
-    return dict(tok=tok, env=env, params=params, keys=keys, starts=starts, forced=forced, runs=runs, boards=boards,
-                squares=squares)
+    return dict(
+        tok=tok,
+        env=env,
+        params=params,
+        keys=keys,
+        starts=starts,
+        forced=forced,
+        runs=runs,
+        boards=boards,
+        squares=squares,
+    )
 
 
 def test_scenario_plays_several_turns(world):
@@ -150,7 +165,7 @@ def test_scenario_plays_several_turns(world):
     # tic-tac-toe declares no state keys.
     np.testing.assert_allclose(traj.turn_reward.sum(1), traj.reward)
     for r in range(B):
-        assert np.all(traj.turn_reward[r, info["num_turns"][r]:] == 0.0)
+        assert np.all(traj.turn_reward[r, info["num_turns"][r] :] == 0.0)
     assert np.all(traj.turn_key == -1)
     # The loss mask covers exactly the generated tokens; valid is a prefix; turn ids are 0.. per segment.
     np.testing.assert_array_equal(traj.loss_mask.sum(1), info["generated_tokens"])
@@ -161,7 +176,7 @@ def test_scenario_plays_several_turns(world):
         tid = traj.turn_id[r]
         assert (tid[:n] >= 0).all() and (tid[n:] == -1).all() and (np.diff(tid[:n]) >= 0).all()
         assert tid[n - 1] == info["num_turns"][r] - 1
-        assert (tid[:traj.prompt_length[r]] == 0).all() and not traj.loss_mask[r, :traj.prompt_length[r]].any()
+        assert (tid[: traj.prompt_length[r]] == 0).all() and not traj.loss_mask[r, : traj.prompt_length[r]].any()
         # Each turn's policy tokens are one contiguous run inside that turn's segment.
         for k in range(info["num_turns"][r]):
             gen_pos = np.flatnonzero(traj.loss_mask[r] & (tid == k))
@@ -200,8 +215,9 @@ def test_conversation_text_matches_chat_template(world):
         msgs += [{"role": "assistant", "content": _call_text(squares[k])}, text.tool_message(after, opp[0], 0)]
     want = text.chat_text(tok, msgs, add_generation_prompt=True)
     start2 = np.flatnonzero(traj.loss_mask[0] & (traj.turn_id[0] == 2))[0]
-    got = tok.decode([int(i) for i in traj.tokens[0, :start2]], skip_special_tokens=False,
-                     clean_up_tokenization_spaces=False)
+    got = tok.decode(
+        [int(i) for i in traj.tokens[0, :start2]], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     assert got == want
 
 
@@ -218,7 +234,7 @@ def test_group_structure(world):
     # Rows 0 and 1 played the same moves against a RANDOM opponent with the group's shared RNG: identical replies,
     # so identical conversations (and log-probs) until the free third turn.
     start2 = np.flatnonzero(traj.loss_mask[0] & (traj.turn_id[0] == 2))[0]
-    np.testing.assert_array_equal(traj.tokens[0, :start2 + 7], traj.tokens[1, :start2 + 7])
+    np.testing.assert_array_equal(traj.tokens[0, : start2 + 7], traj.tokens[1, : start2 + 7])
     np.testing.assert_array_equal(traj.behaviour_logp[0, :start2], traj.behaviour_logp[1, :start2])
     np.testing.assert_array_equal(traj.info["final_board"][0], traj.info["final_board"][1])
 
@@ -229,8 +245,11 @@ def test_rows_are_isolated(world):
     forced[1:] = -1
     keys = world["keys"].at[1:].set(jax.random.split(jax.random.key(99), B - 1))
     s = world["starts"]
-    starts = s.replace(agent_player=s.agent_player.at[1].set(1), opponent_kind=s.opponent_kind.at[1].set(0),
-                       opponent_key=s.opponent_key.at[1].set(jnp.array([7, 8], jnp.uint32)))
+    starts = s.replace(
+        agent_player=s.agent_player.at[1].set(1),
+        opponent_kind=s.opponent_kind.at[1].set(0),
+        opponent_key=s.opponent_key.at[1].set(jnp.array([7, 8], jnp.uint32)),
+    )
     traj2, cache2 = jax.device_get(ROLLOUT(world["params"], keys, starts, world["env"], jnp.asarray(forced)))
     assert not np.array_equal(traj2.tokens[1:], traj.tokens[1:])  # the other rows did change
     for a, b in zip(jax.tree.leaves(traj), jax.tree.leaves(traj2)):
@@ -256,8 +275,7 @@ def test_masked_rows_keep_their_caches(world):
 def test_compiles_once_without_host_callbacks(world):
     assert len(TRACES) == 1, f"rollout was traced {len(TRACES)} times for one shape"
     assert ROLLOUT._cache_size() == 1
-    lowered = ROLLOUT.lower(world["params"], world["keys"], world["starts"], world["env"],
-                            jnp.asarray(world["forced"]))
+    lowered = ROLLOUT.lower(world["params"], world["keys"], world["starts"], world["env"], jnp.asarray(world["forced"]))
     hlo = lowered.as_text()
     assert "callback" not in hlo.lower()
     assert "while" in hlo  # the loops are compiled control flow, not unrolled Python
@@ -272,17 +290,23 @@ def test_move_task_rewards():
     mc = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=1)  # one MLA layer: the KDA path is tested above
     params = _numpy_params(mc, seed=1)
     rc = R.RolloutConfig(group_size=2, max_new_tokens=8, prefill_chunk=32)
-    boards = np.array([[1, 1, 0, 2, 2, 0, 0, 0, 0],   # X wins at 3
-                       [0, 0, 0, 0, 0, 0, 0, 0, 0],   # empty board: every move keeps the draw
-                       [1, 0, 0, 0, 2, 0, 0, 0, 0]], np.int8)
+    boards = np.array(
+        [
+            [1, 1, 0, 2, 2, 0, 0, 0, 0],  # X wins at 3
+            [0, 0, 0, 0, 0, 0, 0, 0, 0],  # empty board: every move keeps the draw
+            [1, 0, 0, 0, 2, 0, 0, 0, 0],
+        ],
+        np.int8,
+    )
     call = lambda s: tok.encode(_call_text(s), add_special_tokens=False)  # noqa: E731
     forced = np.full((6, 1, 8), -1, np.int32)
     for row, sq in ((0, 3), (2, 5), (3, 12), (4, 1), (5, 9)):
         ids = call(sq)
-        forced[row, 0, :len(ids)] = ids
+        forced[row, 0, : len(ids)] = ids
     fn = jax.jit(functools.partial(R.rollout, model_config=mc, rollout_config=rc), compiler_options=FAST_COMPILE)
-    traj = jax.device_get(fn(params, jax.random.key(3), E.move_starts(boards), env=env,
-                             forced_tokens=jnp.asarray(forced)))
+    traj = jax.device_get(
+        fn(params, jax.random.key(3), E.move_starts(boards), env=env, forced_tokens=jnp.asarray(forced))
+    )
     info = traj.info
     assert traj.tokens.shape == (6, R.conversation_length(env, rc)) == (6, env.chat.prompt_len + 8)
     np.testing.assert_array_equal(info["num_turns"], 1)
@@ -296,8 +320,9 @@ def test_move_task_rewards():
     assert traj.reward[5] == float(r5) and info["is_optimal"][5] == bool(i5["is_optimal"])
     # Groups share boards: the prompts of rows 2k and 2k+1 are identical.
     for k in range(3):
-        np.testing.assert_array_equal(traj.tokens[2 * k, :traj.prompt_length[2 * k]],
-                                      traj.tokens[2 * k + 1, :traj.prompt_length[2 * k]])
+        np.testing.assert_array_equal(
+            traj.tokens[2 * k, : traj.prompt_length[2 * k]], traj.tokens[2 * k + 1, : traj.prompt_length[2 * k]]
+        )
     np.testing.assert_array_equal(traj.loss_mask.sum(1), info["generated_tokens"])
     assert info["generated_tokens"][0] == 7  # stopped on the completed "</tool_call>"
 
@@ -306,8 +331,20 @@ def test_move_task_rewards():
 
 
 def test_stop_tables_match_close_tag_across_token_boundaries():
-    pieces = [b"</tool", b"_call>", b"</tool_call>", b"x", b"<", b"/", b"tool_call", b">", b"</tool_call></",
-              b"tool_call>", b"<</tool", b"END"]
+    pieces = [
+        b"</tool",
+        b"_call>",
+        b"</tool_call>",
+        b"x",
+        b"<",
+        b"/",
+        b"tool_call",
+        b">",
+        b"</tool_call></",
+        b"tool_call>",
+        b"<</tool",
+        b"END",
+    ]
     st = gen.build_stop_tables(pieces, [11], b"</tool_call>")
     nxt, hit, is_stop = (np.asarray(a) for a in (st.match_next, st.match_hit, st.is_stop))
 
@@ -350,15 +387,24 @@ def test_config_validation():
 def test_bad_inputs_raise(world):
     big = ling3.tiny_test_config(vocab_size=600, num_hidden_layers=2)
     with pytest.raises(ValueError, match="vocab_size"):
-        R.rollout(world["params"], world["keys"], world["starts"], model_config=big, rollout_config=RC,
-                  env=world["env"])
+        R.rollout(
+            world["params"], world["keys"], world["starts"], model_config=big, rollout_config=RC, env=world["env"]
+        )
     with pytest.raises(ValueError, match="forced_tokens"):
-        R.rollout(world["params"], world["keys"], world["starts"], model_config=MC, rollout_config=RC,
-                  env=world["env"], forced_tokens=jnp.zeros((B, 1, M), jnp.int32))
+        R.rollout(
+            world["params"],
+            world["keys"],
+            world["starts"],
+            model_config=MC,
+            rollout_config=RC,
+            env=world["env"],
+            forced_tokens=jnp.zeros((B, 1, M), jnp.int32),
+        )
     short = R.RolloutConfig(group_size=2, max_new_tokens=M, max_turns=2, max_length=40)
     with pytest.raises(ValueError, match="max_length"):
-        R.rollout(world["params"], world["keys"], world["starts"], model_config=MC, rollout_config=short,
-                  env=world["env"])
+        R.rollout(
+            world["params"], world["keys"], world["starts"], model_config=MC, rollout_config=short, env=world["env"]
+        )
 
 
 def test_independent_opponents_reach_the_rollout(world):
@@ -366,8 +412,9 @@ def test_independent_opponents_reach_the_rollout(world):
     episodes of group 0 play the same forced first move and get different replies; by default the same one."""
     forced = np.full((B, RC.max_turns, M), -1, np.int32)
     forced[:2, 0] = world["forced"][:2, 0]
-    ind = R.compile_env(E.TicTacToeEnv.create("game", independent_opponents=True), world["tok"],
-                        vocab_size=MC.vocab_size)
+    ind = R.compile_env(
+        E.TicTacToeEnv.create("game", independent_opponents=True), world["tok"], vocab_size=MC.vocab_size
+    )
     shared, _ = world["runs"][1]
     np.testing.assert_array_equal(shared.info["final_board"][0], shared.info["final_board"][1])
     traj, _ = jax.device_get(ROLLOUT(world["params"], world["keys"], world["starts"], ind, jnp.asarray(forced)))

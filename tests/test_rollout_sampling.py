@@ -120,8 +120,7 @@ def test_forced_tokens_get_their_logp():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(temperature=0.0), dict(temperature=-1.0), dict(top_k=-1), dict(top_k=1.5), dict(top_p=0.0),
-     dict(top_p=1.2)],
+    [dict(temperature=0.0), dict(temperature=-1.0), dict(top_k=-1), dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.2)],
 )
 def test_bad_arguments_raise(kwargs):
     with pytest.raises(ValueError):

@@ -12,11 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from reno_jax.rl import policy
+from reno_jax.envs.tictactoe import env as E
 from reno_jax.models import ling3
 from reno_jax.models.layers import moe, moe_dense_reference, moe_experts_blocked, route, swiglu_mlp
-from reno_jax.envs.tictactoe import env as E
-from reno_jax.rl import losses, shared_prefix, trainer
+from reno_jax.rl import losses, policy, shared_prefix, trainer
 from reno_jax.rl.batch import TrainBatch
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -37,8 +36,9 @@ def ids(b=3, t=10, seed=1):
 
 
 def _fwd_routing(p, tokens, valid, replay, remat=False):
-    logits, _, routing = ling3.forward(p, CFG, tokens, valid=valid, replay_experts=replay, return_routing=True,
-                                       remat=remat)
+    logits, _, routing = ling3.forward(
+        p, CFG, tokens, valid=valid, replay_experts=replay, return_routing=True, remat=remat
+    )
     return logits, routing
 
 
@@ -86,14 +86,16 @@ def test_router_gradients_with_own_replay_equal_normal_and_nonzero():
     def grads(p, replay):
         def loss(p):
             return jnp.mean(ling3.token_logprobs(p, CFG, tokens, replay_experts=replay))
+
         return jax.grad(loss)(p)
 
     g_plain, g_replay = grads(p, None), grads(p, own)
     for i in ling3.moe_layer_indices(CFG):
         gk = np.asarray(g_replay["model"][f"layers_{i}"]["mlp"]["gate"]["kernel"])
         assert np.abs(gk).max() > 0, f"layer {i}: no gradient reaches the router under replay"
-        np.testing.assert_allclose(gk, np.asarray(g_plain["model"][f"layers_{i}"]["mlp"]["gate"]["kernel"]),
-                                   rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(
+            gk, np.asarray(g_plain["model"][f"layers_{i}"]["mlp"]["gate"]["kernel"]), rtol=1e-6, atol=1e-9
+        )
     for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_replay)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-9)
 
@@ -158,6 +160,7 @@ def test_remat_with_replay_same_values_and_gradients():
         def loss(p):
             logits, routing = _fwd_routing(p, tokens, None, replay, remat=remat)
             return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+
         return jax.jit(jax.value_and_grad(loss))
 
     (l0, g0), (l1, g1) = compiled(False)(p), compiled(True)(p)
@@ -178,16 +181,16 @@ def test_rollout_records_the_routing_of_every_fed_token():
     from reno_jax.rollout import rollout as R
 
     mc = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=3)  # KDA (dense), MLA (MoE), MLA (MoE)
-    rc = R.RolloutConfig(group_size=2, max_new_tokens=10, max_turns=2, prefill_chunk=16,
-                         record_routing=True)
+    rc = R.RolloutConfig(group_size=2, max_new_tokens=10, max_turns=2, prefill_chunk=16, record_routing=True)
     tok = load_tokenizer(None)
     env = R.compile_env(E.TicTacToeEnv.create("game"), tok, vocab_size=mc.vocab_size)
     p = ling3.init_params(mc, jax.random.PRNGKey(3))
     starts = E.game_starts(jax.random.key(5), 1, agent_player=1, opponent="minimax")
-    call = tok.encode('<tool_call>{"name": "choose_square", "arguments": {"square": 5}}</tool_call>',
-                      add_special_tokens=False)
+    call = tok.encode(
+        '<tool_call>{"name": "choose_square", "arguments": {"square": 5}}</tool_call>', add_special_tokens=False
+    )
     forced = np.full((2, 2, 10), -1, np.int32)
-    forced[:, 0, :len(call)] = call
+    forced[:, 0, : len(call)] = call
     run = jax.jit(functools.partial(R.rollout, model_config=mc, rollout_config=rc), compiler_options=FAST)
     traj = jax.device_get(run(p, jax.random.key(1), starts, env=env, forced_tokens=jnp.asarray(forced)))
     n_moe = len(ling3.moe_layer_indices(mc))
@@ -197,7 +200,8 @@ def test_rollout_records_the_routing_of_every_fed_token():
     assert np.all(routing[~valid] == -1) and np.all(routing[valid] >= 0)
     assert np.asarray(traj.info["num_turns"]).min() == 2  # the tool response was prefilled and recorded too
     own = jax.jit(lambda p, t, v: ling3.forward(p, mc, t, valid=v, return_routing=True)[2].own)(
-        p, jnp.asarray(traj.tokens), jnp.asarray(valid))
+        p, jnp.asarray(traj.tokens), jnp.asarray(valid)
+    )
     np.testing.assert_array_equal(np.sort(routing, -1), np.sort(np.asarray(own), -1))
 
 
@@ -222,9 +226,14 @@ def group_batch():
     routing[:, :S0] = routing[0, :S0]
     routing[~np.asarray(valid)] = -1
     routing[0, S + 1] = -1  # one unrecorded position: normal routing there
-    return TrainBatch(tokens=tokens, valid=valid, loss_mask=valid & (jnp.arange(S + C)[None] >= S),
-                      old_logp=jnp.full((N * G, S + C), -4.0),
-                      advantages=jax.random.normal(jax.random.PRNGKey(3), (N * G,)), routing=jnp.asarray(routing))
+    return TrainBatch(
+        tokens=tokens,
+        valid=valid,
+        loss_mask=valid & (jnp.arange(S + C)[None] >= S),
+        old_logp=jnp.full((N * G, S + C), -4.0),
+        advantages=jax.random.normal(jax.random.PRNGKey(3), (N * G,)),
+        routing=jnp.asarray(routing),
+    )
 
 
 @pytest.mark.parametrize("common", [0, S0])
@@ -239,7 +248,8 @@ def test_shared_prefix_with_replay_equals_rowwise_with_replay(common):
     replay_fn = jax.jit(policy.make_logp_fn(CFG, group_size=G, routing_replay=True))
     plain_fn = jax.jit(policy.make_logp_fn(CFG, group_size=G))
     (lp_row, st_row), (lp_sh, st_sh), (lp_plain, st_plain) = (
-        (out.logp, out.routing) for out in (replay_fn(p, batch), replay_fn(p, sb), plain_fn(p, batch)))
+        (out.logp, out.routing) for out in (replay_fn(p, batch), replay_fn(p, sb), plain_fn(p, batch))
+    )
     m = np.asarray(batch.valid[:, S:])
     np.testing.assert_allclose(np.asarray(lp_sh)[m], np.asarray(lp_row[:, S:])[m], atol=2e-5)
     assert np.abs(np.asarray(lp_row - lp_plain)[np.asarray(batch.valid)]).max() > 1e-3  # replay is used
@@ -258,14 +268,26 @@ def test_train_step_with_replay_microbatches_and_remat_match():
 
     def step(micro, remat):
         return trainer.make_train_step(
-            policy.make_logp_fn(CFG, group_size=G, remat=remat, routing_replay=True), loss_fn, opt,
-            num_microbatches=micro, donate=False, rollout_metrics=True)
+            policy.make_logp_fn(CFG, group_size=G, remat=remat, routing_replay=True),
+            loss_fn,
+            opt,
+            num_microbatches=micro,
+            donate=False,
+            rollout_metrics=True,
+        )
 
     state = trainer.create_train_state(p, opt, 0)
     s_row, m_row = step(1, False)(state, batch)
     s_sh, m_sh = step(N, True)(state, shared_prefix.split_shared_prefix(batch, S))
-    for k in ("loss", "grad_norm", "rollout_logp_abs_diff_mean", "rollout_logp_abs_diff_max", "rollout_k3_kl",
-              "rollout_ratio_max", "routing_agreement"):
+    for k in (
+        "loss",
+        "grad_norm",
+        "rollout_logp_abs_diff_mean",
+        "rollout_logp_abs_diff_max",
+        "rollout_k3_kl",
+        "rollout_ratio_max",
+        "routing_agreement",
+    ):
         np.testing.assert_allclose(float(m_sh[k]), float(m_row[k]), rtol=1e-4, err_msg=k)
     for a, b in zip(jax.tree.leaves(s_row.params), jax.tree.leaves(s_sh.params)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
@@ -296,19 +318,25 @@ def test_mismatch_metrics_first_minibatch_only():
     def logp_fn(params, batch):
         logp = batch.old_logp + batch.advantages[:, None] + 0.0 * params["w"]
         agree = batch.tokens[:, 0].astype(jnp.float32)
-        return trainer.PolicyOutput(logp, None, trainer.RoutingStats(agree=jnp.sum(agree),
-                                                                     total=jnp.float32(agree.size)))
+        return trainer.PolicyOutput(
+            logp, None, trainer.RoutingStats(agree=jnp.sum(agree), total=jnp.float32(agree.size))
+        )
 
     def loss_fn(logp, old_logp, adv, mask):
         return jnp.mean(logp * mask), {}
 
     def make(delta, agree):
-        return TrainBatch(tokens=jnp.zeros((8, L), jnp.int32).at[:, 0].set(jnp.asarray(agree, jnp.int32)),
-                          loss_mask=mask, old_logp=jnp.full((8, L), -1.0), advantages=delta)
+        return TrainBatch(
+            tokens=jnp.zeros((8, L), jnp.int32).at[:, 0].set(jnp.asarray(agree, jnp.int32)),
+            loss_mask=mask,
+            old_logp=jnp.full((8, L), -1.0),
+            advantages=delta,
+        )
 
     opt = optax.sgd(0.1)
-    step = trainer.make_train_step(logp_fn, loss_fn, opt, num_minibatches=2, num_microbatches=2, donate=False,
-                                   rollout_metrics=True)
+    step = trainer.make_train_step(
+        logp_fn, loss_fn, opt, num_minibatches=2, num_microbatches=2, donate=False, rollout_metrics=True
+    )
     state = trainer.create_train_state({"w": jnp.zeros(())}, opt, 0)
     delta = jnp.array([0.1, -0.3, 0.2, 0.0, 5.0, 5.0, 5.0, 5.0])
     mask = jnp.ones((8, L), bool).at[3, 1:].set(False)

@@ -14,8 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reno_jax.envs.tictactoe import env as E
-from reno_jax.envs.tictactoe import registration
-from reno_jax.envs.tictactoe import tasks, tool_parser
+from reno_jax.envs.tictactoe import registration, tasks, tool_parser
 from reno_jax.envs.tictactoe import wording as text
 from reno_jax.models import ling3
 from reno_jax.protocol import toolcall
@@ -49,11 +48,20 @@ def game_world():
     agent = np.where(np.arange(n) % 2 == 0, 1, 2).astype(np.int8)
     kinds = np.array([tasks.OPPONENT_RANDOM, tasks.OPPONENT_MINIMAX, tasks.OPPONENT_EPSILON] * (n // 3), np.int32)
     starts = E.game_starts(jax.random.PRNGKey(3), n, agent_player=agent, opponent=kinds, epsilon=0.5)
-    out = sft.env_transcripts(jax.random.PRNGKey(4), starts, env, teacher.policy, calls, max_turns=TURNS,
-                              length=length)
-    return dict(tok=tok, env=env, calls=calls, ids=np.asarray(calls.ids), lens=np.asarray(calls.length),
-                offset=calls.choice_offset, agent=agent, kinds=kinds, starts=starts, out=jax.device_get(out),
-                length=length)
+    out = sft.env_transcripts(jax.random.PRNGKey(4), starts, env, teacher.policy, calls, max_turns=TURNS, length=length)
+    return dict(
+        tok=tok,
+        env=env,
+        calls=calls,
+        ids=np.asarray(calls.ids),
+        lens=np.asarray(calls.length),
+        offset=calls.choice_offset,
+        agent=agent,
+        kinds=kinds,
+        starts=starts,
+        out=jax.device_get(out),
+        length=length,
+    )
 
 
 def test_call_table_rows_parse_as_the_teachers_calls(game_world):
@@ -63,7 +71,7 @@ def test_call_table_rows_parse_as_the_teachers_calls(game_world):
     assert len(set(lens.tolist())) == 1  # one length: the rows differ in the square's token only
     for k in range(9):
         assert ids[k, lens[k] - 1] == int(env.chat.turn_end_id)
-        got = tok.decode(ids[k, :lens[k] - 1].tolist(), skip_special_tokens=False)
+        got = tok.decode(ids[k, : lens[k] - 1].tolist(), skip_special_tokens=False)
         assert got == call_text(k + 1)
         assert tool_parser.parse_tool_call_text(got) == (toolcall.KIND_OK, k + 1)
     assert len(set(ids[:, offset].tolist())) == 9  # the square's own token
@@ -72,9 +80,14 @@ def test_call_table_rows_parse_as_the_teachers_calls(game_world):
 
 
 def test_random_legal_square_plays_uniformly_among_legal_squares():
-    boards = np.array([[1, 2, 0, 0, 1, 2, 0, 0, 0],  # X to move, 5 empty
-                       [1, 2, 1, 2, 1, 2, 0, 0, 2],  # 2 empty
-                       [0] * 9], np.int8)
+    boards = np.array(
+        [
+            [1, 2, 0, 0, 1, 2, 0, 0, 0],  # X to move, 5 empty
+            [1, 2, 1, 2, 1, 2, 0, 0, 2],  # 2 empty
+            [0] * 9,
+        ],
+        np.int8,
+    )
     env = E.TicTacToeEnv.create("move")
     state, _ = jax.vmap(env.reset)(E.move_starts(boards))
     draw = jax.jit(jax.vmap(jax.vmap(registration.random_legal_square, in_axes=(None, 0)), in_axes=(0, None)))
@@ -88,8 +101,9 @@ def test_random_legal_square_plays_uniformly_among_legal_squares():
     game_env = E.TicTacToeEnv.create("game")  # a game state: the board inside the game
     starts = E.game_starts(jax.random.PRNGKey(1), 4, agent_player=np.int8(2), opponent="random")
     gstate, _ = jax.vmap(game_env.reset)(starts)
-    row, legal = jax.device_get(jax.vmap(registration.random_legal_square)(gstate, jax.random.split(
-        jax.random.PRNGKey(2), 4)))
+    row, legal = jax.device_get(
+        jax.vmap(registration.random_legal_square)(gstate, jax.random.split(jax.random.PRNGKey(2), 4))
+    )
     np.testing.assert_array_equal(legal, np.asarray(gstate.game.board) == 0)
     assert legal.sum(1).tolist() == [8] * 4 and legal[np.arange(4), row].all()
 
@@ -101,17 +115,20 @@ def test_move_transcript_is_one_legal_call_after_the_prompt():
     calls = _call_table(tok, env, teacher)
     boards = np.array([[1, 2, 0, 0, 1, 2, 0, 0, 0], [0] * 9], np.int8)
     length = env.prompt_len + int(np.max(np.asarray(calls.length)))
-    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(0), E.move_starts(boards), env, teacher.policy,
-                                             calls, max_turns=1, length=length))
+    out = jax.device_get(
+        sft.env_transcripts(
+            jax.random.PRNGKey(0), E.move_starts(boards), env, teacher.policy, calls, max_turns=1, length=length
+        )
+    )
     for b, board in enumerate(boards):
         mask = out.loss_mask[b]
         s, e = int(np.argmax(mask)), int(mask.sum()) + int(np.argmax(mask))
         assert mask[s:e].all() and e == int(out.valid[b].sum())
-        prompt = tok.decode(out.tokens[b, :s].tolist(), skip_special_tokens=False,
-                            clean_up_tokenization_spaces=False)
+        prompt = tok.decode(out.tokens[b, :s].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         assert prompt == text.chat_text(tok, text.move_task_messages(board), add_generation_prompt=True)
-        kind, square = tool_parser.parse_tool_call_text(tok.decode(out.tokens[b, s:e - 1].tolist(),
-                                                                    skip_special_tokens=False))
+        kind, square = tool_parser.parse_tool_call_text(
+            tok.decode(out.tokens[b, s : e - 1].tolist(), skip_special_tokens=False)
+        )
         assert kind == toolcall.KIND_OK and board[square - 1] == 0
         np.testing.assert_array_equal(out.support[b, s + calls.choice_offset], board == 0)
         assert int(out.info["outcome"][b]) != tasks.OUTCOME_ILLEGAL
@@ -133,7 +150,7 @@ def test_game_transcripts_are_random_legal_games_as_the_rollout_renders_them(gam
         assert 1 <= len(spans) <= TURNS
         # Rebuild the conversation on the host and compare with the chat template's text.
         board = np.zeros(9, np.int8)
-        prompt_text = tok.decode(out.tokens[b, :spans[0][0]].tolist(), skip_special_tokens=False)
+        prompt_text = tok.decode(out.tokens[b, : spans[0][0]].tolist(), skip_special_tokens=False)
         agent = int(w["agent"][b])
         if agent == 2:  # the opponent (X) opened: find its square from the prompt's board
             opened = [k for k in range(9) if text.render_board(np.eye(9, dtype=np.int8)[k]) in prompt_text]
@@ -141,29 +158,34 @@ def test_game_transcripts_are_random_legal_games_as_the_rollout_renders_them(gam
             board[opened[0]] = 1
         msgs = text.game_task_messages(board, agent)
         for t, (s, e) in enumerate(spans):
-            call = tok.decode(out.tokens[b, s:e - 1].tolist(), skip_special_tokens=False)
+            call = tok.decode(out.tokens[b, s : e - 1].tolist(), skip_special_tokens=False)
             kind, square = tool_parser.parse_tool_call_text(call)
             assert kind == toolcall.KIND_OK
             assert board[square - 1] == 0, "the random policy only plays legal squares"
             legal = out.support[b, s + offset]
             np.testing.assert_array_equal(legal, board == 0)
             assert out.tokens[b, s + offset] == square_tokens[square - 1]
-            assert not out.support[b, s + offset + 1:e].any()
+            assert not out.support[b, s + offset + 1 : e].any()
             board[square - 1] = agent
             if t + 1 < len(spans):  # the opponent replied: read its square from the next board in the text
-                nxt = out.tokens[b, e:spans[t + 1][0]].tolist()
+                nxt = out.tokens[b, e : spans[t + 1][0]].tolist()
                 resp = tok.decode(nxt, skip_special_tokens=False)
                 opp = [k for k in range(9) if f"Opponent played {k + 1}." in resp]
                 assert len(opp) == 1 and board[opp[0]] == 0
                 board[opp[0]] = 3 - agent
                 msgs += [{"role": "assistant", "content": call_text(square)}, text.tool_message(board, opp[0] + 1, 0)]
         want = text.chat_text(tok, msgs, add_generation_prompt=True)
-        got = tok.decode(out.tokens[b, :spans[-1][0]].tolist(), skip_special_tokens=False,
-                         clean_up_tokenization_spaces=False)
+        got = tok.decode(
+            out.tokens[b, : spans[-1][0]].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
         assert got == want
         outcomes.add(int(out.info["outcome"][b]))
-        assert int(out.info["outcome"][b]) in (tasks.OUTCOME_ONGOING, tasks.OUTCOME_WIN, tasks.OUTCOME_DRAW,
-                                          tasks.OUTCOME_LOSS)
+        assert int(out.info["outcome"][b]) in (
+            tasks.OUTCOME_ONGOING,
+            tasks.OUTCOME_WIN,
+            tasks.OUTCOME_DRAW,
+            tasks.OUTCOME_LOSS,
+        )
     assert outcomes & {tasks.OUTCOME_WIN, tasks.OUTCOME_LOSS}, "24 random games should include decided ones"
 
 
@@ -174,9 +196,18 @@ def test_soft_targets_are_the_expected_log_likelihood(game_world):
     cfg = ling3.tiny_test_config(vocab_size=len(w["tok"]), num_hidden_layers=2)
     params = ling3.init_params(cfg, jax.random.PRNGKey(0))
     rows = slice(0, 2)
-    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(4), w["starts"], w["env"],
-                                             registration.make_teacher(None, w["env"].env).policy, w["calls"],
-                                             max_turns=TURNS, length=w["out"].tokens.shape[1], soft_targets=True))
+    out = jax.device_get(
+        sft.env_transcripts(
+            jax.random.PRNGKey(4),
+            w["starts"],
+            w["env"],
+            registration.make_teacher(None, w["env"].env).policy,
+            w["calls"],
+            max_turns=TURNS,
+            length=w["out"].tokens.shape[1],
+            soft_targets=True,
+        )
+    )
     np.testing.assert_array_equal(out.tokens, w["out"].tokens)  # the same transcripts, with targets added
     square_ids = w["ids"][:, w["offset"]]
     choice = np.asarray(w["calls"].choice_tokens)
@@ -185,12 +216,22 @@ def test_soft_targets_are_the_expected_log_likelihood(game_world):
     weights = np.asarray(out.target_weights[rows])
     np.testing.assert_allclose(weights.sum(-1), legal.any(-1).astype(np.float32), rtol=1e-6)
     tokens = jnp.asarray(out.tokens[rows])
-    batch = TrainBatch(tokens=tokens, valid=jnp.asarray(out.valid[rows]), loss_mask=jnp.asarray(out.loss_mask[rows]),
-                       old_logp=jnp.zeros(tokens.shape, jnp.float32), advantages=jnp.zeros(tokens.shape[:1]))
+    batch = TrainBatch(
+        tokens=tokens,
+        valid=jnp.asarray(out.valid[rows]),
+        loss_mask=jnp.asarray(out.loss_mask[rows]),
+        old_logp=jnp.zeros(tokens.shape, jnp.float32),
+        advantages=jnp.zeros(tokens.shape[:1]),
+    )
     logp_fn = jax.jit(policy.make_logp_fn(cfg, with_entropy=False))
     hard = logp_fn(params, batch).logp
-    got = logp_fn(params, batch.replace(soft_target_ids=jnp.broadcast_to(jnp.asarray(choice), (2, choice.size)),
-                                        soft_target_weights=jnp.asarray(weights))).logp
+    got = logp_fn(
+        params,
+        batch.replace(
+            soft_target_ids=jnp.broadcast_to(jnp.asarray(choice), (2, choice.size)),
+            soft_target_weights=jnp.asarray(weights),
+        ),
+    ).logp
     logits, _ = jax.jit(lambda p, t, v: ling3.forward(p, cfg, t, valid=v))(params, batch.tokens, batch.valid)
     logprobs = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     where = np.argwhere(legal.any(-1))
@@ -208,6 +249,7 @@ def test_soft_targets_of_a_choice_spelt_over_several_tokens():
     """guess_number's numbers are written digit by digit: the first digit's target is the share of the allowed
     numbers that start with it, the next token's the share of those that also share the first digit."""
     from reno_jax.envs import guess_number as gn
+
     tok = load_tokenizer(None)
     env = R.compile_env(gn.GuessNumberEnv(), tok)
     teacher = gn.make_teacher(None, env.env)
@@ -218,8 +260,18 @@ def test_soft_targets_of_a_choice_spelt_over_several_tokens():
     n = 16
     starts = gn.Start(secret=jnp.arange(1, n + 1, dtype=jnp.int32))
     length = R.conversation_length(env, R.RolloutConfig(max_new_tokens=20, max_turns=gn.MAX_GUESSES))
-    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(0), starts, env, teacher.policy, calls,
-                                             max_turns=gn.MAX_GUESSES, length=length, soft_targets=True))
+    out = jax.device_get(
+        sft.env_transcripts(
+            jax.random.PRNGKey(0),
+            starts,
+            env,
+            teacher.policy,
+            calls,
+            max_turns=gn.MAX_GUESSES,
+            length=length,
+            soft_targets=True,
+        )
+    )
     text = [tok.decode(out.tokens[b][out.valid[b]].tolist(), skip_special_tokens=False) for b in range(n)]
     checked = 0
     for b in range(n):
@@ -228,14 +280,14 @@ def test_soft_targets_of_a_choice_spelt_over_several_tokens():
         starts_at = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
         ranges = [(int(x), int(y)) for x, y in re.findall(r"It is (\d+) to (\d+)\.", text[b])]
         for k, at in enumerate(starts_at):
-            call = out.tokens[b, at:at + int(mask[at:].argmin() or mask[at:].size)]
+            call = out.tokens[b, at : at + int(mask[at:].argmin() or mask[at:].size)]
             first = next(i for i, t in enumerate(call) if t in digit.values())  # the number's first digit
             allowed = [str(v) for v in range(low, high + 1)]
             w = out.target_weights[b, at + first]
             for d in range(1, 10):
                 share = sum(a[0] == str(d) for a in allowed) / len(allowed)
                 np.testing.assert_allclose(w[choice.index(digit[d])], share, atol=1e-6)
-            written = tok.decode(call[first:first + 1].tolist())
+            written = tok.decode(call[first : first + 1].tolist())
             ids = np.asarray(calls.ids)
             going_on = [ids[int(a) - 1, first + 1] for a in allowed if a[0] == written]  # what follows the digit
             w2 = out.target_weights[b, at + first + 1]
@@ -262,8 +314,7 @@ def test_a_teachers_decision_weight_scales_its_soft_targets(game_world):
 
     kw = dict(max_turns=TURNS, length=w["length"], soft_targets=True)
     base = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(4), w["starts"], w["env"], plain, w["calls"], **kw))
-    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(4), w["starts"], w["env"], weighted, w["calls"],
-                                             **kw))
+    out = jax.device_get(sft.env_transcripts(jax.random.PRNGKey(4), w["starts"], w["env"], weighted, w["calls"], **kw))
     np.testing.assert_array_equal(out.tokens, base.tokens)
     at = np.asarray(out.support).any(-1)  # the square's position of every call
     centre = at & (out.tokens == w["ids"][4, w["offset"]])
@@ -271,16 +322,22 @@ def test_a_teachers_decision_weight_scales_its_soft_targets(game_world):
     total = np.asarray(out.target_weights).sum(-1)
     np.testing.assert_allclose(total[centre], 3.0, rtol=1e-6)
     np.testing.assert_allclose(total[at & ~centre], 1.0, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(out.target_weights)[centre] / 3.0, np.asarray(base.target_weights)[centre],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(out.target_weights)[centre] / 3.0, np.asarray(base.target_weights)[centre], rtol=1e-6
+    )
 
 
 def _pool(lengths, width=12):
     rows = len(lengths)
     valid = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
     tokens = np.where(valid, np.arange(1, rows + 1)[:, None], 0).astype(np.int32)
-    return sft.Transcripts(tokens=jnp.asarray(tokens), valid=jnp.asarray(valid), loss_mask=jnp.asarray(valid),
-                           support=jnp.zeros((rows, width, 2), jnp.bool_), info={"row": jnp.arange(rows)})
+    return sft.Transcripts(
+        tokens=jnp.asarray(tokens),
+        valid=jnp.asarray(valid),
+        loss_mask=jnp.asarray(valid),
+        support=jnp.zeros((rows, width, 2), jnp.bool_),
+        info={"row": jnp.arange(rows)},
+    )
 
 
 @settings(max_examples=40, deadline=None)

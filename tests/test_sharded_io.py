@@ -17,17 +17,17 @@ import os
 import subprocess
 import sys
 
+import _sharded_io as sio
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
 
-import _sharded_io as sio
 from experiments import cli
 from reno_jax import parallel
-from reno_jax.loop import build
 from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.loop import build
 from reno_jax.models import conversion, ling3
 
 REPO = sio.REPO
@@ -36,8 +36,14 @@ REPO = sio.REPO
 def _script(devices: int, *args, timeout: int = 600) -> dict:
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=REPO)  # keeps conftest's optimisation level and cache
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_sharded_io.py"), *args], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "_sharded_io.py"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -90,8 +96,10 @@ def test_init_on_8_devices_is_the_one_device_init_bit_for_bit(eight):
     assert found["init"]["typed_key_equal"], found["init"]
     assert found["init"]["sharded_leaves"] >= 20 and found["init"]["expert_spec"] == "P('expert', 'fsdp', None)"
     assert jax.device_count() == 1 and jax.config.jax_threefry_partitionable
-    _assert_same(dict(np.load(os.path.join(out, "init_fsdp_ep.npz"))),
-                 sio.host_tree(ling3.init_params(sio.MODEL, jax.random.PRNGKey(0))))
+    _assert_same(
+        dict(np.load(os.path.join(out, "init_fsdp_ep.npz"))),
+        sio.host_tree(ling3.init_params(sio.MODEL, jax.random.PRNGKey(0))),
+    )
 
 
 def test_real_shape_init_traces_without_drawing_and_each_device_makes_only_its_shard(eight):
@@ -100,7 +108,9 @@ def test_real_shape_init_traces_without_drawing_and_each_device_makes_only_its_s
     for program in real["programs"]:  # an expert stack over expert x fsdp, the embedding over fsdp
         assert program["shards"] > 1 and program["output_bytes"] * program["shards"] == program["leaf_bytes"], program
         # Temporaries split like the output: no device computes more than its shard.
-        assert program["temp_bytes"] * program["shards"] <= program["whole_temp_bytes"] + 4096 * program["shards"], program
+        assert program["temp_bytes"] * program["shards"] <= program["whole_temp_bytes"] + 4096 * program["shards"], (
+            program
+        )
         assert program["whole_temp_bytes"] >= program["leaf_bytes"], program  # the bound is not vacuous
 
 
@@ -130,7 +140,9 @@ def test_checkpoint_written_on_8_devices_restores_onto_one(eight):
     abstract = layout.abstract_state(sio.abstract_state(conversion.abstract_params(sio.MODEL)))
     with ckpt_lib.Checkpointer(os.path.join(out, "run8"), async_save=False) as ckpt:
         state = ckpt.restore(abstract)
-    assert int(state.step) == 7 and {x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(state)} == {True}
+    assert int(state.step) == 7 and {x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(state)} == {
+        True
+    }
     assert state.opt_state[1].mu["model"]["layers_1"]["mlp"]["experts"]["gate_proj"].codes.dtype == jnp.int8
     _assert_same(sio.host_tree(state), dict(np.load(os.path.join(out, "state8.npz"))))
 
@@ -158,8 +170,10 @@ def test_restore_into_another_model_names_the_leaf_and_both_shapes(one_device_ru
             ckpt.restore(target(num_hidden_layers=3))
         state = ckpt.restore(target())
     message = str(wider.value)
-    assert message.startswith(f"checkpoint 7 in {os.path.join(run, 'checkpoints')} does not fit this model: "
-                              "params/lm_head/kernel is [64, 512] in the checkpoint but [32, 512] here")
+    assert message.startswith(
+        f"checkpoint 7 in {os.path.join(run, 'checkpoints')} does not fit this model: "
+        "params/lm_head/kernel is [64, 512] in the checkpoint but [32, 512] here"
+    )
     assert "more leaves have other shapes" in message and "nothing was restored" in message
     assert "this model has" in str(deeper.value) and "params/model/layers_2/" in str(deeper.value)
     assert _files(run) == before  # nothing written, nothing lost
@@ -169,6 +183,7 @@ def test_restore_into_another_model_names_the_leaf_and_both_shapes(one_device_ru
 def test_restore_item_into_another_model(tmp_path):
     """The same check for a plain Orbax item (train.py's cached warm start)."""
     import orbax.checkpoint as ocp
+
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "warm", {"params": {"w": jnp.zeros((3, 4)), "b": jnp.ones(4)}})
     checkpointer.wait_until_finished()
@@ -176,8 +191,9 @@ def test_restore_item_into_another_model(tmp_path):
     with pytest.raises(ckpt_lib.RestoreError, match=r"params/w is \[3, 4\] in the checkpoint but \[3, 5\] here"):
         ckpt_lib.restore_item(str(tmp_path / "warm"), {"params": {"w": jnp.zeros((3, 5)), "b": jnp.ones(4)}})
     with pytest.raises(ckpt_lib.RestoreError, match=r"this model has 1 leaves the checkpoint lacks \(e.g. params/c\)"):
-        ckpt_lib.restore_item(str(tmp_path / "warm"), {"params": {"w": jnp.zeros((3, 4)), "b": jnp.ones(4),
-                                                                   "c": jnp.ones(2)}})
+        ckpt_lib.restore_item(
+            str(tmp_path / "warm"), {"params": {"w": jnp.zeros((3, 4)), "b": jnp.ones(4), "c": jnp.ones(2)}}
+        )
     restored = ckpt_lib.restore_item(str(tmp_path / "warm"), {"params": {"w": jnp.ones((3, 4)), "b": jnp.ones(4)}})
     assert float(restored["params"]["w"].sum()) == 0.0
 
@@ -185,10 +201,21 @@ def test_restore_item_into_another_model(tmp_path):
 def test_train_cli_on_another_models_checkpoint_ends_in_one_line_and_changes_nothing(one_device_run):
     run, _ = one_device_run
     before = _files(run)
-    out = subprocess.run([sys.executable, "-m", "experiments.train", "--config=configs/tictactoe_tiny.py",
-                          f"--workdir={run}", "--config.model.tiny.num_hidden_layers=2",
-                          "--config.model.tiny.hidden_size=32"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--config=configs/tictactoe_tiny.py",
+            f"--workdir={run}",
+            "--config.model.tiny.num_hidden_layers=2",
+            "--config.model.tiny.hidden_size=32",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [line for line in out.stderr.strip().splitlines() if "error" in line.lower() or "Traceback" in line]
     assert len(lines) == 1 and "train.py: error: checkpoint 7 in " in lines[0], out.stderr[-3000:]
@@ -203,9 +230,11 @@ def test_evaluate_mesh_flag():
     assert parallel.MeshConfig.from_string("") == parallel.MeshConfig()
     assert evaluate.mesh_from_flags("", 8) is None
     assert evaluate.mesh_from_flags("data=1,preset=fsdp", 8) == parallel.MeshConfig(preset="fsdp")
-    for text, message in (("fsdp=4", r"--mesh=fsdp=4: mesh \(data=1, fsdp=4, .*\) has 4 devices but 1 are"),
-                          ("pipeline=2", r"--mesh=pipeline=2: expected comma-separated NAME=VALUE"),
-                          ("fsdp=two", "mesh axis fsdp must be an integer"),
-                          ("preset=zero3", "unknown sharding preset 'zero3'")):
+    for text, message in (
+        ("fsdp=4", r"--mesh=fsdp=4: mesh \(data=1, fsdp=4, .*\) has 4 devices but 1 are"),
+        ("pipeline=2", r"--mesh=pipeline=2: expected comma-separated NAME=VALUE"),
+        ("fsdp=two", "mesh axis fsdp must be an integer"),
+        ("preset=zero3", "unknown sharding preset 'zero3'"),
+    ):
         with pytest.raises(cli.UserError, match=message):
             evaluate.mesh_from_flags(text, 8)

@@ -8,9 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from reno_jax.rl import policy
 from reno_jax.models import ling3
-from reno_jax.rl import losses, shared_prefix, trainer
+from reno_jax.rl import losses, policy, shared_prefix, trainer
 from reno_jax.rl.batch import TrainBatch
 
 N, G, S, C = 3, 4, 10, 7
@@ -28,8 +27,13 @@ def setup():
     lengths = jnp.array([C, C - 2, 3, 1] * N)  # ragged continuations (left-aligned valid tokens)
     valid = jnp.arange(S + C)[None] < (S + lengths)[:, None]
     loss_mask = valid & (jnp.arange(S + C)[None] >= S)
-    batch = TrainBatch(tokens=tokens, valid=valid, loss_mask=loss_mask, old_logp=jnp.full((N * G, S + C), -4.0),
-                       advantages=jax.random.normal(jax.random.PRNGKey(3), (N * G,)))
+    batch = TrainBatch(
+        tokens=tokens,
+        valid=valid,
+        loss_mask=loss_mask,
+        old_logp=jnp.full((N * G, S + C), -4.0),
+        advantages=jax.random.normal(jax.random.PRNGKey(3), (N * G,)),
+    )
     return cfg, params, batch
 
 
@@ -47,18 +51,19 @@ def test_split_layout(setup):
         shared_prefix.split_shared_prefix(batch, S + C)
     sb = shared_prefix.split_shared_prefix(batch, S, S0)
     assert sb.common_tokens.shape == (N * G, S0) and sb.prefix_tokens.shape == (N * G, S - S0)
-    np.testing.assert_array_equal(np.concatenate([sb.common_tokens, sb.prefix_tokens, sb.tokens], 1),
-                                  batch.tokens)
+    np.testing.assert_array_equal(np.concatenate([sb.common_tokens, sb.prefix_tokens, sb.tokens], 1), batch.tokens)
     with pytest.raises(ValueError, match="common_len must be in 0..prefix_len - 1 = 9, got 10"):
         shared_prefix.split_shared_prefix(batch, S, S)
-    soft = batch.replace(soft_target_ids=jnp.zeros((N * G, 2), jnp.int32),
-                         soft_target_weights=jnp.zeros((N * G, S + C, 2)))
+    soft = batch.replace(
+        soft_target_ids=jnp.zeros((N * G, 2), jnp.int32), soft_target_weights=jnp.zeros((N * G, S + C, 2))
+    )
     with pytest.raises(ValueError, match="soft targets"):
         shared_prefix.split_shared_prefix(soft, S)
 
 
 def test_common_prefix_length_counts_leading_columns_shared_by_every_row(setup):
     from reno_jax.rl import learner
+
     _, _, batch = setup
     assert int(learner.common_prefix_length(batch.tokens)) == S0
     assert int(learner.common_prefix_length(batch.tokens[:G])) == S  # one group: its whole prompt
@@ -94,8 +99,9 @@ def test_train_step_matches_rowwise(setup, common):
     cfg, params, batch = setup
     opt = optax.sgd(0.1)  # Adam's m / sqrt(v) would amplify rounding differences of near-zero gradients
     loss_fn = functools.partial(losses.gspo_loss, entropy_coef=0.01)
-    step = trainer.make_train_step(policy.make_logp_fn(cfg, group_size=G), loss_fn, opt, num_microbatches=N,
-                                   donate=False)
+    step = trainer.make_train_step(
+        policy.make_logp_fn(cfg, group_size=G), loss_fn, opt, num_microbatches=N, donate=False
+    )
     state = trainer.create_train_state(params, opt, 0)
     s_full, m_full = step(state, batch)
     s_sh, m_sh = step(state, shared_prefix.split_shared_prefix(batch, S, common))

@@ -12,18 +12,25 @@ import ml_collections
 import numpy as np
 import pytest
 
+from reno_jax import run_config
 from reno_jax.envs import interface, registry
+from reno_jax.envs.interface import ToolCall
 from reno_jax.envs.sokoban import env as senv
 from reno_jax.envs.sokoban import registration as sreg
 from reno_jax.envs.sokoban import rooms, rules, wording
-from reno_jax.envs.interface import ToolCall
 from reno_jax.protocol.chat import resolve
 
 SMALL = dict(num_train_rooms=40, num_heldout_rooms=12)  # rooms.build caches it: the whole file builds it once
 
 
 def _config(**env):
-    return ml_collections.ConfigDict({"env": {"name": "sokoban", **SMALL, **env}, "sft": {}})
+    config = run_config.default_config_dict()
+    config.env = ml_collections.ConfigDict({"name": "sokoban", **SMALL, **env})
+    return config
+
+
+def _typed(config):
+    return run_config.load(config)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +153,9 @@ def _batched_moves():
             boxes, player = carry
             boxes, player, _, _ = rules.move(walls, boxes, player, d)
             return (boxes, player), (boxes, player)
+
         return jax.lax.scan(body, (boxes, player), directions)[1]
+
     return jax.jit(jax.vmap(play))
 
 
@@ -171,13 +180,15 @@ def test_rules_match_a_numpy_reference_over_random_rooms_and_moves(num_boxes):
             ref.move(rules.DIRECTIONS[directions[i, t]])
             assert wording.room_text(parsed[i][0], targets[i], all_boxes[i, t], all_players[i, t]) == ref.text()
             assert bool(rules.solved(jnp.asarray(all_boxes[i, t]), jnp.asarray(targets[i]))) == (
-                ref.boxes <= ref.targets)
+                ref.boxes <= ref.targets
+            )
 
 
 def test_rules_match_jumanji_over_random_rooms_and_moves():
     sokoban = pytest.importorskip("jumanji.environments.routing.sokoban")
     from jumanji.environments.routing.sokoban import constants as jc
     from jumanji.environments.routing.sokoban.generator import ToyGenerator
+
     jenv = sokoban.Sokoban(generator=ToyGenerator(), time_limit=10_000)
     to_jumanji = np.array([0, 2, 3, 1])  # ours: up, down, left, right; jumanji's MOVES: up, right, down, left
     texts = _random_rooms(16, 1, seed=3) + _random_rooms(16, 2, seed=4)
@@ -191,10 +202,13 @@ def test_rules_match_jumanji_over_random_rooms_and_moves():
         variable = np.zeros((jc.GRID_SIZE, jc.GRID_SIZE), np.uint8)
         variable[:6, :6][boxes] = jc.BOX
         variable[player // 6, player % 6] = jc.AGENT
-        state = sokoban.State(key=jax.random.PRNGKey(0), fixed_grid=jnp.asarray(fixed),
-                              variable_grid=jnp.asarray(variable),
-                              agent_location=jnp.asarray([player // 6, player % 6], jnp.int32),
-                              step_count=jnp.int32(0))
+        state = sokoban.State(
+            key=jax.random.PRNGKey(0),
+            fixed_grid=jnp.asarray(fixed),
+            variable_grid=jnp.asarray(variable),
+            agent_location=jnp.asarray([player // 6, player % 6], jnp.int32),
+            step_count=jnp.int32(0),
+        )
         for t in range(directions.shape[1]):
             state, _ = step(state, jnp.int32(to_jumanji[directions[i, t]]))
             grid = np.asarray(state.variable_grid)
@@ -225,8 +239,9 @@ def test_position_keys_are_dense_and_distinct():
 
 def test_generated_rooms_are_solvable_disjoint_and_deterministic():
     train, heldout = sreg.splits(_config().env)
-    again_train, again_heldout = rooms.build.__wrapped__(0, SMALL["num_train_rooms"], SMALL["num_heldout_rooms"],
-                                                         max_moves=10)  # uncached: drawn again
+    again_train, again_heldout = rooms.build.__wrapped__(
+        0, SMALL["num_train_rooms"], SMALL["num_heldout_rooms"], max_moves=10
+    )  # uncached: drawn again
     np.testing.assert_array_equal(train.boxes, again_train.boxes)
     np.testing.assert_array_equal(heldout.player, again_heldout.player)
     np.testing.assert_array_equal(heldout.distance, again_heldout.distance)
@@ -246,8 +261,12 @@ def test_generated_rooms_are_solvable_disjoint_and_deterministic():
             solution = rooms.solve(split.walls[i], split.targets[i], split.boxes[i], split.player[i])
             assert solution.moves is not None and len(solution.moves) == split.optimal[i]
             assert 1 <= split.optimal[i] <= 10 and solution.pushes >= 2
-            walls, targets, boxes, player = (jnp.asarray(split.walls[i]), split.targets[i],
-                                             jnp.asarray(split.boxes[i]), jnp.int32(split.player[i]))
+            walls, targets, boxes, player = (
+                jnp.asarray(split.walls[i]),
+                split.targets[i],
+                jnp.asarray(split.boxes[i]),
+                jnp.int32(split.player[i]),
+            )
             for d in solution.moves:  # the solver's moves solve the room under the jitted rules
                 boxes, player, _, _ = _move(walls, boxes, player, jnp.int32(d))
             assert bool(rules.solved(boxes, jnp.asarray(targets)))
@@ -299,8 +318,9 @@ def test_reset_renders_the_room_and_step_under_jit_and_vmap(env):
         np.testing.assert_array_equal(boxes, heldout.boxes[i])
         assert player == heldout.player[i]
     # Optimal play solves each room with the reward of its moves and the +1, then nothing changes.
-    plans = [rooms.solve(heldout.walls[i], heldout.targets[i], heldout.boxes[i], heldout.player[i]).moves
-             for i in range(n)]
+    plans = [
+        rooms.solve(heldout.walls[i], heldout.targets[i], heldout.boxes[i], heldout.player[i]).moves for i in range(n)
+    ]
     width = max(len(p) for p in plans) + 1
     moves = np.array([list(p) + [0] * (width - len(p)) for p in plans])
     _, outs = _play(env, starts, moves)
@@ -309,9 +329,10 @@ def test_reset_renders_the_room_and_step_under_jit_and_vmap(env):
         assert bool(last.done[i]) and bool(last.info["solved"][i]) and int(last.info["steps"][i]) == len(plan)
         rewards = [float(outs[t].reward[i]) for t in range(width)]
         # one box: pushed onto its target once at the end (it starts off target)
-        assert rewards[:len(plan)] == pytest.approx([senv.STEP_REWARD] * (len(plan) - 1)
-                                                    + [senv.STEP_REWARD + senv.BOX_REWARD + senv.SOLVE_REWARD])
-        assert rewards[len(plan):] == [0.0] * (width - len(plan))
+        assert rewards[: len(plan)] == pytest.approx(
+            [senv.STEP_REWARD] * (len(plan) - 1) + [senv.STEP_REWARD + senv.BOX_REWARD + senv.SOLVE_REWARD]
+        )
+        assert rewards[len(plan) :] == [0.0] * (width - len(plan))
         assert int(last.message.template[i]) == wording.TOOL_SOLVED
         assert int(outs[-1].info["steps"][i]) == len(plan)
 
@@ -345,20 +366,28 @@ def test_invalid_call_blocked_move_and_step_budget():
 def test_box_pushed_off_a_target_costs_its_reward():
     text = "######\n#_*__#\n#_P__#\n#_X__#\n#_O__#\n######"  # P between a box on a target and another box
     walls, targets, boxes, player = wording.parse_room(text)
-    rooms_ = senv.Rooms(walls=jnp.asarray(walls)[None], targets=jnp.asarray(targets)[None],
-                        boxes=jnp.asarray(boxes)[None], player=jnp.asarray([player], jnp.int32),
-                        optimal=jnp.asarray([1], jnp.int32))
+    rooms_ = senv.Rooms(
+        walls=jnp.asarray(walls)[None],
+        targets=jnp.asarray(targets)[None],
+        boxes=jnp.asarray(boxes)[None],
+        player=jnp.asarray([player], jnp.int32),
+        optimal=jnp.asarray([1], jnp.int32),
+    )
     env = senv.SokobanEnv(train=rooms_, heldout=rooms_, num_boxes=2)
     state, _ = env.reset(senv.SokobanStart(split=jnp.int32(0), room=jnp.int32(0)))
     out = env.step(state, ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=jnp.array([rules.DOWN])))
     assert float(out.reward) == pytest.approx(senv.STEP_REWARD + senv.BOX_REWARD + senv.SOLVE_REWARD)
     state, _ = env.reset(senv.SokobanStart(split=jnp.int32(0), room=jnp.int32(0)))
-    state = state.replace(boxes=jnp.asarray(wording.parse_room("######\n#____#\n#_*__#\n#_P__#\n#_X__#\n######")[2]),
-                          player=jnp.int32(3 * 6 + 2))
+    state = state.replace(
+        boxes=jnp.asarray(wording.parse_room("######\n#____#\n#_*__#\n#_P__#\n#_X__#\n######")[2]),
+        player=jnp.int32(3 * 6 + 2),
+    )
     state = state.replace(targets=jnp.asarray(wording.parse_room("######\n#____#\n#_O__#\n#_P__#\n#_O__#\n######")[1]))
     off = env.step(state, ToolCall(kind=jnp.int32(0), tool=jnp.int32(0), args=jnp.array([rules.UP])))
-    assert wording.room_text(off.state.walls, off.state.targets, off.state.boxes, off.state.player) == \
-        "######\n#_X__#\n#_S__#\n#____#\n#_*__#\n######"
+    assert (
+        wording.room_text(off.state.walls, off.state.targets, off.state.boxes, off.state.player)
+        == "######\n#_X__#\n#_S__#\n#____#\n#_*__#\n######"
+    )
     assert float(off.reward) == pytest.approx(senv.STEP_REWARD - senv.BOX_REWARD)
     key = env.state_key(off.state)
     assert key.dtype == jnp.int32 and int(key) == rules.np_position_key((1 * 6 + 2, 4 * 6 + 2), 2 * 6 + 2, (6, 6), 2)
@@ -374,16 +403,16 @@ def test_registry_and_settings():
         sreg.make_env(_config(max_steps=5, max_solution_moves=10).env)
     with pytest.raises(ValueError, match="env.num_boxes"):
         sreg.settings(_config(num_boxes=0).env)
-    starts = sreg.make_sampler(_config())(jax.random.PRNGKey(0), 64)
+    starts = sreg.make_sampler(_typed(_config()))(jax.random.PRNGKey(0), 64)
     assert (np.asarray(starts.split) == senv.TRAIN).all()
     assert 0 <= int(starts.room.min()) and int(starts.room.max()) < SMALL["num_train_rooms"]
-    suites = sreg.eval_suites(_config())
+    suites = sreg.eval_suites(_typed(_config()))
     assert suites["heldout"].num_episodes == SMALL["num_heldout_rooms"] and suites["heldout"].default
     assert not suites["train"].default
     config = _config()
     config.sft.explore = 0.3
     with pytest.raises(ValueError, match="soft_targets"):
-        sreg.make_teacher(config, sreg.make_env(config.env))
+        sreg.make_teacher(_typed(config), sreg.make_env(config.env))
 
 
 def _teacher_episodes(env, teacher, starts, key):
@@ -395,8 +424,11 @@ def _teacher_episodes(env, teacher, starts, key):
         row, support = policy(state, jax.random.split(jax.random.fold_in(key, t), starts.room.shape[0]))
         assert bool(jnp.all(support[jnp.arange(row.shape[0]), row] | (state.outcome != 0)))
         out = step(state, _calls(row))
-        info = out.info if info is None else jax.tree.map(
-            lambda new, old: jnp.where(state.outcome == 0, new, old), out.info, info)
+        info = (
+            out.info
+            if info is None
+            else jax.tree.map(lambda new, old: jnp.where(state.outcome == 0, new, old), out.info, info)
+        )
         state = out.state
     return jax.tree.map(np.asarray, info)
 
@@ -404,23 +436,24 @@ def _teacher_episodes(env, teacher, starts, key):
 def test_teacher_solves_every_room_optimally_and_random_play_rarely(env):
     n = SMALL["num_heldout_rooms"]
     starts = senv.SokobanStart(split=jnp.full((n,), senv.HELDOUT, jnp.int32), room=jnp.arange(n, dtype=jnp.int32))
-    teacher = sreg.make_teacher(_config(), env)
+    teacher = sreg.make_teacher(_typed(_config()), env)
     assert teacher.calls == tuple(("move", {"direction": d}) for d in ("up", "down", "left", "right"))
     info = _teacher_episodes(env, teacher, starts, jax.random.PRNGKey(0))
     assert info["solved"].all()
     np.testing.assert_array_equal(info["steps"], np.asarray(env.heldout.optimal))
     config = _config()
     config.sft.teacher = "random"
-    random_info = _teacher_episodes(env, sreg.make_teacher(config, env), starts, jax.random.PRNGKey(0))
+    random_info = _teacher_episodes(env, sreg.make_teacher(_typed(config), env), starts, jax.random.PRNGKey(0))
     assert random_info["solved"].mean() < 1.0
 
 
 def test_teacher_calls_tokenize_with_their_enum_index():
     from reno_jax.protocol.tokenizer import load_tokenizer
     from reno_jax.rl import sft
+
     tok = load_tokenizer(None)
     env = sreg.make_env(_config().env)
-    teacher = sreg.make_teacher(_config(), env)
+    teacher = sreg.make_teacher(_typed(_config()), env)
     schemas = env.chat().tools
     table = sft.build_call_table(tok, teacher.calls, tok.eos_token_id or 0, 0, ["move"], schemas)
     np.testing.assert_array_equal(np.asarray(table.args)[:, 0], [0, 1, 2, 3])
@@ -434,14 +467,25 @@ def test_heldout_suite_on_a_tiny_model():
     from reno_jax.loop import evaluation
     from reno_jax.models import ling3
     from reno_jax.protocol.tokenizer import load_tokenizer
+
     config = sokoban_tiny.get_config()
-    config.env.update(dict(num_train_rooms=SMALL["num_train_rooms"], num_heldout_rooms=4, max_steps=2,
-                           max_solution_moves=2))
+    config.env.update(
+        dict(num_train_rooms=SMALL["num_train_rooms"], num_heldout_rooms=4, max_steps=2, max_solution_moves=2)
+    )
     model_config = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=1)
     params = ling3.init_params(model_config, jax.random.PRNGKey(0))
+    config = run_config.load(config)
     suite = sreg.eval_suites(config)["heldout"]
-    result = evaluation.run_suite(params, model_config, load_tokenizer(None), config, "heldout", suite,
-                                  key=jax.random.PRNGKey(0), show_progress=False)
+    result = evaluation.run_suite(
+        params,
+        model_config,
+        load_tokenizer(None),
+        config,
+        "heldout",
+        suite,
+        key=jax.random.PRNGKey(0),
+        show_progress=False,
+    )
     figures = result.figures
     assert figures["num_episodes"] == 4
     for name in ("solved_rate", "invalid_rate", "steps_mean", "tool_call_valid_rate", "mean_reward"):

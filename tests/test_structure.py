@@ -1,8 +1,8 @@
 """The package's import structure, read from the source with `ast` (nothing is imported, no JAX needed).
 
     layers (low to high; a module may import its own layer and lower ones):
-        sharding < models < parallel < protocol (with assets) < envs < rollout < rl < checkpoint < the rest
-        (pipeline, play, the package root)
+        errors < tools and tasks < sharding < models < parallel < protocol (with assets) < envs < rollout < rl
+        < checkpoint < the rest (pipeline, play, the package root)
 
 Rules: no import cycles between reno_jax modules; no import inside a function except of an optional dependency;
 no import of a higher layer; no game (`reno_jax.envs.<game>`) named outside reno_jax/envs/, neither imported nor
@@ -21,6 +21,7 @@ PACKAGE = "reno_jax"
 
 LAYERS = (  # low to high; a reno_jax module not under any of these is in the top layer
     ("errors",),  # ConfigError, RunError: what every layer may raise
+    ("tools", "tasks"),  # host-side tools and task sources: plain Python that environments use
     ("sharding",),
     ("models",),
     ("parallel",),
@@ -33,10 +34,20 @@ LAYERS = (  # low to high; a reno_jax module not under any of these is in the to
 TOP_LAYER = len(LAYERS)
 
 # Third-party modules a function may import where it needs them, so that the package imports without them.
-OPTIONAL_DEPENDENCIES = frozenset({
-    "fastapi", "matplotlib", "selenium", "starlette", "tensorboardX", "tokenizers", "torch", "transformers",
-    "uvicorn",
-})
+OPTIONAL_DEPENDENCIES = frozenset(
+    {
+        "fastapi",
+        "matplotlib",
+        "reasoning_gym",
+        "selenium",
+        "starlette",
+        "tensorboardX",
+        "tokenizers",
+        "torch",
+        "transformers",
+        "uvicorn",
+    }
+)
 
 GAMES = ("tictactoe", "connect4", "guess_number", "sokoban")
 GAME_FREE_ROOTS = ("reno_jax", "experiments")  # where no game is named (reno_jax/envs/ excepted)
@@ -177,8 +188,11 @@ def _docstring_nodes(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                    and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 out.add(id(first.value))
     return out
 
@@ -217,8 +231,12 @@ def test_no_import_cycles():
     for component in _strongly_connected(edges):
         if len(component) > 1:
             members = set(component)
-            lines = [f"  {a} -> {b} ({imp.where()})" for a in component
-                     for b, imp in sorted(edges[a].items()) if b in members]
+            lines = [
+                f"  {a} -> {b} ({imp.where()})"
+                for a in component
+                for b, imp in sorted(edges[a].items())
+                if b in members
+            ]
             problems.append(f"cycle between {', '.join(component)}:\n" + "\n".join(lines))
     assert not problems, "\n".join(problems)
 
@@ -233,8 +251,10 @@ def test_imports_inside_functions_are_optional_dependencies_only():
         if top == PACKAGE:
             problems.append(f"{imp.where()}: {imp.imported} imported inside a function (import it at module level)")
         elif top not in OPTIONAL_DEPENDENCIES:
-            problems.append(f"{imp.where()}: {imp.imported} imported inside a function but is not an optional "
-                            f"dependency ({', '.join(sorted(OPTIONAL_DEPENDENCIES))})")
+            problems.append(
+                f"{imp.where()}: {imp.imported} imported inside a function but is not an optional "
+                f"dependency ({', '.join(sorted(OPTIONAL_DEPENDENCIES))})"
+            )
     assert not problems, "\n".join(problems)
 
 
@@ -246,17 +266,25 @@ def test_layers_only_import_down():
             continue
         have, want = layer_of(imp.importer), layer_of(imp.imported)
         if want > have:
-            problems.append(f"{imp.where()}: {imp.importer} (layer {_layer_name(have)}) imports {imp.imported} "
-                            f"(higher layer {_layer_name(want)})")
+            problems.append(
+                f"{imp.where()}: {imp.importer} (layer {_layer_name(have)}) imports {imp.imported} "
+                f"(higher layer {_layer_name(want)})"
+            )
     assert not problems, "\n".join(problems)
 
 
 def test_games_are_not_named_outside_envs():
     files, imports = import_graph(*GAME_FREE_ROOTS)
-    outside = {m: p for m, p in files.items()
-               if not (m == f"{PACKAGE}.envs" or m.startswith(f"{PACKAGE}.envs.") or m == DEFAULT_ALIAS)}
-    problems = [f"{imp.where()}: imports {imp.imported}" for imp in imports
-                if imp.importer in outside and _is_game_module(imp.imported)]
+    outside = {
+        m: p
+        for m, p in files.items()
+        if not (m == f"{PACKAGE}.envs" or m.startswith(f"{PACKAGE}.envs.") or m == DEFAULT_ALIAS)
+    }
+    problems = [
+        f"{imp.where()}: imports {imp.imported}"
+        for imp in imports
+        if imp.importer in outside and _is_game_module(imp.imported)
+    ]
     for path in sorted(outside.values()):
         tree = ast.parse(path.read_text(), filename=str(path))
         docstrings = _docstring_nodes(tree)
@@ -264,8 +292,9 @@ def test_games_are_not_named_outside_envs():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                 named = [g for g in GAMES if g in node.value]
                 if named:
-                    problems.append(f"{path.relative_to(REPO)}:{node.lineno}: string {node.value[:60]!r} names "
-                                    f"{', '.join(named)}")
+                    problems.append(
+                        f"{path.relative_to(REPO)}:{node.lineno}: string {node.value[:60]!r} names {', '.join(named)}"
+                    )
     assert not problems, "\n".join(problems)
 
 
@@ -273,7 +302,8 @@ def test_functions_are_short():
     lengths = function_lengths(PACKAGE)
     longest = "\n".join(f"  {n} lines: {name}" for n, name in lengths[:5])
     assert lengths[0][0] <= MAX_FUNCTION_LINES, (
-        f"functions over {MAX_FUNCTION_LINES} lines (split them into named phases); the longest:\n{longest}")
+        f"functions over {MAX_FUNCTION_LINES} lines (split them into named phases); the longest:\n{longest}"
+    )
 
 
 # ----------------------------------------------------------------------------------- the graph helper itself
@@ -289,8 +319,14 @@ def test_graph_resolves_relative_and_submodule_imports(tmp_path):
     (pkg / "sub" / "c.py").write_text("import pkg.b\nNAME = 1\n")
     files, imports = import_graph("pkg", repo=tmp_path)
     got = {(i.importer, i.imported, i.in_function) for i in imports}
-    assert got == {("pkg", "pkg.a", False), ("pkg.a", "pkg.b", False), ("pkg.a", "pkg.sub.c", False),
-                   ("pkg.b", "json", True), ("pkg.b", "pkg.a", True), ("pkg.sub.c", "pkg.b", False)}
+    assert got == {
+        ("pkg", "pkg.a", False),
+        ("pkg.a", "pkg.b", False),
+        ("pkg.a", "pkg.sub.c", False),
+        ("pkg.b", "json", True),
+        ("pkg.b", "pkg.a", True),
+        ("pkg.sub.c", "pkg.b", False),
+    }
     edges = _edges(imports, set(files))
     assert edges["pkg.a"].keys() == {"pkg.b", "pkg.sub", "pkg.sub.c"}  # importing pkg.sub.c runs pkg/sub/__init__
     assert edges["pkg.sub.c"].keys() == {"pkg.b"}  # its own packages (pkg.sub, pkg) are being imported already
@@ -302,6 +338,10 @@ def test_function_lengths_name_methods_and_nested_functions(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "m.py").write_text(
         "class A:\n    @staticmethod\n    def f():\n        def inner():\n            pass\n        return 1\n\n\n"
-        "async def g():\n    pass\n")
-    assert function_lengths("pkg", repo=tmp_path) == [(4, "pkg/m.py::A.f"), (2, "pkg/m.py::A.f.inner"),
-                                                       (2, "pkg/m.py::g")]
+        "async def g():\n    pass\n"
+    )
+    assert function_lengths("pkg", repo=tmp_path) == [
+        (4, "pkg/m.py::A.f"),
+        (2, "pkg/m.py::A.f.inner"),
+        (2, "pkg/m.py::g"),
+    ]

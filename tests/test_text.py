@@ -1,4 +1,5 @@
-"""Tests for the shipped tokenizer, prompt wording and in-jit chat rendering (reno_jax.envs.tictactoe.wording / tokenizer)."""
+"""Tests for the shipped tokenizer, prompt wording and in-jit chat rendering (reno_jax.envs.tictactoe.wording /
+tokenizer)."""
 
 import json
 import os
@@ -76,11 +77,14 @@ def varied():
     words = ["board", "square", "Opponent", "played", "You", "won", "the", "|", "\n"]
     corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(200)]
     raw = tokenizer_lib.train_byte_level_bpe(
-        corpus, 300, special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        corpus,
+        300,
+        special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
         added_tokens=("played 3.", "ed 7"),
     )
-    return tokenizer_lib.wrap_tokenizer(raw, chat_template=tokenizer_lib.load_tokenizer(None).chat_template,
-                                        eos_token="<|im_end|>")
+    return tokenizer_lib.wrap_tokenizer(
+        raw, chat_template=tokenizer_lib.load_tokenizer(None).chat_template, eos_token="<|im_end|>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -175,13 +179,18 @@ def test_labeled_board_style():
     assert text.BOARD_STYLES == ("grid", "labeled")
     assert text.render_board(board, "labeled") == "1X | 2 | 3O\n4 | 5X | 6\n7 | 8 | 9"
     assert text.render_board(np.zeros(9, np.int8), "labeled") == text.render_board(np.zeros(9, np.int8))
-    assert text.move_task_messages(board, style="labeled")[1]["content"] == "You are O.\n1X | 2 | 3O\n4 | 5X | 6\n7 | 8 | 9"
+    assert (
+        text.move_task_messages(board, style="labeled")[1]["content"]
+        == "You are O.\n1X | 2 | 3O\n4 | 5X | 6\n7 | 8 | 9"
+    )
     assert "You are X.\n1 | 2 | 3" in text.game_task_messages(np.zeros(9, np.int8), 1, "labeled")[1]["content"]
     assert text.tool_response_content(board, 7, text.STATUS_ONGOING, "labeled").startswith(
-        "Opponent played 7.\n1X | 2 | 3O")
+        "Opponent played 7.\n1X | 2 | 3O"
+    )
     with pytest.raises(ValueError, match="board style"):
         text.render_board(board, "fancy")
     from reno_jax.envs.tictactoe import env as ttt_env
+
     with pytest.raises(ValueError, match="board style"):
         ttt_env.TicTacToeEnv.create(board_style="fancy")
 
@@ -194,8 +203,7 @@ def test_labeled_render_matches_chat_template(shipped, render_fns, game):
     sides = np.array([1 + i % 2 for i in range(len(boards))], np.int32)
     ids, lengths = render_fns[0](spec, boards, sides, game)
     for b, side, row, n in zip(boards, sides, np.asarray(ids), np.asarray(lengths)):
-        messages = (text.game_task_messages(b, side, "labeled") if game
-                    else text.move_task_messages(b, side, "labeled"))
+        messages = text.game_task_messages(b, side, "labeled") if game else text.move_task_messages(b, side, "labeled")
         assert row[:n].tolist() == text.prompt_ids(shipped, messages)
     opp = np.array([i % 10 for i in range(len(boards))], np.int32)
     status = np.array([i % text.NUM_STATUSES for i in range(len(boards))], np.int32)
@@ -209,7 +217,11 @@ def test_statuses_match_game_outcomes():
 
     assert text.STATUS_NAMES == tasks.OUTCOME_NAMES
     assert (text.STATUS_ONGOING, text.STATUS_WIN, text.STATUS_DRAW, text.STATUS_LOSS) == (
-        tasks.OUTCOME_ONGOING, tasks.OUTCOME_WIN, tasks.OUTCOME_DRAW, tasks.OUTCOME_LOSS)
+        tasks.OUTCOME_ONGOING,
+        tasks.OUTCOME_WIN,
+        tasks.OUTCOME_DRAW,
+        tasks.OUTCOME_LOSS,
+    )
     assert (text.STATUS_INVALID, text.STATUS_ILLEGAL) == (tasks.OUTCOME_INVALID, tasks.OUTCOME_ILLEGAL)
 
 
@@ -218,9 +230,14 @@ def test_system_turn_lists_the_tool_compactly(shipped):
     assert "\nchoose_square(square: integer 1-9): Mark an empty square.\n" in prompt
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
     # Assistant tool_calls given as structured data render as the canonical call text.
-    msgs = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "choose_square", "arguments": {"square": 5}}}]}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "choose_square", "arguments": {"square": 5}}}],
+        },
+    ]
     rendered = shipped.apply_chat_template(msgs, tokenize=False)
     assert rendered == f"<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n{CALL}<|im_end|>\n"
 
@@ -248,16 +265,19 @@ def test_prompt_length_report(shipped, shipped_spec):
     board = np.array([1, 0, 2, 0, 1, 0, 0, 0, 0], np.int8)
     move = len(text.prompt_ids(shipped, text.move_task_messages(board)))
     game = len(text.prompt_ids(shipped, text.game_task_messages(np.zeros(9, np.int8), 1)))
-    print(f"\n[tokens] move-task prompt: {move}; game-task prompt: {game}; "
-          f"Lp_max={shipped_spec.prompt_len}, Lr_max={shipped_spec.response_len}")
+    print(
+        f"\n[tokens] move-task prompt: {move}; game-task prompt: {game}; "
+        f"Lp_max={shipped_spec.prompt_len}, Lr_max={shipped_spec.response_len}"
+    )
     assert move < 80 and game < 80
     assert shipped_spec.prompt_len == max(move, game)  # every cell is one token: the length does not vary
 
 
 def test_render_tool_response_matches_template(shipped, shipped_spec, render_fns):
     boards = _random_boards(6, seed=5)
-    rows = [(b, opp, st, te) for b in boards for st in range(text.NUM_STATUSES) for opp in (0, 4, 9)
-            for te in (False, True)]
+    rows = [
+        (b, opp, st, te) for b in boards for st in range(text.NUM_STATUSES) for opp in (0, 4, 9) for te in (False, True)
+    ]
     b, opp, st, te = (np.array(x) for x in zip(*rows))
     ids, lengths = render_fns[1](shipped_spec, b, opp.astype(np.int32), st.astype(np.int32), te)
     assert ids.shape[1] == shipped_spec.response_len
@@ -339,8 +359,13 @@ def test_stencil_render_is_bit_identical_to_general_render(request, render_fns, 
     if which == "varied":  # opponent lines of 3 token lengths: the board sits at 2 x 3 offsets (+ no board)
         assert int(np.max(np.asarray(fast.response_stencils.placement))) + 1 == 2 * 3 + 1
     boards = _random_boards(12, seed=7)
-    grid = [(b, opp, st, te) for b in range(len(boards)) for opp in range(10) for st in range(text.NUM_STATUSES)
-            for te in (0, 1)]
+    grid = [
+        (b, opp, st, te)
+        for b in range(len(boards))
+        for opp in range(10)
+        for st in range(text.NUM_STATUSES)
+        for te in (0, 1)
+    ]
     b, opp, st, te = (np.array(x) for x in zip(*grid))
     args = (boards[b], opp.astype(np.int32), st.astype(np.int32), te.astype(bool))
     ids_f, n_f = render_fns[1](fast, *args)

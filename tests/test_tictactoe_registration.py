@@ -52,7 +52,10 @@ def test_teacher_calls_are_the_nine_squares():
 def test_eval_suites_sizes_and_defaults():
     move = registration.eval_suites(tictactoe_tiny.get_config())
     assert {name: s.num_episodes for name, s in move.items() if name.startswith("positions")} == {
-        "positions": 2423, "positions_o": 2097, "positions_both": 2423 + 2097}
+        "positions": 2423,
+        "positions_o": 2097,
+        "positions_both": 2423 + 2097,
+    }
     assert [name for name, s in move.items() if s.default] == ["positions"]
     assert "heldout" not in move  # heldout_fraction 0
     for suite in move.values():  # evaluation measures outcomes, not the training-only shaping
@@ -89,8 +92,11 @@ def test_game_suite_alternates_sides_and_reports_each():
     assert set(np.asarray(starts.opponent_kind).tolist()) == {tasks.OPPONENT_EPSILON}
     again = suite.starts(jax.random.PRNGKey(0), ids)
     np.testing.assert_array_equal(np.asarray(starts.opponent_key), np.asarray(again.opponent_key))
-    info = {"win": np.array([1, 0, 1, 0, 0, 0], bool), "draw": np.array([0, 1, 0, 0, 1, 0], bool),
-            "loss": np.array([0, 0, 0, 1, 0, 1], bool)}
+    info = {
+        "win": np.array([1, 0, 1, 0, 0, 0], bool),
+        "draw": np.array([0, 1, 0, 0, 1, 0], bool),
+        "loss": np.array([0, 0, 0, 1, 0, 1], bool),
+    }
     out = suite.extra(info, ids)
     assert out["x/win_rate"] == pytest.approx(2 / 3) and out["o/win_rate"] == 0.0
     assert out["o/loss_rate"] == pytest.approx(2 / 3) and out["x/draw_rate"] == pytest.approx(1 / 3)

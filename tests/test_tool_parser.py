@@ -80,8 +80,26 @@ def test_reference_parser_grammar(text, expected):
 def _other_tokenizer():
     """A GPT-2-regex byte-level BPE with a different vocabulary; <tool_call> is NOT one token here."""
     rng = random.Random(0)
-    words = ["tool", "call", "name", "square", "arguments", "choose", "<", ">", "{", "}", '"', ":", ",", "é", "中",
-             "🙂", "\n", "  "]
+    words = [
+        "tool",
+        "call",
+        "name",
+        "square",
+        "arguments",
+        "choose",
+        "<",
+        ">",
+        "{",
+        "}",
+        '"',
+        ":",
+        ",",
+        "é",
+        "中",
+        "🙂",
+        "\n",
+        "  ",
+    ]
     corpus = ["".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(20)) for _ in range(400)]
     corpus += [call(CANON)] * 50
     raw = tokenizer_lib.train_byte_level_bpe(corpus, 300, special_tokens=("<|endoftext|>", "<|im_end|>"))
@@ -230,14 +248,64 @@ WS = st.sampled_from(["", "", "", "", " ", " ", " ", "  ", "\n", "\t", "\r\n", "
 VALUES = st.one_of(
     st.integers(1, 9).map(str),
     st.integers(-12, 15).map(str),
-    st.sampled_from(["05", "-0", "00", "-05", "5.0", "5e0", "1E1", "5.", '"5"', "true", "false", "null", "[5]",
-                     "{}", "+5", "-", "", "9" * 25, "5 5", "NaN", "-Infinity", "0x5", "٥", "5}"]),
+    st.sampled_from(
+        [
+            "05",
+            "-0",
+            "00",
+            "-05",
+            "5.0",
+            "5e0",
+            "1E1",
+            "5.",
+            '"5"',
+            "true",
+            "false",
+            "null",
+            "[5]",
+            "{}",
+            "+5",
+            "-",
+            "",
+            "9" * 25,
+            "5 5",
+            "NaN",
+            "-Infinity",
+            "0x5",
+            "٥",
+            "5}",
+        ]
+    ),
 )
-NAMES = st.sampled_from(['"choose_square"'] * 8 + ['"choose_squares"', '"Choose_square"', '""', "choose_square",
-                         '"\\u0063hoose_square"', '"choose_square', "5", '"choose\\_square"'])
+NAMES = st.sampled_from(
+    ['"choose_square"'] * 8
+    + [
+        '"choose_squares"',
+        '"Choose_square"',
+        '""',
+        "choose_square",
+        '"\\u0063hoose_square"',
+        '"choose_square',
+        "5",
+        '"choose\\_square"',
+    ]
+)
 KEYS = st.sampled_from(["name", "arguments", "square", "nam", "Name", "id"])
-PREFIXES = st.sampled_from(["", "", "<think>I take 5.</think>", "Sure. ", "<think>\n", "</tool_call>", "<tool_",
-                            "<|im_end|>", "é中🙂 ", "<tool_call>", "<<tool_call"])
+PREFIXES = st.sampled_from(
+    [
+        "",
+        "",
+        "<think>I take 5.</think>",
+        "Sure. ",
+        "<think>\n",
+        "</tool_call>",
+        "<tool_",
+        "<|im_end|>",
+        "é中🙂 ",
+        "<tool_call>",
+        "<<tool_call",
+    ]
+)
 SUFFIXES = st.sampled_from(["", "<|im_end|>", call(CANON), "</tool_call>", " trailing", "<tool_call>"])
 
 
@@ -277,7 +345,7 @@ def wellformed_calls(draw):
     """Only legal JSON variations: whitespace, key order, any integer (ok or out_of_range), text around."""
     ws = st.sampled_from(["", " ", "  ", "\n", "\t", "\r\n", " \n\t "])
     w = lambda: draw(ws)  # noqa: E731
-    value = str(draw(st.one_of(st.integers(1, 9), st.integers(-10**30, 10**30))))
+    value = str(draw(st.one_of(st.integers(1, 9), st.integers(-(10**30), 10**30))))
     args = "{" + w() + '"square"' + w() + ":" + w() + value + w() + "}"
     members = ['"name"' + w() + ":" + w() + '"choose_square"', '"arguments"' + w() + ":" + w() + args]
     if draw(st.booleans()):
@@ -286,8 +354,9 @@ def wellformed_calls(draw):
     return draw(PREFIXES) + call(body) + draw(SUFFIXES)
 
 
-HYP = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                      HealthCheck.too_slow])
+HYP = settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @pytest.mark.parametrize("which", ["shipped", "other"])
@@ -317,8 +386,9 @@ def test_token_garbage_agrees(setups, which, data):
     pieces = [_encode(tok, s) for s in ["<tool_call>", "</tool_call>", call(CANON), '{"square": ', "}}", "7"]]
     rows = []
     for _ in range(B):
-        parts = data.draw(st.lists(st.one_of(st.lists(st.integers(0, len(tok) - 1), max_size=6),
-                                             st.sampled_from(pieces)), max_size=8))
+        parts = data.draw(
+            st.lists(st.one_of(st.lists(st.integers(0, len(tok) - 1), max_size=6), st.sampled_from(pieces)), max_size=8)
+        )
         rows.append([i for p in parts for i in p])
     assert_parsers_agree(tok, tables, rows)
 
@@ -356,8 +426,10 @@ def _feed_bytes(grammar, state, data):
 def test_token_table_is_the_byte_automaton_lifted(setups):
     g = tp._grammar()
     # The grammar is a fixed shape: a small automaton, independent of the tokenizer.
-    print(f"\n[parser] automaton states: {g.num_states} (product before minimization: {g.raw_states}); "
-          f"token table at a 157k vocab: {g.num_states * 157_000 * 2 / 2**20:.0f} MiB (int16)")
+    print(
+        f"\n[parser] automaton states: {g.num_states} (product before minimization: {g.raw_states}); "
+        f"token table at a 157k vocab: {g.num_states * 157_000 * 2 / 2**20:.0f} MiB (int16)"
+    )
     assert g.num_states <= 160 and g.next.shape == g.op.shape == (g.num_states, 256)
     assert g.accept_state != g.bad_state
     for s in (g.accept_state, g.bad_state):  # closed calls are absorbing and never touch the register

@@ -39,13 +39,14 @@ def make_batch(params, seed=0, ragged=True):
     starts = rng.integers(1, 3, B) if ragged else np.full(B, 2)
     ends = rng.integers(3, L + 1, B) if ragged else np.full(B, L)
     for i in range(B):
-        mask[i, starts[i]:ends[i]] = True
+        mask[i, starts[i] : ends[i]] = True
     if ragged:
         mask[B - 1] = False  # an all-prompt row
     reward = ((tokens < 8) & mask).sum(1).astype(np.float32)
     adv = losses.group_advantages(reward, 4)
-    batch = TrainBatch(tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask), old_logp=jnp.zeros((B, L)),
-                       advantages=adv)
+    batch = TrainBatch(
+        tokens=jnp.asarray(tokens), loss_mask=jnp.asarray(mask), old_logp=jnp.zeros((B, L)), advantages=adv
+    )
     logp = toy_logp_fn(params, batch).logp
     return batch.replace(old_logp=jnp.where(batch.loss_mask, logp, 0.0))
 
@@ -74,16 +75,16 @@ _OPTS = {
 def get_step(loss_name, opt_name, M=1, K=1, shuffle=False):
     """(optimizer, jitted step), cached so tests share compilations (CPU compiles dominate the runtime)."""
     opt = _OPTS[opt_name]()
-    return opt, trainer.make_train_step(toy_logp_fn, losses.LOSSES[loss_name], opt, num_minibatches=M,
-                                        num_microbatches=K, shuffle=shuffle)
+    return opt, trainer.make_train_step(
+        toy_logp_fn, losses.LOSSES[loss_name], opt, num_minibatches=M, num_microbatches=K, shuffle=shuffle
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 def test_schedule_warmup_then_cosine():
     s = trainer.make_lr_schedule(1e-3, 1e-4, warmup_steps=4, total_steps=14)
     # Warmup: linear from learning_rate / warmup_steps (not 0: the first update counts) to the peak at update 4.
-    np.testing.assert_allclose([float(s(n)) for n in range(5)], [2.5e-4, 4.375e-4, 6.25e-4, 8.125e-4, 1e-3],
-                               rtol=1e-6)
+    np.testing.assert_allclose([float(s(n)) for n in range(5)], [2.5e-4, 4.375e-4, 6.25e-4, 8.125e-4, 1e-3], rtol=1e-6)
     np.testing.assert_allclose(float(s(9)), 1e-4 + 0.5 * 9e-4, rtol=1e-5)  # half-way through the cosine
     assert float(s(5)) < 1e-3 and float(s(13)) > 1e-4  # decaying, not there yet
     np.testing.assert_allclose(float(s(14)), 1e-4, rtol=1e-5)
@@ -94,10 +95,9 @@ def test_schedule_warmup_then_cosine():
     cos = trainer.make_lr_schedule(2e-3, 1e-4, warmup_steps=0, total_steps=4)
     np.testing.assert_allclose([float(cos(n)) for n in (0, 2, 4, 9)], [2e-3, 1.05e-3, 1e-4, 1e-4], rtol=1e-5)
     const = trainer.make_lr_schedule(2e-3, warmup_steps=0)
-    assert float(const(0)) == pytest.approx(2e-3) and float(const(10 ** 6)) == pytest.approx(2e-3)
+    assert float(const(0)) == pytest.approx(2e-3) and float(const(10**6)) == pytest.approx(2e-3)
     warm_const = trainer.make_lr_schedule(2e-3, warmup_steps=4)
-    np.testing.assert_allclose([float(warm_const(n)) for n in (0, 2, 4, 10 ** 6)], [5e-4, 1.25e-3, 2e-3, 2e-3],
-                               rtol=1e-6)
+    np.testing.assert_allclose([float(warm_const(n)) for n in (0, 2, 4, 10**6)], [5e-4, 1.25e-3, 2e-3, 2e-3], rtol=1e-6)
     # total_steps == warmup_steps: the peak at the end of warmup, end_learning_rate from the next update.
     short = trainer.make_lr_schedule(1e-3, 1e-4, warmup_steps=2, total_steps=2)
     np.testing.assert_allclose([float(short(n)) for n in range(5)], [5e-4, 7.5e-4, 1e-3, 1e-4, 1e-4], rtol=1e-5)
@@ -167,7 +167,7 @@ def test_quantized_moment_roundtrip():
     assert qv.codes.dtype == jnp.uint8
     back = np.asarray(jax.jit(trainer._dequantize_nonneg, static_argnums=1)(qv, v.shape))
     assert np.all((back > 0) == (np.asarray(v) > 0)), "non-zero second moments must stay non-zero"
-    big = np.asarray(v) > 1e-6 * bmax ** 2  # well inside the companded range
+    big = np.asarray(v) > 1e-6 * bmax**2  # well inside the companded range
     rel = np.abs(back[big] - np.asarray(v)[big]) / np.asarray(v)[big]
     assert rel.max() < 0.25 and np.median(rel) < 0.05
 
@@ -326,8 +326,19 @@ def test_donation_and_metric_shapes():
     for k, v in m.items():
         chex.assert_shape(v, ())
         chex.assert_type(v, jnp.float32)
-    assert {"loss", "grad_norm", "grad_norm_max", "skipped", "skipped_updates", "clip_frac", "ratio_mean",
-            "approx_kl", "entropy", "policy_loss", "normalizer"} <= set(m)
+    assert {
+        "loss",
+        "grad_norm",
+        "grad_norm_max",
+        "skipped",
+        "skipped_updates",
+        "clip_frac",
+        "ratio_mean",
+        "approx_kl",
+        "entropy",
+        "policy_loss",
+        "normalizer",
+    } <= set(m)
     new_state, _ = step(new_state, batch)  # donated buffers reused without error
     assert int(new_state.step) == 2
 
@@ -357,15 +368,17 @@ def test_bad_batches_raise():
     with pytest.raises(ValueError, match="leading dimension"):  # an optional field is checked once set
         step(fresh_state(opt), batch.replace(valid=jnp.ones((4, L), bool)))
     # A loss input the batch does not set.
-    keyed = trainer.make_train_step(toy_logp_fn, losses.with_forking_entropy_bonus(losses.gspo_loss, 0.1), opt,
-                                    loss_batch_keys=("entropy_scale",))
+    keyed = trainer.make_train_step(
+        toy_logp_fn, losses.with_forking_entropy_bonus(losses.gspo_loss, 0.1), opt, loss_batch_keys=("entropy_scale",)
+    )
     with pytest.raises(ValueError, match="entropy_scale"):
         keyed(fresh_state(opt), batch)
     _, m = keyed(fresh_state(opt), batch.replace(entropy_scale=jnp.full((B,), 0.5)))  # set: reaches the loss
     np.testing.assert_allclose(float(m["forking_entropy_coef"]), 0.05, rtol=1e-6)
     # A logp_fn of the old signature (a tuple).
-    tupled = trainer.make_train_step(lambda p, b: (toy_logp_fn(p, b).logp, toy_logp_fn(p, b).entropy),
-                                     losses.gspo_loss, opt)
+    tupled = trainer.make_train_step(
+        lambda p, b: (toy_logp_fn(p, b).logp, toy_logp_fn(p, b).entropy), losses.gspo_loss, opt
+    )
     with pytest.raises(TypeError, match="PolicyOutput"):
         tupled(fresh_state(opt), batch)
 
@@ -416,6 +429,7 @@ def test_compressed_adam_init_is_quantized_zeros():
 
 # ---------------------------------------------------------------------------------------------- update guard
 
+
 def _probe_shift(params, batch, rows):
     probe = jax.tree.map(lambda v: v[:rows], batch)
     logp = toy_logp_fn(params, probe).logp
@@ -430,8 +444,15 @@ def test_update_guard_halves_large_updates(lr):
     limit, rows, backtracks = 0.05, 4, 3
     opt = optax.sgd(lr)
     plain = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, donate=False)
-    guarded = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, donate=False, max_logp_shift=limit,
-                                      shift_probe_rows=rows, shift_backtracks=backtracks)
+    guarded = trainer.make_train_step(
+        toy_logp_fn,
+        losses.gspo_loss,
+        opt,
+        donate=False,
+        max_logp_shift=limit,
+        shift_probe_rows=rows,
+        shift_backtracks=backtracks,
+    )
     state = trainer.create_train_state(toy_params(), opt, 0)
     batch = make_batch(state.params, ragged=False)
     s_plain, _ = plain(state, batch)
@@ -443,7 +464,7 @@ def test_update_guard_halves_large_updates(lr):
         assert scale == 1.0
         chex.assert_trees_all_equal(s_guard.params, s_plain.params)
         return
-    assert scale in [0.5 ** k for k in range(1, backtracks + 1)] + [0.0]
+    assert scale in [0.5**k for k in range(1, backtracks + 1)] + [0.0]
     # SGD: the update is linear in the gradient, so the applied params are exactly the scaled update.
     expected = jax.tree.map(lambda p, q: p + scale * (q - p), state.params, s_plain.params)
     chex.assert_trees_all_close(s_guard.params, expected, atol=1e-6)
@@ -451,9 +472,9 @@ def test_update_guard_halves_large_updates(lr):
         assert _probe_shift(s_guard.params, batch, rows) <= limit * (1 + 1e-5)
         # ... and the step before the last halving was over the limit (it halves only as far as it must).
         over = jax.tree.map(lambda p, q: p + 2 * scale * (q - p), state.params, s_plain.params)
-        assert scale == 0.5 ** backtracks or _probe_shift(over, batch, rows) > limit or scale == 0.5
+        assert scale == 0.5**backtracks or _probe_shift(over, batch, rows) > limit or scale == 0.5
     else:
-        last = jax.tree.map(lambda p, q: p + 0.5 ** backtracks * (q - p), state.params, s_plain.params)
+        last = jax.tree.map(lambda p, q: p + 0.5**backtracks * (q - p), state.params, s_plain.params)
         assert _probe_shift(last, batch, rows) > limit
 
 
@@ -463,8 +484,9 @@ def test_update_guard_flags():
         trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, max_logp_shift=-1.0)
     with pytest.raises(ValueError, match="shift_probe_rows >= 1"):
         trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, max_logp_shift=0.1)
-    step = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, max_logp_shift=0.1, shift_probe_rows=B + 1,
-                                   donate=False)
+    step = trainer.make_train_step(
+        toy_logp_fn, losses.gspo_loss, opt, max_logp_shift=0.1, shift_probe_rows=B + 1, donate=False
+    )
     state = trainer.create_train_state(toy_params(), opt, 0)
     with pytest.raises(ValueError, match="exceeds the micro-batch"):
         step(state, make_batch(state.params))
@@ -483,8 +505,9 @@ def test_frozen_tree_is_read_not_trained():
     trained = {"a": 0.1 * jax.random.normal(jax.random.PRNGKey(4), (V, 2)), "b": jnp.zeros((2, V))}
     batch = make_batch(base, seed=9, ragged=False)
     opt, lr = optax.sgd(0.5), 0.5
-    step = trainer.make_train_step(toy_logp_fn, losses.gspo_loss, opt, combine=_low_rank_combine,
-                                   max_logp_shift=10.0, shift_probe_rows=4)
+    step = trainer.make_train_step(
+        toy_logp_fn, losses.gspo_loss, opt, combine=_low_rank_combine, max_logp_shift=10.0, shift_probe_rows=4
+    )
     state = trainer.create_train_state(trained, trainer.make_optimizer(1e-2), 0)
     chex.assert_trees_all_equal_structs(state.opt_state[1].mu, trained)  # Adam's moments: the trained tree only
     state = trainer.create_train_state(jax.tree.map(jnp.copy, trained), opt, 0)  # donated
@@ -500,8 +523,7 @@ def test_frozen_tree_is_read_not_trained():
     g = jax.grad(direct)(trained)
     assert float(jnp.abs(g["b"]).max()) > 0
     assert float(m["update_scale"]) == 1.0
-    chex.assert_trees_all_close(new.params, jax.tree.map(lambda p, gg: p - lr * gg, trained, g), rtol=1e-5,
-                                atol=1e-7)
+    chex.assert_trees_all_close(new.params, jax.tree.map(lambda p, gg: p - lr * gg, trained, g), rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="frozen tree exactly when"):
         step(new, batch)
     with pytest.raises(ValueError, match="frozen tree exactly when"):

@@ -26,8 +26,10 @@ def _to_scalar(name: str, value: Any) -> float | int | bool:
         return value
     arr = np.asarray(value)  # also pulls jax arrays to the host
     if arr.size != 1 or arr.dtype.kind not in "biuf":
-        raise TypeError(f"metric {name!r} must be a numeric scalar, got {type(value).__name__} of shape "
-                        f"{arr.shape} and dtype {arr.dtype}")
+        raise TypeError(
+            f"metric {name!r} must be a numeric scalar, got {type(value).__name__} of shape "
+            f"{arr.shape} and dtype {arr.dtype}"
+        )
     return arr.reshape(()).item()
 
 
@@ -79,9 +81,11 @@ class MetricsWriter:
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported lazily: only needed when enabled
+
             # purge_step drops events of the steps that will be re-run after a restart.
-            self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_SUBDIR),
-                                     purge_step=start_step + 1 if start_step > 0 else None)
+            self._tb = SummaryWriter(
+                os.path.join(workdir, TENSORBOARD_SUBDIR), purge_step=start_step + 1 if start_step > 0 else None
+            )
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Writes one row. ``metrics``: name -> numeric scalar (python, numpy or jax). Non-finite values are
@@ -133,8 +137,15 @@ def _ema(values: np.ndarray, smoothing: float) -> np.ndarray:
     return out
 
 
-def plot_learning_curves(jsonl_path: str, png_path: str, keys: Sequence[str] | None = None, *,
-                         ncols: int = 3, smoothing: float = 0.0, title: str | None = None) -> str:
+def plot_learning_curves(
+    jsonl_path: str,
+    png_path: str,
+    keys: Sequence[str] | None = None,
+    *,
+    ncols: int = 3,
+    smoothing: float = 0.0,
+    title: str | None = None,
+) -> str:
     """Plots a grid of small panels, one per metric, against ``step``; returns ``png_path``.
 
     Args:
@@ -152,16 +163,20 @@ def plot_learning_curves(jsonl_path: str, png_path: str, keys: Sequence[str] | N
     if keys is None:
         keys = []
         for row in rows:
-            keys.extend(k for k, v in row.items() if k != "step" and k not in keys
-                        and (v is None or isinstance(v, (int, float))))
+            keys.extend(
+                k
+                for k, v in row.items()
+                if k != "step" and k not in keys and (v is None or isinstance(v, (int, float)))
+            )
     keys = list(keys)
     if not keys:
         raise ValueError(f"nothing to plot: no metric keys in {jsonl_path}")
     steps = np.array([row["step"] for row in rows], dtype=np.float64)
     # A curriculum's rows carry their stage: a dashed line where a new stage starts.
     stage_ids = [row.get("stage") for row in rows]
-    boundaries = [steps[i] - 0.5 for i in range(1, len(rows))
-                  if stage_ids[i] is not None and stage_ids[i] != stage_ids[i - 1]]
+    boundaries = [
+        steps[i] - 0.5 for i in range(1, len(rows)) if stage_ids[i] is not None and stage_ids[i] != stage_ids[i - 1]
+    ]
     ncols = max(1, min(ncols, len(keys)))
     nrows = math.ceil(len(keys) / ncols)
     fig = Figure(figsize=(3.4 * ncols, 2.5 * nrows), dpi=110)
@@ -176,8 +191,7 @@ def plot_learning_curves(jsonl_path: str, png_path: str, keys: Sequence[str] | N
             ax.axvline(x, color="gray", linestyle="--", linewidth=0.8)
         finite = np.isfinite(vals)
         if not finite.any():
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, fontsize=8,
-                    color="gray")
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="gray")
             continue
         marker = "." if finite.sum() <= 50 else None
         if smoothing > 0:

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -74,14 +73,16 @@ def check_fits(saved: Any, target: Any, what: str) -> None:
     Orbax itself only says "Requested shape (4, 2) is not compatible with the stored shape (4, 3)" without the
     leaf, after starting every read; this names the parameter first (`params/...`) and reads nothing.
     """
+
     def flat(tree):
         return {"/".join(map(str, k)): v for k, v in ocp.tree.to_flat_dict(tree).items()}
 
     saved = flat(saved)
     wanted = flat(ocp.tree.serialize_tree(_abstract(target), keep_empty_nodes=True))
     params_first = lambda k: (not k.startswith("params/"), k)  # noqa: E731
-    shapes = sorted((k for k in wanted if k in saved and tuple(saved[k].shape) != tuple(wanted[k].shape)),
-                    key=params_first)
+    shapes = sorted(
+        (k for k in wanted if k in saved and tuple(saved[k].shape) != tuple(wanted[k].shape)), key=params_first
+    )
     only_saved = sorted(set(saved) - set(wanted), key=params_first)
     only_here = sorted(set(wanted) - set(saved), key=params_first)
     if not (shapes or only_saved or only_here):
@@ -89,12 +90,17 @@ def check_fits(saved: Any, target: Any, what: str) -> None:
     problems = [f"{k} is {list(saved[k].shape)} in the checkpoint but {list(wanted[k].shape)} here" for k in shapes[:3]]
     if len(shapes) > 3:
         problems.append(f"{len(shapes) - 3} more leaves have other shapes")
-    for names, where in ((only_saved, "the checkpoint has {n} leaves this model lacks"),
-                         (only_here, "this model has {n} leaves the checkpoint lacks")):
+    for names, where in (
+        (only_saved, "the checkpoint has {n} leaves this model lacks"),
+        (only_here, "this model has {n} leaves the checkpoint lacks"),
+    ):
         if names:
             problems.append(where.format(n=len(names)) + f" (e.g. {', '.join(names[:2])})")
-    raise RestoreError(f"{what} does not fit this model: " + "; ".join(problems) +
-                       " (was it written with another model config? nothing was restored)")
+    raise RestoreError(
+        f"{what} does not fit this model: "
+        + "; ".join(problems)
+        + " (was it written with another model config? nothing was restored)"
+    )
 
 
 class Checkpointer:
@@ -107,19 +113,29 @@ class Checkpointer:
       async_save: write in a background thread (call ``wait``/``close`` before reading or exiting).
     """
 
-    def __init__(self, workdir: str, *, max_to_keep: int | None = 3, save_interval_steps: int = 1,
-                 async_save: bool = True, subdir: str = CHECKPOINT_SUBDIR):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        max_to_keep: int | None = 3,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+        subdir: str = CHECKPOINT_SUBDIR,
+    ):
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         self.directory = os.path.abspath(os.path.join(workdir, subdir))
         self.save_interval_steps = int(save_interval_steps)
         # The interval is applied in ``save`` (orbax would also save the very first step it sees, whatever it is).
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=async_save)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+        )
         # The item handlers are named up front so that `item_metadata` can read a checkpoint before any restore.
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
+            self.directory,
+            options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()},
+        )
 
     # -- queries ---------------------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -139,8 +155,9 @@ class Checkpointer:
         step = int(state.step) if step is None else int(step)
         if (not force and step % self.save_interval_steps) or step in self._manager.all_steps():
             return False
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  config=ocp.args.JsonSave(to_jsonable(config) or {}))
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(to_jsonable(config) or {})
+        )
         return bool(self._manager.save(step, args=args, force=True))
 
     def restore(self, target_state: Any, step: int | None = None) -> Any | None:
@@ -152,10 +169,12 @@ class Checkpointer:
         step = self._manager.latest_step() if step is None else step
         if step is None:
             return None
-        check_fits(self._manager.item_metadata(step)["state"].tree, target_state,
-                   f"checkpoint {step} in {self.directory}")
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(target_state))))
+        check_fits(
+            self._manager.item_metadata(step)["state"].tree, target_state, f"checkpoint {step} in {self.directory}"
+        )
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target_state)))
+        )
         return restored.state
 
     def restore_config(self, step: int | None = None) -> dict | None:

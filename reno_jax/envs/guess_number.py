@@ -31,10 +31,18 @@ MAX_NUMBER = 16
 MAX_GUESSES = 5
 NUMBERS = tuple(str(k) for k in range(MAX_NUMBER + 1))  # option k is the text of k (0 unused)
 
-TOOL = {"type": "function", "function": {
-    "name": "guess", "description": "Guess the secret number.",
-    "parameters": {"type": "object", "properties": {
-        "number": {"type": "integer", "minimum": 1, "maximum": MAX_NUMBER}}, "required": ["number"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "guess",
+        "description": "Guess the secret number.",
+        "parameters": {
+            "type": "object",
+            "properties": {"number": {"type": "integer", "minimum": 1, "maximum": MAX_NUMBER}},
+            "required": ["number"],
+        },
+    },
+}
 
 # Message values: [the last guess, the lowest and the highest number the answers so far allow]. Tool templates: what
 # the answer says.
@@ -43,11 +51,13 @@ CHAT = ChatSpec(
     system=f"Find the secret number from 1 to {MAX_NUMBER} with the guess tool. Each answer says higher or lower.",
     tools=(TOOL,),
     user=((f"I picked a number. You have {MAX_GUESSES} guesses.",),),
-    tool=((Slot(0, NUMBERS), " is too high. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
-          (Slot(0, NUMBERS), " is too low. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
-          (Slot(0, NUMBERS), " is right!"),
-          ("Out of guesses.",),
-          ("Invalid call.",)),
+    tool=(
+        (Slot(0, NUMBERS), " is too high. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
+        (Slot(0, NUMBERS), " is too low. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
+        (Slot(0, NUMBERS), " is right!"),
+        ("Out of guesses.",),
+        ("Invalid call.",),
+    ),
     tool_continues=(True, True, False, False, False),
     num_values=3,
 )
@@ -86,8 +96,14 @@ class GuessNumberEnv(interface.TextEnv):
         return MAX_GUESSES
 
     def reset(self, start: Start):
-        state = State(secret=start.secret.astype(jnp.int32), guesses=jnp.int32(0), found=jnp.bool_(False),
-                      low=jnp.int32(1), high=jnp.int32(MAX_NUMBER), wasted=jnp.int32(0))
+        state = State(
+            secret=start.secret.astype(jnp.int32),
+            guesses=jnp.int32(0),
+            found=jnp.bool_(False),
+            low=jnp.int32(1),
+            high=jnp.int32(MAX_NUMBER),
+            wasted=jnp.int32(0),
+        )
         return state, interface.Message(jnp.int32(0), jnp.zeros((3,), jnp.int32))
 
     def step(self, state: State, call: interface.ToolCall) -> interface.Step:
@@ -103,16 +119,21 @@ class GuessNumberEnv(interface.TextEnv):
         new = State(secret=state.secret, guesses=guesses, found=found, low=low, high=high, wasted=wasted)
         info = dict(found=found, invalid=~call.ok, guesses=guesses, wasted=wasted)
         message = interface.Message(template.astype(jnp.int32), jnp.stack([guess, low, high]))
-        return interface.Step(state=new, message=message, reward=reward.astype(jnp.float32),
-                              done=found | out | ~call.ok, info=info)
+        return interface.Step(
+            state=new, message=message, reward=reward.astype(jnp.float32), done=found | out | ~call.ok, info=info
+        )
 
     def state_key(self, state: State):
         """The interval the answers leave and the guesses made: what the next guess can depend on."""
         return (state.guesses * (MAX_NUMBER + 1) + state.low) * (MAX_NUMBER + 1) + state.high
 
     def episode_metrics(self):
-        return {"found_rate": interface.rate("found", plot=True), "invalid_rate": interface.rate("invalid"),
-                "guesses_mean": interface.mean_of("guesses", plot=True), "wasted_mean": interface.mean_of("wasted")}
+        return {
+            "found_rate": interface.rate("found", plot=True),
+            "invalid_rate": interface.rate("invalid"),
+            "guesses_mean": interface.mean_of("guesses", plot=True),
+            "wasted_mean": interface.mean_of("wasted"),
+        }
 
 
 def consistent_guess(state: State, key: jax.Array):
@@ -141,5 +162,10 @@ def eval_suites(config) -> dict[str, interface.EvalSuite]:
     return {"secrets": interface.EvalSuite(num_episodes=MAX_NUMBER, starts=starts)}
 
 
-registry.register("guess_number", lambda env_config, **overrides: GuessNumberEnv(),
-                  lambda config: sample_starts, make_teacher, eval_suites=eval_suites)
+registry.register(
+    "guess_number",
+    lambda env_config, **overrides: GuessNumberEnv(),
+    lambda config: sample_starts,
+    make_teacher,
+    eval_suites=eval_suites,
+)

@@ -37,7 +37,6 @@ from typing import Any, Callable, Mapping
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.protocol.messages import Message, ToolCall  # noqa: F401  (the interface speaks them)
@@ -311,8 +310,10 @@ class BoardView:
         """``int32 [num_rows]``: the action of each teacher call row; raises ValueError when they do not fit."""
         actions = np.arange(num_rows) if self.call_actions is None else np.asarray(self.call_actions)
         if actions.shape != (num_rows,) or np.any(actions < 0) or np.any(actions >= self.num_actions):
-            raise ValueError(f"BoardView.call_actions must give one action in 0..{self.num_actions - 1} per "
-                             f"teacher call row ({num_rows} rows)")
+            raise ValueError(
+                f"BoardView.call_actions must give one action in 0..{self.num_actions - 1} per "
+                f"teacher call row ({num_rows} rows)"
+            )
         return actions.astype(np.int32)
 
     def format(self, board) -> str:
@@ -322,8 +323,7 @@ class BoardView:
         """``int8 [rows, cols]`` of a board string; raises ValueError (one line) for a malformed or impossible one."""
         n = self.rows * self.cols
         if not isinstance(text, str) or len(text) != n:
-            raise ValueError(f"a board is {n} characters of {self.chars!r}, row by row from the top left; "
-                             f"got {text!r}")
+            raise ValueError(f"a board is {n} characters of {self.chars!r}, row by row from the top left; got {text!r}")
         lowered = text.lower() if self.chars == self.chars.lower() else text  # X and x alike, unless they differ
         bad = sorted({c for c in lowered if c not in self.chars})
         if bad:

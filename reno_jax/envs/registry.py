@@ -48,15 +48,23 @@ class Entry:
 
 
 _ENTRIES: dict[str, Entry] = {}
-_BUILTIN = {"tictactoe": "reno_jax.envs.tictactoe.registration", "connect4": "reno_jax.envs.connect4.registration",
-            "guess_number": "reno_jax.envs.guess_number", "sokoban": "reno_jax.envs.sokoban.registration"}
+_BUILTIN = {
+    "tictactoe": "reno_jax.envs.tictactoe.registration",
+    "connect4": "reno_jax.envs.connect4.registration",
+    "guess_number": "reno_jax.envs.guess_number",
+    "sokoban": "reno_jax.envs.sokoban.registration",
+}
 
 
-def register(name: str, make_env: Callable[..., interface.TextEnv],
-             make_sampler: Callable[[Any], Callable[[Any, int], Any]],
-             make_teacher: Callable[[Any, interface.TextEnv], interface.Teacher] | None = None, *,
-             eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None,
-             board_view: Callable[[Any], interface.BoardView] | None = None) -> Entry:
+def register(
+    name: str,
+    make_env: Callable[..., interface.TextEnv],
+    make_sampler: Callable[[Any], Callable[[Any, int], Any]],
+    make_teacher: Callable[[Any, interface.TextEnv], interface.Teacher] | None = None,
+    *,
+    eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None,
+    board_view: Callable[[Any], interface.BoardView] | None = None,
+) -> Entry:
     """Registers (or replaces) an environment under `name`; returns its entry."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"an environment name must be a non-empty string, got {name!r}")
@@ -64,8 +72,14 @@ def register(name: str, make_env: Callable[..., interface.TextEnv],
     for what, fn in (("make_env", make_env), ("make_sampler", make_sampler), *optional):
         if not callable(fn):
             raise TypeError(f"register({name!r}): {what} must be callable, got {fn!r}")
-    entry = Entry(name=name, make_env=make_env, make_sampler=make_sampler, make_teacher=make_teacher,
-                  eval_suites=eval_suites, board_view=board_view)
+    entry = Entry(
+        name=name,
+        make_env=make_env,
+        make_sampler=make_sampler,
+        make_teacher=make_teacher,
+        eval_suites=eval_suites,
+        board_view=board_view,
+    )
     _ENTRIES[name] = entry
     return entry
 
@@ -86,8 +100,10 @@ def get(name: str) -> Entry:
     if name not in _ENTRIES and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])  # registers itself
     if name not in _ENTRIES:
-        raise ValueError(f"unknown environment {name!r}; registered: {names()} (an environment of your own: set "
-                         "env.module to the module that registers it)")
+        raise ValueError(
+            f"unknown environment {name!r}; registered: {names()} (an environment of your own: set "
+            "env.module to the module that registers it)"
+        )
     return _ENTRIES[name]
 
 

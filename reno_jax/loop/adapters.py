@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from reno_jax import run_config
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.errors import RunError
 from reno_jax.loop import build, warmstart
@@ -41,7 +42,7 @@ def trains_adapters(config) -> bool:
 
 
 def adapter_key(config) -> jax.Array:
-    return jax.random.fold_in(jax.random.PRNGKey(config.seed), ADAPTER_KEY_TAG)
+    return jax.random.fold_in(jax.random.PRNGKey(run_config.load(config).seed), ADAPTER_KEY_TAG)
 
 
 def combine(config) -> policy.Adapted | None:
@@ -55,8 +56,9 @@ def frozen_base(config, params):
     (a checkpoint read with `build_model` is int8 already)."""
     if not build.quantization(config):
         return params
-    already = any(isinstance(x, quant.QArray) for x in jax.tree.leaves(
-        params, is_leaf=lambda x: isinstance(x, quant.QArray)))
+    already = any(
+        isinstance(x, quant.QArray) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, quant.QArray))
+    )
     return params if already else _quantize(params)
 
 
@@ -85,17 +87,21 @@ def restore_base(config, workdir: str, tokenizer, layout=None):
     """The frozen base of the LoRA run in `workdir`, rebuilt as the run built it: `model.path`'s weights, or the
     warm start cached in `<workdir>/warmstart` (bit for bit), or the model drawn from `seed` when the run has no
     warm start; then int8 with `model.quantize`. Raises `RunError` when the warm-start cache is missing."""
-    if config.model.get("path", "") or not warmstart.runs_warm_start(config):
+    config = run_config.load(config)
+    if config.model.path or not warmstart.runs_warm_start(config):
         _, params = build.build_model(config, build.run_keys(config)[0], tokenizer, layout)
         return frozen_base(config, params)
     path = os.path.abspath(os.path.join(workdir, warmstart.CACHE_SUBDIR))
     if not os.path.isdir(path):
-        raise RunError(f"--workdir={workdir} is a LoRA run (lora.rank={build.lora_config(config).rank}) whose "
-                       f"checkpoints hold the adapters only; their base, the warm start cached in {path}, is missing")
+        raise RunError(
+            f"--workdir={workdir} is a LoRA run (lora.rank={build.lora_config(config).rank}) whose "
+            f"checkpoints hold the adapters only; their base, the warm start cached in {path}, is missing"
+        )
     _, abstract = build.abstract_model(config, tokenizer)
     if layout is not None:
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-                                layout.param_shardings)
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, layout.param_shardings
+        )
     return frozen_base(config, ckpt_lib.restore_item(path, {"params": abstract})["params"])
 
 

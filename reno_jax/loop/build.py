@@ -1,7 +1,8 @@
 """Builds an experiment's pieces from its config: tokenizer, model, device layout, environment, rollout settings.
 
 Shared by training, evaluation and the play page, so a checkpoint is always used with exactly the model,
-tokenizer and environment it was trained with.
+tokenizer and environment it was trained with. `config`: a `run_config.RunConfig` (a ConfigDict or dict is loaded
+into one first).
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from reno_jax import parallel
+from reno_jax import parallel, run_config
 from reno_jax.envs import registry
 from reno_jax.errors import ConfigError
 from reno_jax.models import conversion, ling3, lora
@@ -19,8 +19,8 @@ from reno_jax.models.config import Ling3Config
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.rollout import rollout as rollout_lib
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
-QUANTIZE = ("", "int8")  # `model.quantize`: the frozen base of a LoRA run in float, or int8 weight-only
+DTYPES = run_config.DTYPES
+QUANTIZE = run_config.QUANTIZE
 
 
 def dtype_of(name: str):
@@ -32,44 +32,37 @@ def dtype_of(name: str):
 
 def run_keys(config) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(key_model, key_sft, key_rl) of `config.seed`: the model's draw, the warm start's, the RL loop's."""
-    key_model, key_sft, key_rl = jax.random.split(jax.random.PRNGKey(config.seed), 3)
+    key_model, key_sft, key_rl = jax.random.split(jax.random.PRNGKey(run_config.load(config).seed), 3)
     return key_model, key_sft, key_rl
 
 
 def lora_config(config) -> lora.LoraConfig:
-    """The run's `lora.LoraConfig` from `config.lora` (rank 0, full fine-tuning, for a config without one)."""
-    section = config.get("lora", None)
-    if not section or not int(section.get("rank", 0)):
-        return lora.LoraConfig()
-    default = lora.LoraConfig()
-    return lora.LoraConfig(rank=int(section.rank), alpha=float(section.get("alpha", default.alpha)),
-                           targets=tuple(section.get("targets", default.targets)),
-                           expert_adapters=str(section.get("expert_adapters", default.expert_adapters)))
+    """The run's `lora.LoraConfig` (`LoraSettings.lora_config`; rank 0: full fine-tuning)."""
+    return run_config.load(config).lora.lora_config()
 
 
 def quantization(config) -> str:
-    """`model.quantize` ('' for a config without it)."""
-    return str(config.model.get("quantize", "") or "")
+    """`model.quantize` ('': a float base)."""
+    return run_config.load(config).model.quantize
 
 
 def build_tokenizer(config):
     """The tokenizer of `config.model.tokenizer_path`, else of `config.model.path`, else the shipped one."""
-    path = config.model.get("tokenizer_path", "") or config.model.get("path", "") or None
+    model = run_config.load(config).model
+    path = model.tokenizer_path or model.path or None
     return tokenizer_lib.load_tokenizer(path)
 
 
 def tiny_model_config(config, vocab_size: int) -> Ling3Config:
     """The embedded tiny Ling-3.0 architecture described by `config.model.tiny`."""
-    fields = dict(config.model.tiny)
-    fields.setdefault("vocab_size", vocab_size)
-    fields["vocab_size"] = max(int(fields["vocab_size"]), vocab_size)
-    return Ling3Config(**fields)
+    return Ling3Config(**run_config.as_plain(run_config.load(config).model.tiny), vocab_size=vocab_size)
 
 
 def model_architecture(config, tokenizer) -> Ling3Config:
     """The run's `Ling3Config`: the HF directory's config.json (`config.model.path`; no weights are read), else
     the embedded tiny architecture `config.model.tiny` sized to the tokenizer."""
-    if config.model.get("path", ""):
+    config = run_config.load(config)
+    if config.model.path:
         return conversion.as_config(conversion.read_config_dict(config.model.path))
     return tiny_model_config(config, len(tokenizer))
 
@@ -79,6 +72,7 @@ def abstract_model(config, tokenizer) -> tuple[Ling3Config, Any]:
 
     A restore target for checkpoints: `evaluate` and resumed runs need the tree's shapes and dtypes only.
     """
+    config = run_config.load(config)
     model_config = model_architecture(config, tokenizer)
     return model_config, conversion.abstract_params(model_config, dtype_of(config.model.dtype))
 
@@ -91,21 +85,23 @@ def build_model(config, key: jax.Array, tokenizer, layout: parallel.Layout | Non
     With `model.quantize`, an HF checkpoint is read straight into int8, leaf by leaf (`from_pretrained(quantize=)`);
     a drawn tiny model stays float (it is warm-started before it is quantized).
     """
+    config = run_config.load(config)
     dtype = dtype_of(config.model.dtype)
     shardings = None if layout is None or layout.single_device else layout.param_shardings
-    if config.model.get("path", ""):
-        return conversion.from_pretrained(config.model.path, dtype=dtype, shardings=shardings,
-                                          quantize=quantization(config) or None)
+    if config.model.path:
+        return conversion.from_pretrained(
+            config.model.path, dtype=dtype, shardings=shardings, quantize=config.model.quantize or None
+        )
     model_config = tiny_model_config(config, len(tokenizer))
     return model_config, ling3.init_params(model_config, key, dtype, shardings)
 
 
 def make_layout(config, model_config: Ling3Config) -> parallel.Layout:
     """The run's device layout from `config.mesh` (absent: one device); errors name the flags and numbers."""
-    mesh_config = parallel.MeshConfig.from_config(config.get("mesh"))
+    config = run_config.load(config)
     try:
-        layout = parallel.Layout.create(model_config, mesh_config)
-        rows = int(config.rollout.boards_per_step)
+        layout = parallel.Layout.create(model_config, config.mesh)
+        rows = config.rollout.boards_per_step
         parallel.check_batch_divides(rows, layout.mesh, what="--config.rollout.boards_per_step")
     except (parallel.MeshError, parallel.ShardingError) as error:
         raise ConfigError(f"--config.mesh: {error}") from None
@@ -114,12 +110,12 @@ def make_layout(config, model_config: Ling3Config) -> parallel.Layout:
 
 def env_entry(config) -> registry.Entry:
     """The registry entry of the config's environment (`env.name`, after importing `env.module` when set)."""
-    return registry.entry_for(config.env)
+    return registry.entry_for(run_config.load(config).env)
 
 
 def make_env(config, **overrides):
     """The config's `TextEnv`; `overrides` replace `config.env` fields (an evaluation suite's)."""
-    return env_entry(config).make_env(config.env, **overrides)
+    return env_entry(config).make_env(run_config.load(config).env, **overrides)
 
 
 def make_compiled_env(config, tokenizer, model_config, env=None, **overrides) -> rollout_lib.CompiledEnv:
@@ -130,33 +126,6 @@ def make_compiled_env(config, tokenizer, model_config, env=None, **overrides) ->
 
 
 def rollout_config(config, *, greedy: bool = False, group_size: int | None = None) -> rollout_lib.RolloutConfig:
-    """The static `RolloutConfig` of `config.rollout` (every field it sets; RolloutConfig's defaults otherwise).
-
-    `greedy` and `group_size` override the config (evaluation decodes greedily, one episode per start).
-    `rollout.parse_max_bytes` 0 means no cap.
-    """
-    r = config.rollout
-    defaults = rollout_lib.RolloutConfig()
-    parse_max_bytes = int(r.get("parse_max_bytes", 0) or 0)
-    return rollout_lib.RolloutConfig(
-        max_new_tokens=int(r.max_new_tokens),
-        max_turns=int(r.max_turns),
-        max_length=int(r.get("max_length", 0)),
-        temperature=float(r.temperature),
-        top_k=int(r.top_k),
-        top_p=float(r.top_p),
-        greedy=bool(greedy),
-        group_size=int(group_size or r.group_size),
-        prefill_chunk=int(r.get("prefill_chunk", defaults.prefill_chunk)),
-        stop_at_tool_call=bool(r.get("stop_at_tool_call", defaults.stop_at_tool_call)),
-        cache_dtype=str(r.get("cache_dtype", defaults.cache_dtype)),
-        parse_max_bytes=parse_max_bytes or None,
-        share_prompt_prefill=bool(r.get("share_prompt_prefill", defaults.share_prompt_prefill)),
-        record_routing=records_routing(config),
-    )
-
-
-def records_routing(config) -> bool:
-    """Whether the rollout records its MoE routing: for routing replay (`rl.routing_replay`) or only for the
-    `train/routing_agreement` metric (`rl.routing_metrics`)."""
-    return bool(config.rl.get("routing_replay", False) or config.rl.get("routing_metrics", False))
+    """The static `RolloutConfig` of the run (`RunConfig.rollout_config`): `greedy` and `group_size` override the
+    config (evaluation decodes greedily, one episode per start)."""
+    return run_config.load(config).rollout_config(greedy=greedy, group_size=group_size)

@@ -17,12 +17,11 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from reno_jax import parallel
+from reno_jax import parallel, run_config
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError
 from reno_jax.loop import build, hosts
 from reno_jax.rollout import rollout as rollout_lib
-
 
 UNBOUNDED_TURNS = 1 << 30  # `TextEnv.max_turns`' default: the environment sets no bound
 
@@ -30,6 +29,7 @@ UNBOUNDED_TURNS = 1 << 30  # `TextEnv.max_turns`' default: the environment sets 
 @dataclasses.dataclass(frozen=True)
 class SuiteResult:
     """One suite's figures (host floats, the environment's names) and its episodes (a host `Trajectory`)."""
+
     name: str
     figures: dict
     trajectory: Any
@@ -37,6 +37,7 @@ class SuiteResult:
 
 def suites_of(config) -> dict[str, interface.EvalSuite]:
     """The evaluation suites the config's environment declares (none: an empty dict)."""
+    config = run_config.load(config)
     entry = build.env_entry(config)
     return dict(entry.eval_suites(config)) if entry.eval_suites is not None else {}
 
@@ -48,7 +49,7 @@ def default_suite_names(config) -> list[str]:
 def in_run_suite_names(config) -> list[str] | None:
     """The suites an evaluation inside a run plays (`eval_every`, `sft.eval_every`): `config.eval_suites`
     ("a,b"), or None (empty: the environment's defaults)."""
-    names = [n.strip() for n in str(config.get("eval_suites", "") or "").split(",") if n.strip()]
+    names = [n.strip() for n in run_config.load(config).eval_suites.split(",") if n.strip()]
     return names or None
 
 
@@ -56,13 +57,16 @@ def resolve_suites(config, names: Sequence[str] | None) -> dict[str, interface.E
     """`names` (None or empty: the defaults) as suites; ConfigError naming the unknown ones and the choices."""
     available = suites_of(config)
     if not available:
-        raise ConfigError(f"env.name={build.env_entry(config).name!r} declares no evaluation suites "
-                          "(registry.register(eval_suites=...))")
+        raise ConfigError(
+            f"env.name={build.env_entry(config).name!r} declares no evaluation suites "
+            "(registry.register(eval_suites=...))"
+        )
     names = list(names or [name for name, suite in available.items() if suite.default])
     unknown = [name for name in names if name not in available]
     if unknown:
-        raise ConfigError(f"unknown evaluation suite(s) {unknown}; {build.env_entry(config).name} offers "
-                          f"{sorted(available)}")
+        raise ConfigError(
+            f"unknown evaluation suite(s) {unknown}; {build.env_entry(config).name} offers {sorted(available)}"
+        )
     return {name: available[name] for name in names}
 
 
@@ -79,9 +83,21 @@ def _mesh_layout(params) -> parallel.Layout | None:
     return None
 
 
-def run_suite(params, model_config, tokenizer, config, name: str, suite: interface.EvalSuite, *, key: jax.Array,
-              greedy: bool = True, batch_size: int = 256, num_episodes: int | None = None, max_length: int = -1,
-              show_progress: bool = True) -> SuiteResult:
+def run_suite(
+    params,
+    model_config,
+    tokenizer,
+    config,
+    name: str,
+    suite: interface.EvalSuite,
+    *,
+    key: jax.Array,
+    greedy: bool = True,
+    batch_size: int = 256,
+    num_episodes: int | None = None,
+    max_length: int = -1,
+    show_progress: bool = True,
+) -> SuiteResult:
     """Plays `suite` and summarises it.
 
     num_episodes: None: the suite's; a scalable suite (random games) plays this many, a fixed set (every position)
@@ -104,11 +120,12 @@ def run_suite(params, model_config, tokenizer, config, name: str, suite: interfa
     k_starts, k_policy = jax.random.split(key)
     outs = []
     batches = range(0, total, size)
-    for start in (hosts.progress(len(batches), desc=f"evaluate {name}") if show_progress else range(len(batches))):
+    for start in hosts.progress(len(batches), desc=f"evaluate {name}") if show_progress else range(len(batches)):
         first = batches[start]
         ids = np.arange(first, first + size)
-        traj = hosts.to_host(fn(params, jax.random.fold_in(k_policy, first), place(suite.starts(k_starts, ids)),
-                                env=env))
+        traj = hosts.to_host(
+            fn(params, jax.random.fold_in(k_policy, first), place(suite.starts(k_starts, ids)), env=env)
+        )
         keep = min(size, total - first)
         outs.append(jax.tree.map(lambda x: np.asarray(x)[:keep], traj))
     traj = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
@@ -130,14 +147,22 @@ def run_suite(params, model_config, tokenizer, config, name: str, suite: interfa
     return SuiteResult(name=name, figures=figures, trajectory=traj)
 
 
-def evaluate(params, model_config, tokenizer, config, suites: Sequence[str] | None = None, *, key: jax.Array,
-             **kwargs) -> dict[str, SuiteResult]:
+def evaluate(
+    params, model_config, tokenizer, config, suites: Sequence[str] | None = None, *, key: jax.Array, **kwargs
+) -> dict[str, SuiteResult]:
     """`run_suite` for each named suite (None: the environment's defaults), in order."""
-    return {name: run_suite(params, model_config, tokenizer, config, name, suite, key=key, **kwargs)
-            for name, suite in resolve_suites(config, suites).items()}
+    config = run_config.load(config)
+    return {
+        name: run_suite(params, model_config, tokenizer, config, name, suite, key=key, **kwargs)
+        for name, suite in resolve_suites(config, suites).items()
+    }
 
 
 def flat_figures(results: dict[str, SuiteResult], prefix: str = "") -> dict[str, float]:
     """`{prefix + suite/figure: value}` of every numeric figure (the one-line JSON and the logged metrics)."""
-    return {f"{prefix}{name}/{k}": v for name, result in results.items() for k, v in result.figures.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        f"{prefix}{name}/{k}": v
+        for name, result in results.items()
+        for k, v in result.figures.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }

@@ -4,8 +4,8 @@ progress; every process takes part in gathering device values to the host."""
 from __future__ import annotations
 
 import jax
-from jax.experimental import multihost_utils
 import tqdm
+from jax.experimental import multihost_utils
 
 
 def is_main_process() -> bool:

@@ -8,20 +8,20 @@ import os
 from typing import Any
 
 import jax
-import ml_collections
 
-from reno_jax import parallel
+from reno_jax import parallel, run_config
 from reno_jax.checkpoint import orbax as ckpt_lib
-from reno_jax.errors import RunError
-from reno_jax.loop import adapters, build, warmstart
-from reno_jax.rl import recipe, trainer
+from reno_jax.errors import ConfigError, RunError
+from reno_jax.loop import adapters, build, recipe, warmstart
+from reno_jax.rl import trainer
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedRun:
     """One checkpoint of a training run: `trained` is what the run trains (`TrainState.params`: the model's
     params, or a LoRA run's adapters) and `base` a LoRA run's frozen base (None otherwise)."""
-    config: ml_collections.ConfigDict
+
+    config: run_config.RunConfig
     tokenizer: Any
     model_config: Any
     trained: Any
@@ -45,42 +45,54 @@ def load_run(workdir: str, step: int | None = None, mesh_config: parallel.MeshCo
     return run.config, run.tokenizer, run.model_config, run.params, run.step
 
 
-def _read_run_config(workdir: str) -> ml_collections.ConfigDict:
+def read_run_config(workdir: str) -> run_config.RunConfig:
+    """The typed config of the training run in `workdir` (its `config.json`, written by this code or older code:
+    `run_config.upgrade`). Raises `RunError` for a workdir without a run or a `config.json` that cannot be read."""
     if not os.path.isdir(workdir):
         raise RunError(f"--workdir={workdir} does not exist; expected the workdir of a training run")
     config_path = os.path.join(workdir, "config.json")
     if not os.path.isfile(config_path):
-        raise RunError(f"--workdir={workdir} holds no training run (no config.json); train one with "
-                       f"python -m experiments.train --config=... --workdir={workdir}")
-    with open(config_path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+        raise RunError(
+            f"--workdir={workdir} holds no training run (no config.json); train one with "
+            f"python -m experiments.train --config=... --workdir={workdir}"
+        )
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        raise RunError(f"{config_path} is not readable JSON: {error}") from None
+    try:
+        return run_config.upgrade(saved)
+    except ConfigError as error:
+        raise RunError(f"{config_path} is not a config this code can run: {error}") from None
 
 
 def load_warm_start(workdir: str, mesh_config: parallel.MeshConfig | None = None) -> SavedRun:
     """The warm start of the training run in `workdir` (its cache, `<workdir>/warmstart`) as a step-0 run: what
     GSPO started from, to evaluate beside the run's checkpoints. Raises `RunError` for a run without a warm
     start (none configured, or its cache is gone)."""
-    config = _read_run_config(workdir)
+    config = read_run_config(workdir)
     if not warmstart.runs_warm_start(config):
         raise RunError(f"--workdir={workdir}: this run has no warm start (sft.num_steps=0 or a model.path)")
     path = os.path.abspath(os.path.join(workdir, warmstart.CACHE_SUBDIR))
     if not os.path.isdir(path):
-        raise RunError(f"--workdir={workdir}: the warm-start cache {path} is missing (a run writes it before its "
-                       f"first GSPO step)")
+        raise RunError(
+            f"--workdir={workdir}: the warm-start cache {path} is missing (a run writes it before its first GSPO step)"
+        )
     tokenizer = build.build_tokenizer(config)
     model_config, abstract = build.abstract_model(config, tokenizer)
     layout = parallel.Layout.create(model_config, mesh_config)
     if adapters.trains_adapters(config):  # the run's base (int8 where it trains over int8), with fresh adapters:
         base = adapters.restore_base(config, workdir, tokenizer, layout)  # B is zero: the model is the base itself
         return SavedRun(config, tokenizer, model_config, adapters.init_trained(config, base), base, 0)
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-                            layout.param_shardings)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, layout.param_shardings
+    )
     params = ckpt_lib.restore_item(path, {"params": abstract})["params"]
     return SavedRun(config, tokenizer, model_config, params, None, 0)
 
 
-def load_checkpoint(workdir: str, step: int | None = None, mesh_config: parallel.MeshConfig | None = None
-                    ) -> SavedRun:
+def load_checkpoint(workdir: str, step: int | None = None, mesh_config: parallel.MeshConfig | None = None) -> SavedRun:
     """A checkpoint of the training run in `workdir` (default: the newest).
 
     The restore target is built from shapes alone (`abstract_model`): no weights are drawn or read before the
@@ -89,18 +101,23 @@ def load_checkpoint(workdir: str, step: int | None = None, mesh_config: parallel
     (`adapters.restore_base`). Raises `RunError` for a workdir without a run, a run without a checkpoint yet, or a
     `step` that has none (the message lists the saved steps).
     """
-    config = _read_run_config(workdir)
+    config = read_run_config(workdir)
     tokenizer = build.build_tokenizer(config)
     model_config, abstract_params = build.abstract_model(config, tokenizer)
     optimizer = recipe.make_optimizer(config)
     layout = parallel.Layout.create(model_config, mesh_config)
-    abstract = layout.abstract_state(jax.eval_shape(
-        lambda p: trainer.create_train_state(adapters.init_trained(config, p), optimizer, 0), abstract_params))
+    abstract = layout.abstract_state(
+        jax.eval_shape(
+            lambda p: trainer.create_train_state(adapters.init_trained(config, p), optimizer, 0), abstract_params
+        )
+    )
     with ckpt_lib.Checkpointer(workdir, async_save=False) as ckpt:
         steps = ckpt.all_steps()
         if not steps:
-            raise RunError(f"--workdir={workdir} has no checkpoint yet under {ckpt_lib.CHECKPOINT_SUBDIR}/ "
-                           f"(a run saves one every checkpoint_every steps)")
+            raise RunError(
+                f"--workdir={workdir} has no checkpoint yet under {ckpt_lib.CHECKPOINT_SUBDIR}/ "
+                f"(a run saves one every checkpoint_every steps)"
+            )
         if step is not None and step not in steps:
             raise RunError(f"--step={step} has no checkpoint in {workdir}; saved steps: {steps}")
         step = steps[-1] if step is None else step

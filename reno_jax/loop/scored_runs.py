@@ -18,8 +18,9 @@ from reno_jax.loop import runs, warmstart
 def add_run_flags(ap: argparse.ArgumentParser) -> None:
     """The flags that name a run's parameters and the games to play."""
     ap.add_argument("--workdir", required=True)
-    ap.add_argument("--warm_start", action="store_true", help="score the run's warm start (default: its newest "
-                    "checkpoint)")
+    ap.add_argument(
+        "--warm_start", action="store_true", help="score the run's warm start (default: its newest checkpoint)"
+    )
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--games", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +29,13 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from reno_jax import run_config
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import interface
-from reno_jax.errors import ConfigError
-from reno_jax.loop import build, evaluation, hosts
-from reno_jax.rl import curriculum, policy, sft, trainer
+from reno_jax.errors import ConfigError, as_config_error
+from reno_jax.loop import build, curriculum, evaluation, hosts
+from reno_jax.rl import policy, sft, trainer
 from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import rollout as rollout_lib
 from reno_jax.rollout import summary as summary_lib
@@ -46,6 +47,7 @@ LOG_SUBDIR = "warmstart_log"  # beside the cache, not in it: the cache directory
 @dataclasses.dataclass(frozen=True)
 class WarmStartResult:
     """The warm-started parameters and what the warm start did (`cached`: restored from the workdir)."""
+
     params: Any
     cached: bool
     final_nll: float = float("nan")
@@ -55,15 +57,21 @@ class WarmStartResult:
     evaluated: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict:
-        return {"cached": self.cached, "final_nll": self.final_nll, "seconds": self.seconds,
-                **{f"teacher/{k}": v for k, v in self.teacher.items()}, **self.evaluated}
+        return {
+            "cached": self.cached,
+            "final_nll": self.final_nll,
+            "seconds": self.seconds,
+            **{f"teacher/{k}": v for k, v in self.teacher.items()},
+            **self.evaluated,
+        }
 
 
 def runs_warm_start(config) -> bool:
     """Whether a run of `config` starts with the supervised warm start: a drawn model (no `model.path`) and
     `sft.num_steps > 0` in its first curriculum stage (the warm start runs once, with that stage's settings)."""
+    config = run_config.load(config)
     first = curriculum.curriculum_stages(config)[0].config
-    return not config.model.get("path", "") and int(first.sft.num_steps) > 0
+    return not config.model.path and first.sft.num_steps > 0
 
 
 def transcript_length(env: rollout_lib.CompiledEnv, calls: sft.CallTable, turns: int, rollout_length: int) -> int:
@@ -73,18 +81,120 @@ def transcript_length(env: rollout_lib.CompiledEnv, calls: sft.CallTable, turns:
     return min(rollout_length, env.prompt_len + turns * width + (turns - 1) * env.response_len)
 
 
-def env_config_for_warm_start(config):
+def env_config_for_warm_start(config) -> run_config.RunConfig:
     """The config the warm start plays: `sft.env` fields (e.g. other opponents) replace `env`'s."""
-    overrides = dict(config.sft.get("env", {}) or {})
+    config = run_config.load(config)
+    overrides = config.sft.env.to_dict()
     if not overrides:
         return config
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.env.update(overrides)
-    return config
+    return dataclasses.replace(config, env=ml_collections.ConfigDict({**config.env.to_dict(), **overrides}))
 
 
-def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layout=None,
-               log: Callable[[int, dict], Any] | None = None) -> WarmStartResult:
+@dataclasses.dataclass(frozen=True)
+class TeacherCalls:
+    """The warm start's environment (compiled), its teacher and the teacher's calls as token rows."""
+
+    env: rollout_lib.CompiledEnv
+    teacher: interface.Teacher
+    calls: sft.CallTable
+
+
+def teacher_calls(config, tokenizer, vocab_size: int) -> TeacherCalls:
+    """The teacher of `config`'s warm start (`sft.env` applied) and its calls, checked: the environment has a
+    teacher, the teacher takes the `sft` options set, its longest call fits a turn (`rollout.max_new_tokens`).
+    Raises `ConfigError` naming the flag."""
+    config = env_config_for_warm_start(config)
+    entry = build.env_entry(config)
+    if entry.make_teacher is None:
+        raise ConfigError(
+            f"--config.sft.num_steps={config.sft.num_steps}: env.name={entry.name!r} has no warm-start "
+            "teacher; set --config.sft.num_steps=0 or register one (registry.register(make_teacher=...))"
+        )
+    try:
+        env = rollout_lib.compile_env(build.make_env(config), tokenizer, vocab_size=vocab_size)
+        teacher = entry.make_teacher(config, env.env)
+    except (ValueError, KeyError, TypeError) as error:
+        raise as_config_error(error) from None
+    schemas = env.env.chat().tools
+    tool_names = [t["function"]["name"] for t in schemas]
+    calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names, schemas)
+    max_new_tokens = config.rollout.max_new_tokens
+    longest = int(np.max(np.asarray(calls.length)))
+    if longest > max_new_tokens:  # such a call never fits a turn: the warm start would train on nothing
+        raise ConfigError(
+            f"--config.rollout.max_new_tokens={max_new_tokens} is shorter than env.name="
+            f"{entry.name!r}'s longest teacher call ({longest} tokens with the turn end); "
+            f"set it to >= {longest}"
+        )
+    if config.sft.soft_targets and not calls.choice_tokens:
+        raise ConfigError(
+            "--config.sft.soft_targets=True needs teacher calls that differ "
+            f"(env.name={entry.name!r}'s teacher has one call)"
+        )
+    return TeacherCalls(env=env, teacher=teacher, calls=calls)
+
+
+def teacher_batches(
+    key: jax.Array,
+    sampler,
+    taught: TeacherCalls,
+    *,
+    batch_size: int,
+    pool: int,
+    turns: int,
+    length: int,
+    soft_targets: bool,
+) -> Iterator[sft.Transcripts]:
+    """Each warm-start step's batch of teacher transcripts (`[batch_size, length]`), played from the sampler's
+    starts: drawn one batch at a time, or (`pool` > 1) `pool` batches at once, handed out as batches of similar
+    lengths (`sft.length_sorted_batches`)."""
+    pending: list[sft.Transcripts] = []
+    while True:
+        if pool == 1:
+            key, k_starts, k_play = jax.random.split(key, 3)
+            yield sft.env_transcripts(
+                k_play,
+                sampler(k_starts, batch_size),
+                taught.env,
+                taught.teacher.policy,
+                taught.calls,
+                max_turns=turns,
+                length=length,
+                soft_targets=soft_targets,
+            )
+            continue
+        if not pending:
+            key, k_starts, k_play, k_order = jax.random.split(key, 4)
+            drawn = sft.env_transcripts(
+                k_play,
+                sampler(k_starts, pool * batch_size),
+                taught.env,
+                taught.teacher.policy,
+                taught.calls,
+                max_turns=turns,
+                length=length,
+                soft_targets=soft_targets,
+            )
+            pending = sft.length_sorted_batches(drawn, batch_size, k_order)
+        yield pending.pop()
+
+
+def check_warm_start(config) -> None:
+    """`teacher_calls`' checks, with the run's tokenizer, before anything is built or written."""
+    tokenizer = build.build_tokenizer(config)
+    teacher_calls(config, tokenizer, len(tokenizer))
+
+
+def warm_start(
+    config,
+    model_config,
+    params,
+    tokenizer,
+    key: jax.Array,
+    *,
+    layout=None,
+    log: Callable[[int, dict], Any] | None = None,
+) -> WarmStartResult:
     """`config.sft.num_steps` supervised steps on teacher transcripts; returns the trained parameters.
 
     `layout` (`parallel.Layout`): where the train state and the batches live (default: as given, one device).
@@ -92,68 +202,54 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     last, the evaluation's figures (``eval/<suite>/<figure>``), played in the run's environment (`config.env`,
     not the warm start's `sft.env`).
     """
-    s = config.sft
-    run_config = config
-    eval_every = int(s.get("eval_every", 0) or 0)  # its range and the suite names: `validate_config`
-    suite_names = evaluation.in_run_suite_names(config)
-    eval_key = jax.random.PRNGKey(int(config.get("seed", 0)) + 1)  # the RL loop's eval key: comparable figures
+    run = run_config.load(config)
+    s = run.sft
+    suite_names = evaluation.in_run_suite_names(run)
+    eval_key = jax.random.PRNGKey(run.seed + 1)  # the RL loop's eval key: comparable figures
     evaluated, eval_seconds = {}, 0.0
-    config = env_config_for_warm_start(config)
-    entry = build.env_entry(config)
-    if entry.make_teacher is None:
-        raise ConfigError(f"--config.sft.num_steps={s.num_steps}: env.name={entry.name!r} has no warm-start teacher;"
-                          " set --config.sft.num_steps=0 or register one (registry.register(make_teacher=...))")
-    env = build.make_compiled_env(config, tokenizer, model_config)
-    teacher = entry.make_teacher(config, env.env)
-    schemas = env.env.chat().tools
-    tool_names = [t["function"]["name"] for t in schemas]
-    calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names,
-                                 schemas)
-    rc = build.rollout_config(config)
-    longest = int(np.max(np.asarray(calls.length)))
-    if longest > rc.max_new_tokens:  # such a call never fits a turn: the warm start would train on nothing
-        raise ConfigError(f"--config.rollout.max_new_tokens={rc.max_new_tokens} is shorter than env.name="
-                          f"{entry.name!r}'s longest teacher call ({longest} tokens with the turn end); "
-                          f"set it to >= {longest}")
+    config = env_config_for_warm_start(run)
+    taught = teacher_calls(config, tokenizer, model_config.vocab_size)
+    env, calls = taught.env, taught.calls
+    rc = config.rollout_config()
     turns = rollout_lib.num_turns(env, rc)
-    length = int(s.get("max_length", 0)) or transcript_length(env, calls, turns,
-                                                              rollout_lib.conversation_length(env, rc))
-    soft = bool(s.get("soft_targets", False))
-    if soft and not calls.choice_tokens:
-        raise ConfigError("--config.sft.soft_targets=True needs teacher calls that differ "
-                          f"(env.name={entry.name!r}'s teacher has one call)")
+    length = s.max_length or transcript_length(env, calls, turns, rollout_lib.conversation_length(env, rc))
+    soft = s.soft_targets
     # the same choice tokens for every row of every batch: placed once
-    soft_ids = jnp.broadcast_to(jnp.asarray(calls.choice_tokens, jnp.int32),
-                                (int(s.batch_size), len(calls.choice_tokens))) if soft else None
-    sampler = entry.make_sampler(config)
-    optimizer = trainer.make_optimizer(s.learning_rate, s.learning_rate * 0.1, min(s.warmup_steps, s.num_steps),
-                                       s.num_steps, weight_decay=0.0, clip_norm=1.0)
+    soft_ids = (
+        jnp.broadcast_to(jnp.asarray(calls.choice_tokens, jnp.int32), (int(s.batch_size), len(calls.choice_tokens)))
+        if soft
+        else None
+    )
+    sampler = build.env_entry(config).make_sampler(config)
+    optimizer = trainer.make_optimizer(
+        s.learning_rate,
+        s.learning_rate * 0.1,
+        min(s.warmup_steps, s.num_steps),
+        s.num_steps,
+        weight_decay=0.0,
+        clip_norm=1.0,
+    )
     state = trainer.create_train_state(params, optimizer, key)
     state = state if layout is None else layout.place_state(state)
     step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
     place = (lambda batch: batch) if layout is None else layout.place_batch
-    bucket = int(config.rl.get("length_bucket", 0))
-    pool = int(s.get("length_pool", 1) or 1)  # its range: `validate_config`
-    pending: list[sft.Transcripts] = []
+    bucket = config.rl.length_bucket
+    pool = s.length_pool
+    batches = teacher_batches(
+        key, sampler, taught, batch_size=s.batch_size, pool=pool, turns=turns, length=length, soft_targets=soft
+    )
     t0, nll, infos = time.time(), float("nan"), []
     bar = hosts.progress(int(s.num_steps), desc="warm start")
     for index in bar:
-        if pool == 1:
-            key, k_starts, k_play = jax.random.split(key, 3)
-            out = sft.env_transcripts(k_play, sampler(k_starts, int(s.batch_size)), env, teacher.policy, calls,
-                                      max_turns=turns, length=length, soft_targets=soft)
-        else:
-            if not pending:
-                key, k_starts, k_play, k_order = jax.random.split(key, 4)
-                drawn = sft.env_transcripts(k_play, sampler(k_starts, pool * int(s.batch_size)), env,
-                                            teacher.policy, calls, max_turns=turns, length=length,
-                                            soft_targets=soft)
-                pending = sft.length_sorted_batches(drawn, int(s.batch_size), k_order)
-            out = pending.pop()
+        out = next(batches)
         tokens = out.tokens
-        batch = TrainBatch(tokens=tokens, valid=out.valid, loss_mask=out.loss_mask,
-                           old_logp=jnp.zeros(tokens.shape, jnp.float32),
-                           advantages=jnp.zeros(tokens.shape[:1], jnp.float32))
+        batch = TrainBatch(
+            tokens=tokens,
+            valid=out.valid,
+            loss_mask=out.loss_mask,
+            old_logp=jnp.zeros(tokens.shape, jnp.float32),
+            advantages=jnp.zeros(tokens.shape[:1], jnp.float32),
+        )
         if soft:
             batch = batch.replace(soft_target_ids=soft_ids, soft_target_weights=out.target_weights)
         if bucket:  # a host read per step, as the loss below is
@@ -164,10 +260,11 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
         infos.append(jax.device_get(out.info))
         step = index + 1
         row = {"sft/nll": nll}
-        if eval_every and (step % eval_every == 0 or step == int(s.num_steps)):
+        if s.eval_every and (step % s.eval_every == 0 or step == s.num_steps):
             t_eval = time.time()
-            results = evaluation.evaluate(state.params, model_config, tokenizer, run_config, suite_names,
-                                          key=eval_key, show_progress=False)
+            results = evaluation.evaluate(
+                state.params, model_config, tokenizer, run, suite_names, key=eval_key, show_progress=False
+            )
             evaluated = evaluation.flat_figures(results, prefix="eval/")
             row.update(evaluated, **{"perf/eval_seconds": time.time() - t_eval})
             eval_seconds += row["perf/eval_seconds"]
@@ -178,13 +275,19 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, *, layou
     if infos:
         info = jax.tree.map(lambda *xs: np.concatenate(xs), *infos)
         teacher_figures = interface.summarize(env.env, info)
-    return WarmStartResult(params=state.params, cached=False, final_nll=nll,
-                           seconds=time.time() - t0 - eval_seconds, teacher=teacher_figures,
-                           evaluated=dict(evaluated, **({"eval_seconds": eval_seconds} if eval_every else {})))
+    return WarmStartResult(
+        params=state.params,
+        cached=False,
+        final_nll=nll,
+        seconds=time.time() - t0 - eval_seconds,
+        teacher=teacher_figures,
+        evaluated=dict(evaluated, **({"eval_seconds": eval_seconds} if s.eval_every else {})),
+    )
 
 
-def cached_warm_start(workdir: str, config, model_config, params, tokenizer, key: jax.Array, *,
-                      layout=None) -> WarmStartResult:
+def cached_warm_start(
+    workdir: str, config, model_config, params, tokenizer, key: jax.Array, *, layout=None
+) -> WarmStartResult:
     """`warm_start`, saved in `workdir/warmstart` and restored from there when a run is resumed or repeated."""
     path = os.path.abspath(os.path.join(workdir, CACHE_SUBDIR))
     if os.path.isdir(path):
@@ -195,12 +298,13 @@ def cached_warm_start(workdir: str, config, model_config, params, tokenizer, key
     if hosts.is_main_process():
         writer = metrics_lib.MetricsWriter(os.path.join(os.path.abspath(workdir), LOG_SUBDIR))
     try:
-        result = warm_start(config, model_config, params, tokenizer, key, layout=layout,
-                            log=None if writer is None else writer.write)
+        result = warm_start(
+            config, model_config, params, tokenizer, key, layout=layout, log=None if writer is None else writer.write
+        )
     finally:
         if writer is not None:
             writer.close()
-    if writer is not None and config.get("plot_every", 0):
+    if writer is not None and run_config.load(config).plot_every:
         plot_warm_start(writer.path, build.make_env(config))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path, {"params": result.params})
@@ -217,6 +321,6 @@ def plot_warm_start(jsonl_path: str, env) -> str:
     plotted = {name.split("/", 1)[1] for name in summary_lib.plotted_metrics(env)}
     seen = dict.fromkeys(k for row in rows for k in row)
     keys = ["sft/nll"] + [k for k in seen if k.startswith("eval/") and k.rsplit("/", 1)[-1] in plotted]
-    return metrics_lib.plot_learning_curves(jsonl_path, os.path.join(os.path.dirname(jsonl_path),
-                                                                     "learning_curves.png"), keys,
-                                            title="warm start")
+    return metrics_lib.plot_learning_curves(
+        jsonl_path, os.path.join(os.path.dirname(jsonl_path), "learning_curves.png"), keys, title="warm start"
+    )

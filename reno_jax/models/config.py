@@ -114,10 +114,24 @@ class Ling3Config:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         errors = []
         self._check_schedule_lists(errors)
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "head_dim", "layer_group_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "short_conv_kernel_size", "n_group",
-                     "topk_group"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "layer_group_size",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "short_conv_kernel_size",
+            "n_group",
+            "topk_group",
+        ):
             if int(getattr(self, name)) <= 0:
                 errors.append(f"{name} must be > 0, got {getattr(self, name)}")
         if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
@@ -131,8 +145,10 @@ class Ling3Config:
         if self.num_experts_per_tok > (self.num_experts // self.n_group) * self.topk_group:
             errors.append("num_experts_per_tok exceeds the experts left after group-limited routing")
         if self.gated_attention_proj_granularity_type not in GATE_KINDS:
-            errors.append(f"gated_attention_proj_granularity_type must be one of {GATE_KINDS}, "
-                          f"got {self.gated_attention_proj_granularity_type!r}")
+            errors.append(
+                f"gated_attention_proj_granularity_type must be one of {GATE_KINDS}, "
+                f"got {self.gated_attention_proj_granularity_type!r}"
+            )
         if self.num_key_value_heads not in (None, self.num_attention_heads):
             errors.append("num_key_value_heads must equal num_attention_heads (MLA has no grouped KV heads)")
         if self.hidden_act != "silu":
@@ -251,8 +267,10 @@ class Ling3Config:
         for name in ("layer_types", "mlp_layer_types"):
             if getattr(cfg, name) is not None:
                 rule = cfg.rule_layer_types() if name == "layer_types" else cfg.rule_mlp_layer_types()
-                warnings.warn(f"config {name} {list(getattr(cfg, name))} differ from the Ling remote code's "
-                              f"schedule {list(rule)}; the config's {name} are used")
+                warnings.warn(
+                    f"config {name} {list(getattr(cfg, name))} differ from the Ling remote code's "
+                    f"schedule {list(rule)}; the config's {name} are used"
+                )
         return cfg
 
     def to_dict(self) -> dict:

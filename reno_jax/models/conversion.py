@@ -100,16 +100,16 @@ EXPERT = "expert"  # HF [out, in] <-> slot `expert` of the stacked Flax leaf [E,
 
 # Logical axes of the parameter dimensions (see `Entry.axes`; mapped to mesh axes by `reno_jax.parallel`):
 LOGICAL_AXES = (
-    "vocab",      # V: embedding rows, lm_head outputs
-    "embed",      # D: the residual stream
-    "heads",      # head-major attention dims (H, or H * a head width): q/k/v/o, gates, conv channels, A_log
-    "head_dim",   # one head's width (KDA's o_norm)
-    "lora",       # low-rank bottlenecks shared by all heads (q_lora_rank, kv_lora_rank + rope, KDA f/g rank)
-    "mlp",        # dense / expert / shared-expert intermediate width
-    "expert",     # E: routed experts
-    "router",     # the router's E outputs (kept whole: routing needs every score)
-    "conv",       # short-conv window W
-    "norm",       # RMSNorm scales
+    "vocab",  # V: embedding rows, lm_head outputs
+    "embed",  # D: the residual stream
+    "heads",  # head-major attention dims (H, or H * a head width): q/k/v/o, gates, conv channels, A_log
+    "head_dim",  # one head's width (KDA's o_norm)
+    "lora",  # low-rank bottlenecks shared by all heads (q_lora_rank, kv_lora_rank + rope, KDA f/g rank)
+    "mlp",  # dense / expert / shared-expert intermediate width
+    "expert",  # E: routed experts
+    "router",  # the router's E outputs (kept whole: routing needs every score)
+    "conv",  # short-conv window W
+    "norm",  # RMSNorm scales
 )
 
 
@@ -145,8 +145,10 @@ class Entry:
 
     def __post_init__(self):
         if len(self.axes) != len(self.flax_shape):
-            raise AssertionError(f"{self.hf_name}: axes {self.axes} do not name the {len(self.flax_shape)} "
-                                 f"dimensions of {self.flax_shape}")
+            raise AssertionError(
+                f"{self.hf_name}: axes {self.axes} do not name the {len(self.flax_shape)} "
+                f"dimensions of {self.flax_shape}"
+            )
         unknown = [a for a in self.axes if a not in LOGICAL_AXES]
         if unknown:
             raise AssertionError(f"{self.hf_name}: unknown logical axes {unknown}")
@@ -175,8 +177,10 @@ class Entry:
 
     def describe(self) -> str:
         flax = "/".join(self.flax_path) + ("" if self.expert is None else f"[{self.expert}]")
-        return (f"{self.hf_name} {list(self.hf_shape)} <-{self.transform}-> {flax} {list(self.flax_shape)} "
-                f"({', '.join(self.axes)})")
+        return (
+            f"{self.hf_name} {list(self.hf_shape)} <-{self.transform}-> {flax} {list(self.flax_shape)} "
+            f"({', '.join(self.axes)})"
+        )
 
 
 def check_config_dict(raw: Mapping[str, Any]) -> None:
@@ -217,21 +221,33 @@ def param_table(config: Any) -> list[Entry]:
     P = H * Dk
     table: list[Entry] = []
 
-    def ident(hf: str, path: tuple[str, ...], shape: tuple[int, ...], axes: tuple[str, ...],
-              float32: bool = False) -> None:
+    def ident(
+        hf: str, path: tuple[str, ...], shape: tuple[int, ...], axes: tuple[str, ...], float32: bool = False
+    ) -> None:
         table.append(Entry(hf, path, shape, shape, IDENTITY, float32=float32, axes=axes))
 
-    def linear(hf: str, path: tuple[str, ...], out_dim: int, in_dim: int, axes: tuple[str, str],
-               float32: bool = False) -> None:
+    def linear(
+        hf: str, path: tuple[str, ...], out_dim: int, in_dim: int, axes: tuple[str, str], float32: bool = False
+    ) -> None:
         """`axes` = (input axis, output axis) of the Flax kernel [in, out]."""
-        table.append(Entry(hf + ".weight", path + ("kernel",), (out_dim, in_dim), (in_dim, out_dim), TRANSPOSE,
-                           float32=float32, axes=axes))
+        table.append(
+            Entry(
+                hf + ".weight",
+                path + ("kernel",),
+                (out_dim, in_dim),
+                (in_dim, out_dim),
+                TRANSPOSE,
+                float32=float32,
+                axes=axes,
+            )
+        )
 
     def norm(hf: str, path: tuple[str, ...], dim: int) -> None:
         ident(hf + ".weight", path + ("scale",), (dim,), ("norm",))
 
-    ident("model.word_embeddings.weight", ("model", "word_embeddings", "embedding"), (c.vocab_size, D),
-          ("vocab", "embed"))
+    ident(
+        "model.word_embeddings.weight", ("model", "word_embeddings", "embedding"), (c.vocab_size, D), ("vocab", "embed")
+    )
     for i, kind in enumerate(c.layer_kinds):
         hp, fp = f"model.layers.{i}.", ("model", f"layers_{i}")
         norm(hp + "input_layernorm", fp + ("input_layernorm",), D)
@@ -243,8 +259,15 @@ def param_table(config: Any) -> list[Entry]:
                 linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D, ("embed", "heads"))
             for name in ("q", "k", "v"):
                 table.append(
-                    Entry(ha + f"{name}_conv1d.weight", fa + (f"{name}_conv1d", "kernel"), (P, 1, W), (W, P), CONV,
-                          float32=True, axes=("conv", "heads"))
+                    Entry(
+                        ha + f"{name}_conv1d.weight",
+                        fa + (f"{name}_conv1d", "kernel"),
+                        (P, 1, W),
+                        (W, P),
+                        CONV,
+                        float32=True,
+                        axes=("conv", "heads"),
+                    )
                 )
             ident(ha + "A_log", fa + ("A_log",), (H,), ("heads",), float32=True)
             ident(ha + "dt_bias", fa + ("dt_bias",), (P,), ("heads",), float32=True)
@@ -286,12 +309,21 @@ def param_table(config: Any) -> list[Entry]:
             linear(hm + "gate", fm + ("gate",), E, D, ("embed", "router"), float32=True)
             ident(hm + "gate.expert_bias", fm + ("gate", "expert_bias"), (E,), ("router",), float32=True)
             for e in range(E):
-                for name, out_dim, in_dim, axes in (("gate_proj", Im, D, ("expert", "embed", "mlp")),
-                                                    ("up_proj", Im, D, ("expert", "embed", "mlp")),
-                                                    ("down_proj", D, Im, ("expert", "mlp", "embed"))):
+                for name, out_dim, in_dim, axes in (
+                    ("gate_proj", Im, D, ("expert", "embed", "mlp")),
+                    ("up_proj", Im, D, ("expert", "embed", "mlp")),
+                    ("down_proj", D, Im, ("expert", "mlp", "embed")),
+                ):
                     table.append(
-                        Entry(hm + f"experts.{e}.{name}.weight", fm + ("experts", name), (out_dim, in_dim),
-                              (E, in_dim, out_dim), EXPERT, expert=e, axes=axes)
+                        Entry(
+                            hm + f"experts.{e}.{name}.weight",
+                            fm + ("experts", name),
+                            (out_dim, in_dim),
+                            (E, in_dim, out_dim),
+                            EXPERT,
+                            expert=e,
+                            axes=axes,
+                        )
                     )
             Is = c.shared_intermediate_size
             if Is:
@@ -485,8 +517,10 @@ def _shardings_for(shardings: Any, config: Any) -> Any:
         return shardings
     if callable(shardings):
         return shardings(config)
-    raise TypeError("shardings must be None, a params tree of shardings or a function config -> such a tree, "
-                    f"got {type(shardings).__name__}")
+    raise TypeError(
+        "shardings must be None, a params tree of shardings or a function config -> such a tree, "
+        f"got {type(shardings).__name__}"
+    )
 
 
 def _quantized_kind(config: Any, flax_path: tuple[str, ...]) -> str | None:
@@ -501,8 +535,13 @@ def _quantized_kind(config: Any, flax_path: tuple[str, ...]) -> str | None:
 _quantize_leaf = jax.jit(quant.quantize_array, static_argnames=("axis", "block"))
 
 
-def from_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None,
-                    quantize: str | None = None, quant_block: int | None = None) -> tuple[Any, dict]:
+def from_pretrained(
+    path: str | os.PathLike,
+    dtype: Any = jnp.float32,
+    shardings: Any = None,
+    quantize: str | None = None,
+    quant_block: int | None = None,
+) -> tuple[Any, dict]:
     """Loads a Ling-3.0 HF checkpoint directory into (Ling3Config, Flax params).
 
     Reads `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards. Tensors are read one
@@ -572,8 +611,13 @@ def _check_tensors(path: Path, config: Ling3Config, table: list[Entry], sources:
     num_layers, num_mtp = config.num_hidden_layers, config.num_nextn_predict_layers
     mtp = sorted(n for n in sources if _mtp_skip(n, num_layers, num_mtp))
     if mtp:
-        logging.info("Skipping %d multi-token-prediction tensors (layers %d..%d), e.g. %s",
-                     len(mtp), num_layers, num_layers + num_mtp - 1, mtp[0])
+        logging.info(
+            "Skipping %d multi-token-prediction tensors (layers %d..%d), e.g. %s",
+            len(mtp),
+            num_layers,
+            num_layers + num_mtp - 1,
+            mtp[0],
+        )
     expected = {e.hf_name: e for e in table}
     present = set(sources) - set(mtp)
     problems = []
@@ -610,6 +654,7 @@ def _leaf_dtype(first: Entry, target: np.dtype | None, stored_dtype: dict[str, s
 def _leaf_reader(entries: list[Entry], sources: dict, stored_dtype: dict[str, str], out_dtype: np.dtype) -> Callable:
     """`read(block) -> np.ndarray`: the Flax leaf of `entries` (one entry, or one per expert), restricted to
     `block` (one slice per Flax dimension), read and converted to `out_dtype`."""
+
     def read(block: tuple[slice, ...]) -> np.ndarray:
         head = entries[0]
         if head.transform != EXPERT:
@@ -620,8 +665,9 @@ def _leaf_reader(entries: list[Entry], sources: dict, stored_dtype: dict[str, st
         out = np.empty((len(experts),) + tuple(s.stop - s.start for s in block[1:]), out_dtype)
         for k, e in enumerate(experts):  # only the experts this block holds
             file, handle = sources[entries[e].hf_name]
-            x = _read_block(file, handle, entries[e].hf_name, stored_dtype[entries[e].hf_name],
-                            _hf_index(entries[e], block[1:]))
+            x = _read_block(
+                file, handle, entries[e].hf_name, stored_dtype[entries[e].hf_name], _hf_index(entries[e], block[1:])
+            )
             out[k] = entries[e].hf_to_flax(x)  # cast on assignment
         return out
 
@@ -700,8 +746,9 @@ def _host_blocks(leaf: Any) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
             yield block, np.asarray(shard.data)
 
 
-def _write_block(entries: Sequence[Entry], views: Mapping[str, np.ndarray], block: tuple[slice, ...],
-                 data: np.ndarray) -> None:
+def _write_block(
+    entries: Sequence[Entry], views: Mapping[str, np.ndarray], block: tuple[slice, ...], data: np.ndarray
+) -> None:
     """Writes the Flax leaf's `block` (`data`) into the HF tensors of its entries (cast on assignment)."""
     head = entries[0]
     if head.transform != EXPERT:
@@ -711,8 +758,10 @@ def _write_block(entries: Sequence[Entry], views: Mapping[str, np.ndarray], bloc
         views[entries[e].hf_name][_hf_index(entries[e], block[1:])] = entries[e].flax_to_hf(data[k])
 
 
-def _write_safetensors(files: Sequence[tuple[Path, Sequence[tuple[str, str, tuple[int, ...]]]]],
-                       fill: Callable[[Mapping[str, np.ndarray]], None]) -> None:
+def _write_safetensors(
+    files: Sequence[tuple[Path, Sequence[tuple[str, str, tuple[int, ...]]]]],
+    fill: Callable[[Mapping[str, np.ndarray]], None],
+) -> None:
     """Writes safetensors files without holding their tensors: each file's header comes first, the file is
     sized and memory-mapped, `fill(views)` writes every tensor through `views` ({name: the C-contiguous
     ndarray of that tensor inside its file}), and the files replace their final names only once complete.
@@ -774,11 +823,14 @@ def save_pretrained(
     must be in this process (a multi-process array raises CheckpointError).
     """
     check_params(params, config)
-    elsewhere = ["/".join(p) for p, leaf in _leaf_paths(params) if isinstance(leaf, jax.Array)
-                 and not leaf.is_fully_addressable]
+    elsewhere = [
+        "/".join(p) for p, leaf in _leaf_paths(params) if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+    ]
     if elsewhere:  # checked before anything in `path` is touched
-        raise CheckpointError(f"save_pretrained needs every shard in this process; {_list_names(elsewhere, 3)} "
-                              "span other processes' devices (restore the checkpoint in one process to export it)")
+        raise CheckpointError(
+            f"save_pretrained needs every shard in this process; {_list_names(elsewhere, 3)} "
+            "span other processes' devices (restore the checkpoint in one process to export it)"
+        )
     table = param_table(config)
     path = Path(path)
     if path.exists() and not path.is_dir():

@@ -63,6 +63,8 @@ def compare_logits(hf_dir: str | os.PathLike, tokens: np.ndarray) -> dict:
         "layer_group_size": config.layer_group_size,
         "layer_types": layer_types,
         "mlp_layer_types": mlp_layer_types,
-        "schedule_matches": (layer_types == list(config.resolved_layer_types)
-                             and mlp_layer_types == list(config.resolved_mlp_layer_types)),
+        "schedule_matches": (
+            layer_types == list(config.resolved_layer_types)
+            and mlp_layer_types == list(config.resolved_mlp_layer_types)
+        ),
     }

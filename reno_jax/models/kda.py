@@ -53,7 +53,7 @@ def causal_conv(x: jax.Array, history: jax.Array, kernel: jax.Array, n_valid: ja
     seq = jnp.concatenate([history.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
     seq32 = seq.astype(jnp.float32)
     k32 = kernel.astype(jnp.float32)
-    y = sum(seq32[:, j:j + t, :] * k32[j] for j in range(w))
+    y = sum(seq32[:, j : j + t, :] * k32[j] for j in range(w))
     idx = n_valid[:, None] + jnp.arange(w - 1)[None, :]  # [B, W-1]
     new_history = jnp.take_along_axis(seq, idx[:, :, None], axis=1).astype(history.dtype)
     return y, new_history
@@ -172,8 +172,7 @@ def kda_chunked(q, k, v, g, beta, valid, state, chunk: int):
     def body(s, xs):
         qd_c, qk_c, w_c, uv_c, k_end_c, decay_c = xs
         u = uv_c - jnp.einsum("bhtk,bhkv->bhtv", w_c, s, precision=hi)
-        o = (jnp.einsum("bhtk,bhkv->bhtv", qd_c, s, precision=hi)
-             + jnp.einsum("bhti,bhiv->bhtv", qk_c, u, precision=hi))
+        o = jnp.einsum("bhtk,bhkv->bhtv", qd_c, s, precision=hi) + jnp.einsum("bhti,bhiv->bhtv", qk_c, u, precision=hi)
         s = decay_c[..., None] * s + jnp.einsum("bhik,bhiv->bhkv", k_end_c, u, precision=hi)
         return s, o
 
@@ -219,12 +218,11 @@ def kda_attention(p: dict, x: jax.Array, config: Ling3Config, valid: jax.Array, 
         new_cache[f"{name}_conv"] = new_hist
         acts.append(jax.nn.silu(y).reshape(b, t, h, dk))
     q, k, v = acts
-    q = l2_normalize(q) * (dk ** -0.5)
+    q = l2_normalize(q) * (dk**-0.5)
     k = l2_normalize(k)
     beta = jax.nn.sigmoid(linear(x, p["b_proj"]["kernel"]).astype(jnp.float32))  # [B, T, H]
     g = forget_gate(p, x, config)
-    state = (jnp.zeros((b, h, dk, dk), jnp.float32) if layer_cache is None
-             else layer_cache["state"].astype(jnp.float32))
+    state = jnp.zeros((b, h, dk, dk), jnp.float32) if layer_cache is None else layer_cache["state"].astype(jnp.float32)
     chunk = chunk_size_for(config)
     if t == 1 or chunk is None:
         o, state = kda_recurrent(q, k, v, g, beta, valid, state)  # o: [B, T, H, Dv] f32

@@ -130,8 +130,7 @@ def swiglu_mlp(p: dict, x: jax.Array) -> jax.Array:
     return linear(h, p["down_proj"]["kernel"])
 
 
-def route(p_gate: dict, x: jax.Array, config: Ling3Config, replay: jax.Array | None = None,
-          return_own: bool = False):
+def route(p_gate: dict, x: jax.Array, config: Ling3Config, replay: jax.Array | None = None, return_own: bool = False):
     """noaux_tc router, all in float32.
 
     x: [N, D]. Returns (weights [N, K] float32, experts [N, K] int32).
@@ -149,8 +148,9 @@ def route(p_gate: dict, x: jax.Array, config: Ling3Config, replay: jax.Array | N
     """
     n, e = x.shape[0], config.num_experts
     g, kg, k = config.n_group, config.topk_group, config.num_experts_per_tok
-    logits = jnp.matmul(x.astype(jnp.float32), p_gate["kernel"].astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = jnp.matmul(
+        x.astype(jnp.float32), p_gate["kernel"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
     scores = jax.nn.sigmoid(logits)
     biased = scores + p_gate["expert_bias"].astype(jnp.float32)
     if g > 1:
@@ -182,8 +182,10 @@ def route(p_gate: dict, x: jax.Array, config: Ling3Config, replay: jax.Array | N
 def _expert_weights(p_experts: dict, dtype):
     """The three expert stacks cast to `dtype` (a `quant.QArray` is dequantized here, one layer at a time); a
     `lora.LoraKernel` stays one, its base applied by `_proj` (the merged stack is never formed)."""
-    return tuple(w if isinstance(w, LoraKernel) else w.astype(dtype)
-                 for w in (p_experts["gate_proj"], p_experts["up_proj"], p_experts["down_proj"]))
+    return tuple(
+        w if isinstance(w, LoraKernel) else w.astype(dtype)
+        for w in (p_experts["gate_proj"], p_experts["up_proj"], p_experts["down_proj"])
+    )
 
 
 def _proj(x: jax.Array, w, first, then=None) -> jax.Array:
@@ -209,6 +211,7 @@ def moe_experts(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.
     token = order // k
     xs = jnp.take(x, token, axis=0)  # [N*K, D]
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
     def rd(v, w):
         return jax.lax.ragged_dot(v, w, group_sizes)
 
@@ -224,8 +227,9 @@ def blocked_dispatch_pays(num_assignments: int, num_experts: int, block_rows: in
     return min(num_experts, num_assignments) * (block_rows - 1) <= num_assignments
 
 
-def moe_experts_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.Array,
-                        block_rows: int = BLOCK_ROWS) -> jax.Array:
+def moe_experts_blocked(
+    p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, block_rows: int = BLOCK_ROWS
+) -> jax.Array:
     """Exact dispatch as one batched matmul over fixed-size blocks of rows, each block owned by one expert.
 
     p_experts: gate_proj/up_proj [E, D, Im], down_proj [E, Im, D]; x: [N, D]; weights/experts: [N, K].
@@ -247,14 +251,18 @@ def moe_experts_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, exper
     rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_expert]
     dest = (padded_end - padded)[sorted_expert] + rank  # [A], increasing
     # Inverse map: padded row -> sorted assignment (A marks a padding row, which reads a zero row of x).
-    source = jnp.full((num_blocks * b,), a, jnp.int32).at[dest].set(
-        jnp.arange(a, dtype=jnp.int32), indices_are_sorted=True, unique_indices=True)
+    source = (
+        jnp.full((num_blocks * b,), a, jnp.int32)
+        .at[dest]
+        .set(jnp.arange(a, dtype=jnp.int32), indices_are_sorted=True, unique_indices=True)
+    )
     token = jnp.concatenate([order // k, jnp.full((1,), n, order.dtype)])
     x_pad = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])
     xs = jnp.take(x_pad, token[source], axis=0).reshape(num_blocks, b, d)  # [nb, b, D]
     # Expert of each block; trailing blocks past the last expert's rows are all padding (any expert will do).
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks, dtype=jnp.int32) * b,
-                                                side="right"), num_experts - 1)
+    block_expert = jnp.minimum(
+        jnp.searchsorted(padded_end, jnp.arange(num_blocks, dtype=jnp.int32) * b, side="right"), num_experts - 1
+    )
 
     # Weights per block as a one-hot matmul rather than a gather: the gradient is then a matmul too, where the
     # gather's would be a scatter-add, which XLA:GPU compiles into a huge kernel (a 64 MB PTX module per
@@ -277,6 +285,7 @@ def moe_experts_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, exper
 def moe_dense_reference(p_experts: dict, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """Same result as `moe_experts`, running every expert on every token (tests only)."""
     wg, wu, wd = _expert_weights(p_experts, x.dtype)
+
     def first(v, w):  # [N, D] x [E, D, I] -> [E, N, I]
         return jnp.einsum("nd,edi->eni", v, w)
 
@@ -344,8 +353,15 @@ def _grouped_blocked(p_experts: dict, x: jax.Array, weights: jax.Array, experts:
     return hints.constrain_rows(out).reshape(n, d)
 
 
-def moe(p: dict, x: jax.Array, config: Ling3Config, *, dense_reference: bool = False,
-        replay: jax.Array | None = None, return_routing: bool = False):
+def moe(
+    p: dict,
+    x: jax.Array,
+    config: Ling3Config,
+    *,
+    dense_reference: bool = False,
+    replay: jax.Array | None = None,
+    return_routing: bool = False,
+):
     """MoE block. p: {'gate', 'experts', 'shared_experts'}; x: [B, T, D] -> [B, T, D].
 
     replay: optional int [B, T, K] experts to use per token (-1 rows: route normally; see `route`).

@@ -35,11 +35,23 @@ from reno_jax.models.layers import embed, head_logits, moe, rms_norm, swiglu_mlp
 from reno_jax.models.mla import mla_attention
 from reno_jax.sharding import hints
 
-__all__ = ["Ling3Config", "ling3_tiny_real", "tiny_test_config", "init_params", "init_cache", "forward",
-           "token_logprobs", "Routing", "moe_layer_indices", "count_params", "param_shapes"]
+__all__ = [
+    "Ling3Config",
+    "ling3_tiny_real",
+    "tiny_test_config",
+    "init_params",
+    "init_cache",
+    "forward",
+    "token_logprobs",
+    "Routing",
+    "moe_layer_indices",
+    "count_params",
+    "param_shapes",
+]
 
 
 # ---------------------------------------------------------------------------------------------- parameters
+
 
 def _attention_shapes(config: Ling3Config, kind: str) -> dict:
     """{path tuple: (shape, init kind)} for one attention block."""
@@ -83,17 +95,28 @@ def _mlp_shapes(config: Ling3Config, moe_layer: bool) -> dict:
     d = config.hidden_size
     if not moe_layer:
         i = config.intermediate_size
-        return {("gate_proj", "kernel"): ((d, i), "linear"), ("up_proj", "kernel"): ((d, i), "linear"),
-                ("down_proj", "kernel"): ((i, d), "linear")}
+        return {
+            ("gate_proj", "kernel"): ((d, i), "linear"),
+            ("up_proj", "kernel"): ((d, i), "linear"),
+            ("down_proj", "kernel"): ((i, d), "linear"),
+        }
     e, im = config.num_experts, config.moe_intermediate_size
-    out = {("gate", "kernel"): ((d, e), "router"), ("gate", "expert_bias"): ((e,), "zeros32"),
-           ("experts", "gate_proj"): ((e, d, im), "linear"), ("experts", "up_proj"): ((e, d, im), "linear"),
-           ("experts", "down_proj"): ((e, im, d), "linear")}
+    out = {
+        ("gate", "kernel"): ((d, e), "router"),
+        ("gate", "expert_bias"): ((e,), "zeros32"),
+        ("experts", "gate_proj"): ((e, d, im), "linear"),
+        ("experts", "up_proj"): ((e, d, im), "linear"),
+        ("experts", "down_proj"): ((e, im, d), "linear"),
+    }
     if config.num_shared_experts > 0:
         s = config.shared_intermediate_size
-        out.update({("shared_experts", "gate_proj", "kernel"): ((d, s), "linear"),
-                    ("shared_experts", "up_proj", "kernel"): ((d, s), "linear"),
-                    ("shared_experts", "down_proj", "kernel"): ((s, d), "linear")})
+        out.update(
+            {
+                ("shared_experts", "gate_proj", "kernel"): ((d, s), "linear"),
+                ("shared_experts", "up_proj", "kernel"): ((d, s), "linear"),
+                ("shared_experts", "down_proj", "kernel"): ((s, d), "linear"),
+            }
+        )
     return out
 
 
@@ -215,7 +238,8 @@ def _block_program(normal: bool, size: int, dtypes: tuple, impl: str | None):
 
     def draw(keys, p0, p1, mode):
         flat = jax.vmap(lambda k, a, b, m: _draw(normal, jax.random.wrap_key_data(k, impl=impl), (size,), a, b, m))(
-            keys, p0, p1, mode)
+            keys, p0, p1, mode
+        )
         return {d: flat.astype(d) for d in dtypes}
 
     return jax.jit(draw)
@@ -228,10 +252,11 @@ def _draw_model(specs, key_data: np.ndarray, impl, p0, p1, mode) -> list | None:
     values = [None] * len(specs)
     blocks = []
     for normal in (True, False):
-        members = [j for j, (_, kind, _) in enumerate(specs)
-                   if kind in _RANDOM_KINDS and (kind in _NORMAL_KINDS) == normal]
+        members = [
+            j for j, (_, kind, _) in enumerate(specs) if kind in _RANDOM_KINDS and (kind in _NORMAL_KINDS) == normal
+        ]
         for start in range(0, len(members), _ROWS):
-            rows = members[start:start + _ROWS]
+            rows = members[start : start + _ROWS]
             size = 1 << max(max(math.prod(specs[j][0]) for j in rows) - 1, 0).bit_length()
             blocks.append((normal, size, rows))
     if sum(_ROWS * size for _, size, _ in blocks) > _MODEL_PROGRAM_MAX:
@@ -243,7 +268,7 @@ def _draw_model(specs, key_data: np.ndarray, impl, p0, p1, mode) -> list | None:
         block = jax.device_get(_block_program(normal, size, dtypes, impl)(keys, p0[padded], p1[padded], mode[padded]))
         for r, j in enumerate(rows):
             shape, _, dtype = specs[j]
-            values[j] = jnp.asarray(block[dtype.name][r, :math.prod(shape)].reshape(shape))
+            values[j] = jnp.asarray(block[dtype.name][r, : math.prod(shape)].reshape(shape))
     for j, (shape, kind, dtype) in enumerate(specs):
         if values[j] is None:  # the constant leaves
             values[j] = jnp.asarray(np.full(shape, p0[j], dtype))
@@ -273,13 +298,14 @@ def _flat_shardings(shardings, paths) -> dict:
     walk(shardings, ())
     if set(flat) != set(paths):
         missing, extra = sorted(set(paths) - set(flat)), sorted(set(flat) - set(paths))
-        raise ValueError(f"shardings do not match the parameters: missing {['/'.join(p) for p in missing][:5]}, "
-                         f"unexpected {['/'.join(p) for p in extra][:5]}")
+        raise ValueError(
+            f"shardings do not match the parameters: missing {['/'.join(p) for p in missing][:5]}, "
+            f"unexpected {['/'.join(p) for p in extra][:5]}"
+        )
     return flat
 
 
-def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, shardings=None,
-                leaf_transform=None) -> dict:
+def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, shardings=None, leaf_transform=None) -> dict:
     """Random parameters (HF-style init: N(0, initializer_range) linears and embeddings, unit norms, zero
     expert_bias, A = exp(A_log) ~ U(1, 16), dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1), short-conv
     kernels U(-1/sqrt(W), 1/sqrt(W))), drawn with `jax.random`: leaf i of the path-sorted parameter list from
@@ -299,8 +325,12 @@ def init_params(config: Ling3Config, key: jax.Array, dtype=jnp.float32, sharding
     items = sorted(param_shapes(config).items())
     paths = [path for path, _ in items]
     specs = [(tuple(shape), kind, _leaf_dtype(kind, dtype)) for _, (shape, kind) in items]
-    p0, p1, mode = (np.asarray(x, t) for x, t in zip(
-        zip(*(_init_args(kind, shape, config) for _, (shape, kind) in items)), (np.float32, np.float32, np.int32)))
+    p0, p1, mode = (
+        np.asarray(x, t)
+        for x, t in zip(
+            zip(*(_init_args(kind, shape, config) for _, (shape, kind) in items)), (np.float32, np.float32, np.int32)
+        )
+    )
     key_data, impl = _key_data(key)
     try:  # host data when the key is concrete: a multi-process program takes it as one value for every process
         key_data = np.asarray(key_data)
@@ -335,6 +365,7 @@ def count_params(config: Ling3Config) -> dict:
 
 # ---------------------------------------------------------------------------------------------- cache
 
+
 def init_cache(config: Ling3Config, batch_size: int, max_length: int, dtype=jnp.float32) -> dict:
     """Empty decode cache for `batch_size` rows of up to `max_length` tokens (see module docstring)."""
     b, h, dk = batch_size, config.num_attention_heads, config.head_dim
@@ -343,15 +374,21 @@ def init_cache(config: Ling3Config, batch_size: int, max_length: int, dtype=jnp.
     for kind in config.layer_kinds:
         if kind == "kda":
             conv = jnp.zeros((b, w - 1, h * dk), dtype)
-            layers.append({"q_conv": conv, "k_conv": conv, "v_conv": conv,
-                           "state": jnp.zeros((b, h, dk, dk), jnp.float32)})
+            layers.append(
+                {"q_conv": conv, "k_conv": conv, "v_conv": conv, "state": jnp.zeros((b, h, dk, dk), jnp.float32)}
+            )
         else:
-            layers.append({"latent": jnp.zeros((b, max_length, config.kv_lora_rank), dtype),
-                           "k_rope": jnp.zeros((b, max_length, config.qk_rope_head_dim), dtype)})
+            layers.append(
+                {
+                    "latent": jnp.zeros((b, max_length, config.kv_lora_rank), dtype),
+                    "k_rope": jnp.zeros((b, max_length, config.qk_rope_head_dim), dtype),
+                }
+            )
     return {"length": jnp.zeros((b,), jnp.int32), "layers": tuple(layers)}
 
 
 # ---------------------------------------------------------------------------------------------- forward
+
 
 def _check_inputs(params, config, input_ids, cache, valid):
     if not isinstance(config, Ling3Config):
@@ -396,8 +433,19 @@ def _tree_bytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, replay=None, *, config: Ling3Config,
-                   index: int, return_routing: bool = False):
+def _decoder_layer(
+    p: dict,
+    x: jax.Array,
+    lc,
+    valid,
+    positions,
+    length,
+    replay=None,
+    *,
+    config: Ling3Config,
+    index: int,
+    return_routing: bool = False,
+):
     """One pre-norm decoder layer: x -> (x + attention, + MLP), the layer's new cache, and for MoE layers with
     `return_routing` the (used, own) expert ids [B, T, K] (else None). replay: int [B, T, K] or None."""
     eps = config.rms_norm_eps
@@ -426,9 +474,19 @@ def _decoder_layer(p: dict, x: jax.Array, lc, valid, positions, length, replay=N
     return x + y, lc, routing
 
 
-def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict | None = None, *,
-            valid: jax.Array | None = None, return_hidden: bool = False, remat: bool = False,
-            replay_experts: jax.Array | None = None, return_routing: bool = False, apply_head: bool = True):
+def forward(
+    params: dict,
+    config: Ling3Config,
+    input_ids: jax.Array,
+    cache: dict | None = None,
+    *,
+    valid: jax.Array | None = None,
+    return_hidden: bool = False,
+    remat: bool = False,
+    replay_experts: jax.Array | None = None,
+    return_routing: bool = False,
+    apply_head: bool = True,
+):
     """Causal LM forward.
 
     input_ids: [B, T] int; valid: [B, T] bool, a left-aligned prefix of real tokens per row (default all True).
@@ -455,8 +513,9 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     moe_layers = moe_layer_indices(config)
     k = config.num_experts_per_tok
     if replay_experts is not None and replay_experts.shape != (b, t, len(moe_layers), k):
-        raise ValueError(f"replay_experts must be [B={b}, T={t}, n_moe={len(moe_layers)}, K={k}], "
-                         f"got {replay_experts.shape}")
+        raise ValueError(
+            f"replay_experts must be [B={b}, T={t}, n_moe={len(moe_layers)}, K={k}], got {replay_experts.shape}"
+        )
     valid = jnp.ones((b, t), jnp.bool_) if valid is None else jnp.asarray(valid, jnp.bool_)
     length = None if cache is None else cache["length"].astype(jnp.int32)
     positions = jnp.arange(t, dtype=jnp.int32)[None, :] + (0 if length is None else length[:, None])
@@ -508,10 +567,12 @@ def forward(params: dict, config: Ling3Config, input_ids: jax.Array, cache: dict
     if return_hidden:
         out += (jnp.stack(hidden),)
     if return_routing:
+
         def stack(ids):  # n_moe x [B, T, K] -> [B, T, n_moe, K], -1 on invalid tokens
             if not ids:
                 return jnp.zeros((b, t, 0, k), jnp.int32)
             return jnp.where(valid[:, :, None, None], jnp.stack(ids, axis=2), -1)
+
         out += (Routing(experts=stack(used), own=stack(own)),)
     return out
 
@@ -524,8 +585,13 @@ def lm_head(params: dict, config: Ling3Config):
     return params["lm_head"]["kernel"]
 
 
-def token_logprobs(params: dict, config: Ling3Config, tokens: jax.Array, valid: jax.Array | None = None,
-                   replay_experts: jax.Array | None = None):
+def token_logprobs(
+    params: dict,
+    config: Ling3Config,
+    tokens: jax.Array,
+    valid: jax.Array | None = None,
+    replay_experts: jax.Array | None = None,
+):
     """logp [B, L] float32 with logp[:, t] = log p(tokens[:, t] | tokens[:, :t]); logp[:, 0] = 0 and 0 wherever
     `valid` is False. replay_experts: optional int [B, L, n_moe, K] routing to replay (see `forward`)."""
     logits, _ = forward(params, config, tokens, valid=valid, replay_experts=replay_experts)

@@ -60,8 +60,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LoraConfig", "LoraKernel", "TARGETS", "TABLE_TARGETS", "ALL_TARGETS", "weight_kind", "projections", "init_adapters", "apply", "merge",
-           "adapter_shapes", "count_adapter_params"]
+__all__ = [
+    "LoraConfig",
+    "LoraKernel",
+    "TARGETS",
+    "TABLE_TARGETS",
+    "ALL_TARGETS",
+    "weight_kind",
+    "projections",
+    "init_adapters",
+    "apply",
+    "merge",
+    "adapter_shapes",
+    "count_adapter_params",
+]
 
 TARGETS = ("kda", "mla", "mlp", "experts", "shared_experts")
 # Opt-in: the token tables. A pretrained model's embeddings rarely need adapting, but a small model trained from
@@ -99,6 +111,7 @@ class LoraConfig:
 
 
 # ---------------------------------------------------------------------------------------------- adapted weight
+
 
 def _delta(a, b, dtype):
     """A @ B in `dtype` (per-expert [E, in, r] @ [E, r, out] or one [in, r] @ [r, out])."""
@@ -175,6 +188,7 @@ class LoraKernel:
 
 # ---------------------------------------------------------------------------------------------- walking params
 
+
 def _walk(tree, prefix=()):
     """(path, leaf) of a nested dict, in sorted key order; non-dict values are leaves."""
     for k in sorted(tree):
@@ -197,8 +211,12 @@ def weight_kind(path: tuple, is_kda: bool | None = None) -> str | None:
         return None
     block, rest = path[2], path[3:]
     if block == "attention":
-        if len(rest) == 2 and rest[1] == "kernel" and rest[0].endswith("_proj") or rest in (
-                ("dense", "kernel"), ("kv_a_proj_with_mqa", "kernel")):
+        if (
+            len(rest) == 2
+            and rest[1] == "kernel"
+            and rest[0].endswith("_proj")
+            or rest in (("dense", "kernel"), ("kv_a_proj_with_mqa", "kernel"))
+        ):
             if is_kda is None:
                 raise ValueError(f"attention path {path} needs is_kda")
             return "kda" if is_kda else "mla"
@@ -245,6 +263,7 @@ def _set(tree, path, value):
 
 # ---------------------------------------------------------------------------------------------- adapters
 
+
 def adapter_shapes(params: dict, config: LoraConfig) -> dict:
     """{path: (A shape, B shape)} of the adapters `init_adapters` makes for `params` (shapes only)."""
     out = {}
@@ -286,8 +305,10 @@ def _check(params, adapters, config):
     if got != expected:
         missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
         wrong = sorted(p for p in set(got) & set(expected) if got[p] != expected[p])
-        raise ValueError(f"adapters do not match the params and LoraConfig: missing {missing[:3]}, unexpected "
-                         f"{extra[:3]}, wrong shapes {[(p, got[p], expected[p]) for p in wrong[:3]]}")
+        raise ValueError(
+            f"adapters do not match the params and LoraConfig: missing {missing[:3]}, unexpected "
+            f"{extra[:3]}, wrong shapes {[(p, got[p], expected[p]) for p in wrong[:3]]}"
+        )
 
 
 def apply(params: dict, adapters: dict, config: LoraConfig) -> dict:

@@ -46,8 +46,9 @@ def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
     return out.reshape(x.shape).astype(x.dtype)
 
 
-def mla_attention(p: dict, x: jax.Array, config: Ling3Config, valid: jax.Array, positions: jax.Array,
-                  layer_cache=None, length=None):
+def mla_attention(
+    p: dict, x: jax.Array, config: Ling3Config, valid: jax.Array, positions: jax.Array, layer_cache=None, length=None
+):
     """MLA layer. x: [B, T, D] (normed layer input); valid: [B, T]; positions: [B, T] int32 (length + t).
 
     layer_cache: None (keys = this chunk, causal among its tokens) or {'latent': [B, S, r], 'k_rope': [B, S, dr]}
@@ -63,8 +64,10 @@ def mla_attention(p: dict, x: jax.Array, config: Ling3Config, valid: jax.Array, 
     if config.q_lora_rank is None:
         q = linear(x, p["q_proj"]["kernel"])
     else:
-        q = linear(rms_norm(linear(x, p["q_a_proj"]["kernel"]), p["q_a_layernorm"]["scale"], LATENT_NORM_EPS),
-                   p["q_b_proj"]["kernel"])
+        q = linear(
+            rms_norm(linear(x, p["q_a_proj"]["kernel"]), p["q_a_layernorm"]["scale"], LATENT_NORM_EPS),
+            p["q_b_proj"]["kernel"],
+        )
     q = q.reshape(b, t, h, dn + dr)
     q_nope, q_rope = q[..., :dn], rope_interleaved(q[..., dn:], positions, config.rope_theta)
 
@@ -113,8 +116,9 @@ def mla_attention(p: dict, x: jax.Array, config: Ling3Config, valid: jax.Array, 
     for start in range(0, t, block):
         end = min(t, start + block)
         seen = end if layer_cache is None else k_main.shape[1]
-        scores = (einsum_f32(score_spec, q_main[:, start:end], k_main[:, :seen])
-                  + einsum_f32("bthd,bsd->bhts", q_rope[:, start:end], keys_r[:, :seen]))
+        scores = einsum_f32(score_spec, q_main[:, start:end], k_main[:, :seen]) + einsum_f32(
+            "bthd,bsd->bhts", q_rope[:, start:end], keys_r[:, :seen]
+        )
         scores = scores * ((dn + dr) ** -0.5)
         scores = jnp.where(mask[:, None, start:end, :seen], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1)

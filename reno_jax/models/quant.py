@@ -45,7 +45,7 @@ QMAX = 127
 
 def _blocked_shape(shape, axis, block):
     ax = axis % len(shape)
-    return tuple(shape[:ax]) + (shape[ax] // block, block) + tuple(shape[ax + 1:]), ax
+    return tuple(shape[:ax]) + (shape[ax] // block, block) + tuple(shape[ax + 1 :]), ax
 
 
 @jax.tree_util.register_dataclass
@@ -144,8 +144,9 @@ def quantize(params: dict, which=QUANT_TARGETS, block: int | None = None) -> dic
 
 def dequantize(qparams: dict) -> dict:
     """The float params of a quantized tree (every `QArray` dequantized to its original dtype)."""
-    return jax.tree.map(lambda x: x.dequantize() if isinstance(x, QArray) else x, qparams,
-                        is_leaf=lambda x: isinstance(x, QArray))
+    return jax.tree.map(
+        lambda x: x.dequantize() if isinstance(x, QArray) else x, qparams, is_leaf=lambda x: isinstance(x, QArray)
+    )
 
 
 def count_bytes(params: Any) -> int:

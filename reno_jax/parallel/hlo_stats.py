@@ -28,8 +28,27 @@ from typing import Iterable
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s2": 0.25,
+    "u2": 0.25,
+}
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _COMP = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*->.*\{\s*$|^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\{\s*$")
@@ -108,8 +127,9 @@ def _multipliers(comps, entry):
             for key, callee in _CALLEE.findall(rest):
                 if callee in comps:
                     unknown_body = key == "body" and opcode == "while" and not _TRIP.search(rest)
-                    calls[comp].append((callee, factor if key == "body" else 1,
-                                        f"{comp}/{name}" if unknown_body else None))
+                    calls[comp].append(
+                        (callee, factor if key == "body" else 1, f"{comp}/{name}" if unknown_body else None)
+                    )
             for group in _BRANCHES.findall(rest):
                 for callee in re.findall(r"%?([\w.\-]+)", group):
                     if callee in comps:
@@ -169,18 +189,34 @@ def collective_ops(hlo_text: str) -> tuple[list[dict], list[str]]:
             n = group_size(rest, num_partitions)
             if kind == "collective-permute":
                 pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
-                moving = [p for p in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}") if p[0] != p[1]] if pairs \
-                    else [None]
+                moving = (
+                    [p for p in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}") if p[0] != p[1]] if pairs else [None]
+                )
                 traffic = operand if moving else 0
             else:
                 frac = (n - 1) / n if n > 0 else 0.0
-                traffic = {"all-gather": result * frac, "reduce-scatter": operand * frac,
-                           "all-reduce": 2 * operand * frac, "all-to-all": operand * frac}[kind]
+                traffic = {
+                    "all-gather": result * frac,
+                    "reduce-scatter": operand * frac,
+                    "all-reduce": 2 * operand * frac,
+                    "all-to-all": operand * frac,
+                }[kind]
             meta = re.search(r'op_name="([^"]*)"', rest)
-            ops.append({"kind": kind, "name": name, "computation": comp, "times": times, "group_size": n,
-                        "operand_bytes": operand, "result_bytes": result, "traffic_bytes": traffic,
-                        "op_name": meta.group(1) if meta else "", "unknown_loop": in_unknown.get(comp),
-                        "loop_nesting": nesting.get(in_unknown.get(comp), 0)})
+            ops.append(
+                {
+                    "kind": kind,
+                    "name": name,
+                    "computation": comp,
+                    "times": times,
+                    "group_size": n,
+                    "operand_bytes": operand,
+                    "result_bytes": result,
+                    "traffic_bytes": traffic,
+                    "op_name": meta.group(1) if meta else "",
+                    "unknown_loop": in_unknown.get(comp),
+                    "loop_nesting": nesting.get(in_unknown.get(comp), 0),
+                }
+            )
     return ops, unknown
 
 
@@ -195,8 +231,9 @@ def collective_bytes(hlo_text: str) -> dict:
         o["operand_bytes"] += t * op["operand_bytes"]
         o["result_bytes"] += t * op["result_bytes"]
         o["traffic_bytes"] += int(round(t * op["traffic_bytes"]))
-    out["total"] = {f: sum(out[k][f] for k in KINDS) for f in ("count", "operand_bytes", "result_bytes",
-                                                                 "traffic_bytes")}
+    out["total"] = {
+        f: sum(out[k][f] for k in KINDS) for f in ("count", "operand_bytes", "result_bytes", "traffic_bytes")
+    }
     out["unknown_trip_counts"] = unknown
     # The part of the above inside each loop of unknown trip count (a decode loop that stops early), per
     # iteration of that loop (ops of a loop nested in it are listed under the inner loop, not here); "nesting":

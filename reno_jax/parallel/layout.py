@@ -86,8 +86,9 @@ class Layout:
         """`jax.ShapeDtypeStruct` leaves with this layout's shardings: a checkpoint restored into it lands on
         this mesh, whatever mesh or process count wrote it (also on one device: Orbax needs a target sharding
         to restore a checkpoint that another topology wrote)."""
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-                            self.state_shardings(abstract))
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_shardings(abstract)
+        )
 
     def place_batch(self, tree):
         """Every array's leading (row) dimension split over the batch axes; raises `MeshError` if it does not

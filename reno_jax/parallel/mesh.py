@@ -72,12 +72,16 @@ class MeshConfig:
         fixed = math.prod(v for v in sizes.values() if v != -1)
         if free:
             if num_devices % fixed:
-                raise MeshError(f"mesh {self._describe(sizes)} needs the {num_devices} devices to be a multiple of "
-                                f"{fixed}, the product of the fixed axes")
+                raise MeshError(
+                    f"mesh {self._describe(sizes)} needs the {num_devices} devices to be a multiple of "
+                    f"{fixed}, the product of the fixed axes"
+                )
             sizes[free[0]] = num_devices // fixed
         elif fixed != num_devices:
-            raise MeshError(f"mesh {self._describe(sizes)} has {fixed} devices but {num_devices} are available; "
-                            f"make the axis sizes multiply to {num_devices} (or set one axis to -1)")
+            raise MeshError(
+                f"mesh {self._describe(sizes)} has {fixed} devices but {num_devices} are available; "
+                f"make the axis sizes multiply to {num_devices} (or set one axis to -1)"
+            )
         return sizes
 
     @staticmethod
@@ -101,8 +105,9 @@ def make_mesh(mesh_config: MeshConfig | None = None, devices: Sequence[Any] | No
     sizes = mesh_config.resolve(len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
     try:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
-                             devices=devices)
+        return jax.make_mesh(
+            shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices
+        )
     except (ValueError, NotImplementedError):  # device kinds make_mesh has no topology model for
         return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES)
 
@@ -114,8 +119,10 @@ def resolve_here(mesh_config: MeshConfig) -> dict[str, int]:
     ones = all(v == 1 for v in mesh_config.sizes().values())
     sizes = mesh_config.resolve(1 if ones else jax.device_count())
     if jax.process_count() > 1 and math.prod(sizes.values()) != jax.device_count():
-        raise MeshError(f"a run of {jax.process_count()} processes needs a mesh over all {jax.device_count()} "
-                        "devices (an axis of -1 takes all remaining ones)")
+        raise MeshError(
+            f"a run of {jax.process_count()} processes needs a mesh over all {jax.device_count()} "
+            "devices (an axis of -1 takes all remaining ones)"
+        )
     return sizes
 
 

@@ -100,7 +100,8 @@ def param_shardings(config, mesh: jax.sharding.Mesh, preset: str) -> dict:
     """The params tree of `NamedSharding`s on `mesh` (`param_partition_specs` fitted to the mesh's sizes)."""
     rules = preset_rules(preset)
     return _tree_from_table(
-        config, lambda e: NamedSharding(mesh, fit_spec(logical_to_spec(e.axes, rules), e.flax_shape, mesh)))
+        config, lambda e: NamedSharding(mesh, fit_spec(logical_to_spec(e.axes, rules), e.flax_shape, mesh))
+    )
 
 
 def _shard_count(spec: PartitionSpec, mesh: jax.sharding.Mesh) -> tuple[tuple[str, ...], int]:
@@ -164,7 +165,6 @@ def batch_sharding(mesh: jax.sharding.Mesh, ndim: int) -> NamedSharding:
 def specs_to_json(specs: dict) -> dict:
     """`{"/"-joined param path: [mesh axes or null per dim]}` for golden files and diffs."""
     out = {}
-    for path, spec in jax.tree_util.tree_flatten_with_path(
-            specs, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]:
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]:
         out["/".join(_path_keys(path))] = [p if p is None or isinstance(p, str) else list(p) for p in spec]
     return dict(sorted(out.items()))

@@ -27,8 +27,8 @@ import logging
 import os
 
 import fastapi
-from fastapi import exceptions, responses, staticfiles
 import pydantic
+from fastapi import exceptions, responses, staticfiles
 
 from reno_jax.play import service as service_lib
 
@@ -88,8 +88,13 @@ def create_app(service: service_lib.PlayService) -> fastapi.FastAPI:
         return service.play(board, request.action, request.step, sampled=request.sampled, seed=request.seed)
 
     @app.get("/api/episode")
-    def episode(step: int | None = None, suite: str = service_lib.SAMPLER, episode: int = 0, sampled: bool = False,
-                seed: int = 0):
+    def episode(
+        step: int | None = None,
+        suite: str = service_lib.SAMPLER,
+        episode: int = 0,
+        sampled: bool = False,
+        seed: int = 0,
+    ):
         return service.episode(step, suite, episode, sampled=sampled, seed=seed)
 
     @app.get("/api/metrics")

@@ -53,16 +53,26 @@ def tool_names(env: rollout_lib.CompiledEnv) -> list[str]:
 def choice_table(tokenizer, env: rollout_lib.CompiledEnv, teacher: interface.Teacher) -> sft.CallTable:
     """The teacher's calls tokenised as the warm start writes them; raises ValueError when they do not differ in
     exactly one token (the heat map is then not one next-token distribution)."""
-    table = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names(env),
-                                 env.env.chat().tools)
+    table = sft.build_call_table(
+        tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names(env), env.env.chat().tools
+    )
     if table.choice_offset < 0:
-        raise ValueError("this tokenizer's teacher calls do not differ in exactly one token; the decision-token "
-                         "heat map is undefined")
+        raise ValueError(
+            "this tokenizer's teacher calls do not differ in exactly one token; the decision-token "
+            "heat map is undefined"
+        )
     return table
 
 
-def decision_distribution(params, start, env: rollout_lib.CompiledEnv, prefix: jax.Array, choice_ids: jax.Array,
-                          *, model_config: ling3.Ling3Config):
+def decision_distribution(
+    params,
+    start,
+    env: rollout_lib.CompiledEnv,
+    prefix: jax.Array,
+    choice_ids: jax.Array,
+    *,
+    model_config: ling3.Ling3Config,
+):
     """``(probs float32 [R], mass float32 [])`` at the choice token of the episode ``start`` (leading axis 1)
     opens with (see the module docstring)."""
     _, message = env.env.reset(_first(start))
@@ -79,8 +89,15 @@ def decision_distribution(params, start, env: rollout_lib.CompiledEnv, prefix: j
     return choice_p / jnp.maximum(mass, 1e-30), mass
 
 
-def model_reply(params, key: jax.Array, start, env: rollout_lib.CompiledEnv, *, model_config: ling3.Ling3Config,
-                rollout_config: rollout_lib.RolloutConfig) -> dict:
+def model_reply(
+    params,
+    key: jax.Array,
+    start,
+    env: rollout_lib.CompiledEnv,
+    *,
+    model_config: ling3.Ling3Config,
+    rollout_config: rollout_lib.RolloutConfig,
+) -> dict:
     """One one-decision episode at ``start``: the generated tokens, the parsed call, the episode's reward and the
     environment's tool response (its step on the parsed call) as a message."""
     traj = rollout_lib.rollout(params, key, start, model_config=model_config, rollout_config=rollout_config, env=env)
@@ -90,17 +107,38 @@ def model_reply(params, key: jax.Array, start, env: rollout_lib.CompiledEnv, *, 
     call = _first(env.parse_batch(generated[None], n[None], rollout_config.parse_max_bytes))
     state, _ = env.env.reset(_first(start))
     step = env.env.step(env.env.for_member(state, jnp.int32(0)), call)
-    return dict(tokens=generated, num_tokens=n, kind=call.kind, tool=call.tool, args=call.args,
-                reward=traj.reward[0], template=step.message.template, values=step.message.values)
+    return dict(
+        tokens=generated,
+        num_tokens=n,
+        kind=call.kind,
+        tool=call.tool,
+        args=call.args,
+        reward=traj.reward[0],
+        template=step.message.template,
+        values=step.message.values,
+    )
 
 
-def model_episode(params, key: jax.Array, start, env: rollout_lib.CompiledEnv, *,
-                  model_config: ling3.Ling3Config, rollout_config: rollout_lib.RolloutConfig) -> dict:
+def model_episode(
+    params,
+    key: jax.Array,
+    start,
+    env: rollout_lib.CompiledEnv,
+    *,
+    model_config: ling3.Ling3Config,
+    rollout_config: rollout_lib.RolloutConfig,
+) -> dict:
     """One whole episode at ``start`` (leading axis 1): the conversation's tokens, which of them the model wrote
     and in which turn, the reward and the environment's final info."""
     traj = rollout_lib.rollout(params, key, start, model_config=model_config, rollout_config=rollout_config, env=env)
-    return dict(tokens=traj.tokens[0], loss_mask=traj.loss_mask[0], turn_id=traj.turn_id[0],
-                num_turns=traj.info["num_turns"][0], reward=traj.reward[0], info=_first(traj.info))
+    return dict(
+        tokens=traj.tokens[0],
+        loss_mask=traj.loss_mask[0],
+        turn_id=traj.turn_id[0],
+        num_turns=traj.info["num_turns"][0],
+        reward=traj.reward[0],
+        info=_first(traj.info),
+    )
 
 
 def replay(start, calls: interface.ToolCall, env: rollout_lib.CompiledEnv) -> dict:
@@ -132,8 +170,9 @@ class Decisions:
     view: interface.BoardView
 
     def __post_init__(self):
-        self.env = build.make_compiled_env(self.config, self.tokenizer, self.model_config,
-                                           **dict(self.view.decision_overrides))
+        self.env = build.make_compiled_env(
+            self.config, self.tokenizer, self.model_config, **dict(self.view.decision_overrides)
+        )
         self.table, self.row_actions, self.heat_error = None, None, None
         if self.entry.make_teacher is None:
             self.heat_error = "this environment declares no teacher calls, so there is no heat map"
@@ -161,8 +200,9 @@ class Decisions:
     def _reply_fn(self, greedy: bool):
         if greedy not in self._replies:
             rc = build.rollout_config(self.config, greedy=greedy, group_size=1)
-            self._replies[greedy] = jax.jit(functools.partial(model_reply, model_config=self.model_config,
-                                                              rollout_config=rc))
+            self._replies[greedy] = jax.jit(
+                functools.partial(model_reply, model_config=self.model_config, rollout_config=rc)
+            )
         return self._replies[greedy]
 
     def action_of_call(self, kind: int, tool: int, args: np.ndarray) -> int | None:
@@ -190,7 +230,7 @@ class Decisions:
         else:
             name, after = "legal", self.view.apply(board, action)
         tools = self.env.env.chat().tools
-        call = (toolcall.decode_args(tools, int(out["tool"]), out["args"]) if kind == toolcall.KIND_OK else None)
+        call = toolcall.decode_args(tools, int(out["tool"]), out["args"]) if kind == toolcall.KIND_OK else None
         return {
             "text": _text(self.tokenizer, out["tokens"][: int(out["num_tokens"])]),
             "parse": toolcall.KIND_NAMES[kind],
@@ -230,7 +270,8 @@ class Episodes:
                 jax.jit(functools.partial(model_episode, model_config=self.model_config, rollout_config=rc)),
                 jax.jit(replay),
                 jax.jit(lambda env, ids, n: env.parse_batch(ids, n, rc.parse_max_bytes)),
-                rc)
+                rc,
+            )
         return self._fns[greedy]
 
     def play(self, params, start, overrides: dict, greedy: bool = True, seed: int = 0) -> dict:
@@ -252,11 +293,28 @@ class Episodes:
         spec = env.env.chat()
         messages = [dict(m, turn=None) for m in chat_lib.user_messages(spec, steps["first"])]
         for t in range(turns):
-            messages.append({"role": "assistant", "content": texts[t], "turn": t,
-                             "parse": toolcall.KIND_NAMES[int(np.asarray(calls.kind)[t])]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": texts[t],
+                    "turn": t,
+                    "parse": toolcall.KIND_NAMES[int(np.asarray(calls.kind)[t])],
+                }
+            )
             message = (steps["messages"].template[t], steps["messages"].values[t])
-            messages.append({**chat_lib.tool_message(spec, message), "turn": t,
-                             "reward": float(steps["rewards"][t]), "done": bool(steps["dones"][t])})
+            messages.append(
+                {
+                    **chat_lib.tool_message(spec, message),
+                    "turn": t,
+                    "reward": float(steps["rewards"][t]),
+                    "done": bool(steps["dones"][t]),
+                }
+            )
         info = {k: float(v) for k, v in out["info"].items() if np.ndim(v) == 0}
-        return {"messages": messages, "num_turns": turns, "reward": float(out["reward"]), "info": info,
-                "greedy": greedy}
+        return {
+            "messages": messages,
+            "num_turns": turns,
+            "reward": float(out["reward"]),
+            "info": info,
+            "greedy": greedy,
+        }

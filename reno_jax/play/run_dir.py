@@ -8,17 +8,15 @@ step 0, the policy RL starts from. A step can disappear while we look (the run k
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 
-from reno_jax.loop import adapters, build
-from reno_jax.rl import recipe
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
+from reno_jax.loop import adapters, build, recipe
+from reno_jax.loop.runs import read_run_config
 from reno_jax.rl import trainer
 
 WARM_START_STEP = 0
@@ -26,26 +24,8 @@ WARM_START_SUBDIR = "warmstart"
 _COMMITTED = "_CHECKPOINT_METADATA"  # written by Orbax when a checkpoint directory is complete
 
 
-class RunDirError(FileNotFoundError):
-    """The workdir is not a training run (missing, or without `config.json`)."""
-
-
 class CheckpointMissing(FileNotFoundError):
     """A step that has no (longer a) checkpoint."""
-
-
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-    if not os.path.isdir(workdir):
-        raise RunDirError(f"--workdir {workdir!r} does not exist")
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
-        raise RunDirError(f"--workdir {workdir!r} has no config.json: not a training run "
-                          "(python -m experiments.train --workdir=... writes one)")
-    try:
-        with open(path) as f:
-            return ml_collections.ConfigDict(json.load(f))
-    except (OSError, ValueError) as e:
-        raise RunDirError(f"{path} is not readable JSON: {e}") from None
 
 
 class RunDir:
@@ -53,15 +33,18 @@ class RunDir:
 
     def __init__(self, workdir: str):
         self.workdir = os.path.abspath(workdir)
-        self.config = load_config(self.workdir)
+        self.config = read_run_config(self.workdir)  # RunError for a workdir that holds no run
         self.tokenizer = build.build_tokenizer(self.config)
         self.model_config, self._abstract_params = build.abstract_model(self.config, self.tokenizer)
         optimizer = recipe.make_optimizer(self.config)
         # The restore target of a checkpoint's TrainState, from shapes only (nothing is initialised); a LoRA run's
         # holds its adapters, whose frozen base is rebuilt once, when a checkpoint is first read.
         self._abstract_state = jax.eval_shape(
-            lambda p: trainer.create_train_state(adapters.init_trained(self.config, p), optimizer,
-                                                 jax.random.PRNGKey(0)), self._abstract_params)
+            lambda p: trainer.create_train_state(
+                adapters.init_trained(self.config, p), optimizer, jax.random.PRNGKey(0)
+            ),
+            self._abstract_params,
+        )
         self._base = None
 
     # -- steps ----------------------------------------------------------------------------------------------
@@ -80,8 +63,7 @@ class RunDir:
         except FileNotFoundError:
             names = []
         for name in names:
-            if name.isdigit() and int(name) > 0 and os.path.isfile(os.path.join(self._step_dir(int(name)),
-                                                                                _COMMITTED)):
+            if name.isdigit() and int(name) > 0 and os.path.isfile(os.path.join(self._step_dir(int(name)), _COMMITTED)):
                 found.append(int(name))
         return sorted(found)
 

@@ -21,11 +21,10 @@ import time
 import jax
 import numpy as np
 
-from reno_jax.loop import build
-from reno_jax.rl import curriculum
-from reno_jax.rollout import summary as summary_lib
+from reno_jax.loop import build, curriculum
 from reno_jax.play import policy as policy_lib
 from reno_jax.play import run_dir as run_dir_lib
+from reno_jax.rollout import summary as summary_lib
 
 # Curves the page draws first (those present in metrics.jsonl), before the environment's plotted figures.
 LEADING_CURVES = ("rollout/rewards_mean", "rollout/tool_call_valid_rate")
@@ -41,11 +40,10 @@ class PlayError(Exception):
 
 
 class PlayService:
-    """Args: workdir: a training run (raises `run_dir.RunDirError` if it is not one); default_step: the step
+    """Args: workdir: a training run (raises `RunError` if it is not one); default_step: the step
     the page opens at (None: the latest); cache_size: restored checkpoints kept in memory."""
 
-    def __init__(self, workdir: str, default_step: int | None = None, cache_size: int = 4,
-                 lock_timeout: float = 300.0):
+    def __init__(self, workdir: str, default_step: int | None = None, cache_size: int = 4, lock_timeout: float = 300.0):
         self.run = run_dir_lib.RunDir(workdir)
         config = self.run.config
         self.entry = build.env_entry(config)
@@ -63,11 +61,15 @@ class PlayService:
     @property
     def decisions(self) -> policy_lib.Decisions:
         if self.view is None:
-            raise PlayError(404, f"environment {self.entry.name!r} declares no board view; its episodes are shown "
-                                 "as transcripts (/api/episode)")
+            raise PlayError(
+                404,
+                f"environment {self.entry.name!r} declares no board view; its episodes are shown "
+                "as transcripts (/api/episode)",
+            )
         if self._decisions is None:
-            self._decisions = policy_lib.Decisions(self.run.config, self.run.tokenizer, self.run.model_config,
-                                                   self.entry, self.view)
+            self._decisions = policy_lib.Decisions(
+                self.run.config, self.run.tokenizer, self.run.model_config, self.entry, self.view
+            )
         return self._decisions
 
     @property
@@ -86,10 +88,21 @@ class PlayService:
         first = int(v.to_move(empty))
         # The model plays the side the run trained it on; a run that trained every side lets the person open.
         model_side = v.trained_side or next(k for k in range(1, len(v.sides) + 1) if k != first)
-        return {"rows": v.rows, "cols": v.cols, "input": v.input, "chars": v.chars, "symbols": list(v.symbols),
-                "colors": list(v.colors), "sides": list(v.sides), "num_actions": v.num_actions,
-                "labels": [v.label(a) for a in range(v.num_actions)], "empty": v.format(empty), "first_side": first,
-                "trained_side": v.trained_side, "model_side": model_side}
+        return {
+            "rows": v.rows,
+            "cols": v.cols,
+            "input": v.input,
+            "chars": v.chars,
+            "symbols": list(v.symbols),
+            "colors": list(v.colors),
+            "sides": list(v.sides),
+            "num_actions": v.num_actions,
+            "labels": [v.label(a) for a in range(v.num_actions)],
+            "empty": v.format(empty),
+            "first_side": first,
+            "trained_side": v.trained_side,
+            "model_side": model_side,
+        }
 
     @property
     def eval_suites(self) -> dict:
@@ -101,7 +114,8 @@ class PlayService:
 
     def suites(self) -> list[dict]:
         return [{"name": SAMPLER, "num_episodes": None}] + [
-            {"name": name, "num_episodes": int(s.num_episodes)} for name, s in self.eval_suites.items()]
+            {"name": name, "num_episodes": int(s.num_episodes)} for name, s in self.eval_suites.items()
+        ]
 
     def info(self) -> dict:
         steps = self.run.steps()
@@ -138,17 +152,31 @@ class PlayService:
         except ValueError as e:  # a corrupt row in the middle of the file
             raise PlayError(500, f"metrics.jsonl cannot be read: {e}") from None
         keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
-        new = [{k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in r.items()
-                if isinstance(v, (int, float))} for r in rows if int(r.get("step", 0)) > since]
-        return {"rows": new, "keys": keys, "default_keys": [k for k in self.default_curves if k in keys],
-                "last_step": int(rows[-1]["step"]) if rows else 0}
+        new = [
+            {
+                k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                for k, v in r.items()
+                if isinstance(v, (int, float))
+            }
+            for r in rows
+            if int(r.get("step", 0)) > since
+        ]
+        return {
+            "rows": new,
+            "keys": keys,
+            "default_keys": [k for k in self.default_curves if k in keys],
+            "last_step": int(rows[-1]["step"]) if rows else 0,
+        }
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def resolve_step(self, step: int | None) -> int:
         steps = self.run.steps()
         if not steps:
-            raise PlayError(409, f"no checkpoint yet in {self.run.workdir}: the run is still starting "
-                                 "(neither the warm start nor a GSPO checkpoint has been saved); try again later")
+            raise PlayError(
+                409,
+                f"no checkpoint yet in {self.run.workdir}: the run is still starting "
+                "(neither the warm start nor a GSPO checkpoint has been saved); try again later",
+            )
         if step is None:
             step = self.default_step if self.default_step in steps else steps[-1]
         if step not in steps:
@@ -207,8 +235,16 @@ class PlayService:
         heat, reply = self._model_call(run)
         side = int(view.to_move(cells))
         best = [int(a) for a in view.best_actions(cells)] if view.best_actions is not None else []
-        return {"board": view.format(cells), "step": step, "side": view.sides[side - 1], "side_index": side,
-                "legal": [bool(x) for x in view.legal(cells)], "best": best, **heat, **reply}
+        return {
+            "board": view.format(cells),
+            "step": step,
+            "side": view.sides[side - 1],
+            "side_index": side,
+            "legal": [bool(x) for x in view.legal(cells)],
+            "best": best,
+            **heat,
+            **reply,
+        }
 
     def warm_up(self) -> None:
         """Builds the jitted functions and compiles them on the default checkpoint (if there is one yet), so the
@@ -221,8 +257,9 @@ class PlayService:
         except PlayError:  # no checkpoint yet: the first request after one appears compiles instead
             pass
 
-    def play(self, board: str, action: int | None, step: int | None = None, *, sampled: bool = False,
-             seed: int = 0) -> dict:
+    def play(
+        self, board: str, action: int | None, step: int | None = None, *, sampled: bool = False, seed: int = 0
+    ) -> dict:
         """The person's `action` (0-based; None: the model moves first on `board`), then the model's reply.
 
         Returns the board after both moves, the game's `status` ("ongoing", "draw", "<side>_won", or
@@ -249,12 +286,18 @@ class PlayService:
                 status = view.status(view.parse(model["board_after"]))
             else:
                 status = f"model_{model['verdict']}"
-        return {"board": model["board_after"] if model else after_person, "after_person": after_person,
-                "person_action": action, "person_label": None if action is None else view.label(action),
-                "status": status, "model": model}
+        return {
+            "board": model["board_after"] if model else after_person,
+            "after_person": after_person,
+            "person_action": action,
+            "person_label": None if action is None else view.label(action),
+            "status": status,
+            "model": model,
+        }
 
-    def episode(self, step: int | None = None, suite: str = SAMPLER, episode: int = 0, *, sampled: bool = False,
-                seed: int = 0) -> dict:
+    def episode(
+        self, step: int | None = None, suite: str = SAMPLER, episode: int = 0, *, sampled: bool = False, seed: int = 0
+    ) -> dict:
         """One episode played by the checkpoint at `step`: the `episode`-th of an evaluation `suite`, or one drawn
         by the run's training sampler (`suite="sampler"`, `seed` picks it); the conversation's messages."""
         _check_seed(seed)
@@ -267,20 +310,21 @@ class PlayService:
                 raise PlayError(404, f"no suite {suite!r}; choose {SAMPLER!r} or one of {sorted(suites)}")
             chosen = suites[suite]
             if not 0 <= episode < int(chosen.num_episodes):
-                raise PlayError(400, f"episode must be in 0..{int(chosen.num_episodes) - 1} for suite {suite!r}, "
-                                     f"got {episode}")
+                raise PlayError(
+                    400, f"episode must be in 0..{int(chosen.num_episodes) - 1} for suite {suite!r}, got {episode}"
+                )
             try:
                 start = chosen.starts(jax.random.PRNGKey(seed), np.array([episode]))
             except ValueError as e:  # a suite that cannot start a single episode says why
                 raise PlayError(400, f"suite {suite!r}: {e}") from None
             overrides = dict(chosen.env_overrides)
         step = self.resolve_step(step)
-        out = self._model_call(lambda: self.episodes.play(self._params_at(step), start, overrides,
-                                                          greedy=not sampled, seed=seed))
+        out = self._model_call(
+            lambda: self.episodes.play(self._params_at(step), start, overrides, greedy=not sampled, seed=seed)
+        )
         return {"step": step, "suite": suite, "episode": episode if suite != SAMPLER else None, **out}
 
 
 def _check_seed(seed: int) -> None:
     if not 0 <= seed < 2**31:
         raise PlayError(400, f"seed must be in 0..2**31-1, got {seed}")
-

@@ -39,16 +39,32 @@ def render_tool(tables, message: Message, add_turn_end):
 
 
 def parse_batch(parser, ids, lengths, max_bytes=None) -> ToolCall:
-    """Parses `[B, T]` turns; `tool` and `args` are 0 unless the call is ok (the interface's convention)."""
-    kind, tool, args = toolcall.parse_batch(parser, ids, lengths, max_bytes=max_bytes)
+    """Parses `[B, T]` turns; `tool` and `args` are 0 unless the call is ok (the interface's convention), and so
+    are the free-text spans (`text_ids [B, M, L]`, `text_len [B, M]`; None when the schema has no free text)."""
+    kind, tool, args, text_ids, text_len = toolcall.parse_full_batch(parser, ids, lengths, max_bytes=max_bytes)
     kind = kind.astype(jnp.int32)
     ok = kind == toolcall.KIND_OK
-    return ToolCall(kind=kind, tool=jnp.where(ok, tool, 0).astype(jnp.int32),
-                              args=jnp.where(ok[:, None], args, 0).astype(jnp.int32))
+    return ToolCall(
+        kind=kind,
+        tool=jnp.where(ok, tool, 0).astype(jnp.int32),
+        args=jnp.where(ok[:, None], args, 0).astype(jnp.int32),
+        text_ids=text_ids,
+        text_len=text_len,
+    )
 
 
 def empty_calls(batch: int, parser) -> ToolCall:
     """A `[B]` batch of "no call" results shaped like `parse_batch`'s (for tracing an environment's step)."""
     z = jnp.zeros((batch,), jnp.int32)
-    return ToolCall(kind=z + toolcall.KIND_NO_CALL, tool=z,
-                              args=jnp.zeros((batch, toolcall.max_args(parser.spec)), jnp.int32))
+    text_ids = text_len = None
+    if parser.has_text:
+        m = toolcall.max_text_args(parser.spec)
+        text_ids = jnp.zeros((batch, m, parser.text_tokens), jnp.int32)
+        text_len = jnp.zeros((batch, m), jnp.int32)
+    return ToolCall(
+        kind=z + toolcall.KIND_NO_CALL,
+        tool=z,
+        args=jnp.zeros((batch, toolcall.max_args(parser.spec)), jnp.int32),
+        text_ids=text_ids,
+        text_len=text_len,
+    )

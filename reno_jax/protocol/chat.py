@@ -4,7 +4,9 @@ stencils rendered inside jit with the tokenizer's own chat template.
 CONTRACT (public API; the compiler below implements it):
 
     Slot(value=i, options=("a", "bb", ...))     text ``options[values[i]]`` (values clipped into range)
-    Parts = tuple of str | Slot                 one message's content
+    SpanSlot(span=j, max_tokens=L)              tool templates only: the token ids ``message.span_ids[j, :span_len[j]]``
+                                                as they are (an echoed free-text argument, ``number_span`` digits)
+    Parts = tuple of str | Slot | SpanSlot      one message's content
     ChatSpec(system, tools, user, tool, tool_continues, num_values)
     compile_chat(tokenizer, spec, chat_template=None, max_stencil_rows=4096) -> ChatTables      (host, once)
     render_user(tables, message) -> (ids int32 [tables.prompt_len], n int32 [])   system + user + assistant header
@@ -24,6 +26,9 @@ the general per-token concatenation remains as a fallback and reference (same id
 tokenizing the whole text at once with a general tokenizer; with the shipped tokenizer they are identical,
 because its pre-tokenizer splits at the slot boundaries the shipped environments use (digits, lone letters,
 newlines).
+
+A `SpanSlot` is compiled as an empty piece; `render_tool` renders the rest as usual and then splices each span's
+ids in at its segment's offset (one ``[J, Lout]`` comparison, no scan). The host twins take the spans as text.
 
 Every slot reading value ``i`` offers the same options count, so a value is clipped once per render (one
 unsigned ``min``: negative values become the last option). Tool turns are compiled after the conversation
@@ -64,7 +69,22 @@ class Slot:
             raise ValueError(f"Slot options must be strings, got {self.options!r}")
 
 
-Parts = tuple  # tuple[str | Slot, ...]
+@dataclasses.dataclass(frozen=True)
+class SpanSlot:
+    """A token span of a tool message: ``message.span_ids[span, :span_len[span]]`` (at most ``max_tokens`` ids;
+    longer spans are cut). Only tool templates may hold one; each span index at most once per template."""
+
+    span: int
+    max_tokens: int
+
+    def __post_init__(self):
+        for name in ("span", "max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < (name == "max_tokens"):
+                raise ValueError(f"SpanSlot.{name} must be an int >= {int(name == 'max_tokens')}, got {v!r}")
+
+
+Parts = tuple  # tuple[str | Slot | SpanSlot, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +120,10 @@ class ChatSpec:
         if not self.tool:
             raise ValueError("ChatSpec needs at least one tool template")
         if len(self.tool) != len(self.tool_continues):
-            raise ValueError(f"ChatSpec has {len(self.tool)} tool templates but {len(self.tool_continues)} "
-                             "tool_continues flags (one per tool template)")
+            raise ValueError(
+                f"ChatSpec has {len(self.tool)} tool templates but {len(self.tool_continues)} "
+                "tool_continues flags (one per tool template)"
+            )
         for t in self.tools:
             if not (isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")):
                 raise ValueError(f"tool schema without function.name: {t!r}")
@@ -110,6 +132,7 @@ class ChatSpec:
                 raise ValueError("ChatSpec without tools needs an explicit tool_name")
             object.__setattr__(self, "tool_name", self.tools[0]["function"]["name"])
         options: dict[int, int] = {}
+        spans: dict[int, int] = {}
         for role, templates in (("user", self.user), ("tool", self.tool)):
             for k, parts in enumerate(templates):
                 for p in parts:
@@ -117,14 +140,37 @@ class ChatSpec:
                         if _PLACEHOLDER_RE.search(p) or _ASSISTANT_MARK in p:
                             raise ValueError(f"{role} template {k} contains the reserved marker text {p!r}")
                         continue
+                    if isinstance(p, SpanSlot):
+                        if role != "tool":
+                            raise ValueError(f"user template {k}: SpanSlot is for tool templates only")
+                        if spans.setdefault(p.span, p.max_tokens) != p.max_tokens:
+                            raise ValueError(f"span {p.span} has different max_tokens in different templates")
+                        if sum(isinstance(q, SpanSlot) and q.span == p.span for q in parts) > 1:
+                            raise ValueError(f"tool template {k} reads span {p.span} twice")
+                        continue
                     if not isinstance(p, Slot):
-                        raise ValueError(f"{role} template {k}: parts must be str or Slot, got {p!r}")
+                        raise ValueError(
+                            f"{role} template {k}: parts must be str or Slot (or SpanSlot in tool templates), got {p!r}"
+                        )
                     if p.value >= self.num_values:
-                        raise ValueError(f"{role} template {k}: slot value index {p.value} out of range "
-                                         f"(num_values={self.num_values})")
+                        raise ValueError(
+                            f"{role} template {k}: slot value index {p.value} out of range "
+                            f"(num_values={self.num_values})"
+                        )
                     if options.setdefault(p.value, len(p.options)) != len(p.options):
-                        raise ValueError(f"slots reading value {p.value} offer different numbers of options "
-                                         f"({options[p.value]} and {len(p.options)})")
+                        raise ValueError(
+                            f"slots reading value {p.value} offer different numbers of options "
+                            f"({options[p.value]} and {len(p.options)})"
+                        )
+
+    def span_tokens(self) -> tuple[int, ...]:
+        """``max_tokens`` per span index (0 where no template reads it): the ``span_ids`` width per row."""
+        n: dict[int, int] = {}
+        for parts in self.tool:
+            for p in parts:
+                if isinstance(p, SpanSlot):
+                    n[p.span] = p.max_tokens
+        return tuple(n.get(j, 0) for j in range(max(n, default=-1) + 1))
 
     def value_options(self) -> tuple[int, ...]:
         """Options per value (1 where no slot reads it)."""
@@ -136,11 +182,14 @@ class ChatSpec:
         return tuple(n)
 
 
-def resolve(parts: Parts, values: Sequence[int]) -> str:
-    """Host: the text of ``parts`` with every slot at its value (out-of-range values are an error here)."""
+def resolve(parts: Parts, values: Sequence[int], spans: Sequence[str] = ()) -> str:
+    """Host: the text of ``parts`` with every slot at its value (out-of-range values are an error here) and every
+    span slot at ``spans[span]`` (text; "" past the given spans)."""
     out = []
     for p in parts:
-        if isinstance(p, Slot):
+        if isinstance(p, SpanSlot):
+            out.append(spans[p.span] if p.span < len(spans) else "")
+        elif isinstance(p, Slot):
             v = int(values[p.value])
             if not 0 <= v < len(p.options):
                 raise ValueError(f"slot value {v} out of range for options {p.options}")
@@ -157,23 +206,40 @@ def _unpack(message) -> tuple[Any, Any]:
     return template, values
 
 
-def _host_message(templates, message, role: str) -> str:
+def _host_message(templates, message, role: str, spans: Sequence[str] = ()) -> str:
     template, values = _unpack(message)
     template = int(np.asarray(template))
     if not 0 <= template < len(templates):
         raise ValueError(f"{role} template {template} out of range (0..{len(templates) - 1})")
-    return resolve(templates[template], [int(v) for v in np.asarray(values).reshape(-1)])
+    return resolve(templates[template], [int(v) for v in np.asarray(values).reshape(-1)], spans)
+
+
+def span_texts(tokenizer, message) -> list[str]:
+    """Host: the decoded text of each span of ``message`` (none when it has no ``span_ids``)."""
+    ids = getattr(message, "span_ids", None)
+    if ids is None:
+        return []
+    ids, lens = np.asarray(ids), np.asarray(message.span_len)
+    return [
+        tokenizer.decode(
+            ids[j, : max(0, int(lens[j]))].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        for j in range(ids.shape[0])
+    ]
 
 
 def user_messages(spec: ChatSpec, message) -> list[dict]:
     """Host: the system and user chat messages of ``message`` (a ``Message`` or ``(template, values)``)."""
-    return [{"role": "system", "content": spec.system},
-            {"role": "user", "content": _host_message(spec.user, message, "user")}]
+    return [
+        {"role": "system", "content": spec.system},
+        {"role": "user", "content": _host_message(spec.user, message, "user")},
+    ]
 
 
-def tool_message(spec: ChatSpec, message) -> dict:
-    """Host: the tool chat message of ``message`` (a ``Message`` or ``(template, values)``)."""
-    return {"role": "tool", "name": spec.tool_name, "content": _host_message(spec.tool, message, "tool")}
+def tool_message(spec: ChatSpec, message, spans: Sequence[str] = ()) -> dict:
+    """Host: the tool chat message of ``message`` (a ``Message`` or ``(template, values)``), span slots filled
+    with ``spans`` (text)."""
+    return {"role": "tool", "name": spec.tool_name, "content": _host_message(spec.tool, message, "tool", spans)}
 
 
 def _apply(tokenizer, spec, messages, add_generation_prompt, chat_template=None, tokenize=False):
@@ -181,17 +247,28 @@ def _apply(tokenizer, spec, messages, add_generation_prompt, chat_template=None,
     if chat_template is not None:
         kw["chat_template"] = chat_template
     return tokenizer.apply_chat_template(
-        messages, tools=list(spec.tools) or None, add_generation_prompt=add_generation_prompt, **kw)
+        messages, tools=list(spec.tools) or None, add_generation_prompt=add_generation_prompt, **kw
+    )
 
 
-def chat_text(tokenizer, spec: ChatSpec, messages: list[dict], add_generation_prompt: bool = True,
-              chat_template: str | None = None) -> str:
+def chat_text(
+    tokenizer,
+    spec: ChatSpec,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> str:
     """Host: the chat template's text for ``messages`` with the spec's tools."""
     return _apply(tokenizer, spec, messages, add_generation_prompt, chat_template)
 
 
-def prompt_ids(tokenizer, spec: ChatSpec, messages: list[dict], add_generation_prompt: bool = True,
-               chat_template: str | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer,
+    spec: ChatSpec,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[int]:
     """Host: ``apply_chat_template(..., tools=spec.tools, tokenize=True)`` as a list of ints."""
     out = _apply(tokenizer, spec, messages, add_generation_prompt, chat_template, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "keys"):
@@ -211,15 +288,24 @@ def _after_assistant(text: str) -> str:
     return text.split(_ASSISTANT_MARK, 1)[1]
 
 
-def tool_text(tokenizer, spec: ChatSpec, message, add_turn_end: bool = False, chat_template: str | None = None) -> str:
+def tool_text(
+    tokenizer,
+    spec: ChatSpec,
+    message,
+    add_turn_end: bool = False,
+    chat_template: str | None = None,
+    spans: Sequence[str] | None = None,
+) -> str:
     """Host reference of `render_tool`: the template text after an assistant message's content, without the
-    turn-end marker unless ``add_turn_end``."""
+    turn-end marker unless ``add_turn_end``; span slots hold ``spans`` (default: the message's decoded spans)."""
     template, _ = _unpack(message)
     cont = spec.tool_continues[int(np.asarray(template))]
-    text = _apply(tokenizer, spec, [*_context(spec), tool_message(spec, message)], cont, chat_template)
+    if spans is None:
+        spans = span_texts(tokenizer, message)
+    text = _apply(tokenizer, spec, [*_context(spec), tool_message(spec, message, spans)], cont, chat_template)
     after = _after_assistant(text)
     turn_end, _ = _find_turn_end(tokenizer, after)
-    return after if add_turn_end else after[len(turn_end):]
+    return after if add_turn_end else after[len(turn_end) :]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -388,7 +474,7 @@ def _with_placeholders(parts: Parts, slots: list) -> str:
     """Content string with ``@@RENO<k>@@`` for each slot (appended to ``slots``)."""
     out = []
     for p in parts:
-        if isinstance(p, Slot):
+        if isinstance(p, (Slot, SpanSlot)):
             out.append(_PLACEHOLDER.format(len(slots)))
             slots.append(p)
         else:
@@ -425,7 +511,8 @@ class _PieceTable:
         self.tokenizer = tokenizer
         self.cache: dict[str, list[int]] = {}
         self.literal_row: dict[str, int] = {"": 0}
-        self.ids: list[list[int]] = [[]]  # row 0: the empty piece (padding segments)
+        self.ids: list[list[int]] = [[]]  # row 0: the empty piece (padding segments, span slots)
+        self.spans: list[tuple[int, int]] = []  # (segment, span) of the last program's span slots
 
     def encode(self, text: str) -> list[int]:
         if text not in self.cache:
@@ -459,8 +546,15 @@ class _PieceTable:
             elif p != "":
                 merged.append(p)
         base, src, max_tokens, options = [], [], 0, []
+        self.spans = []
         for p in merged:
-            if isinstance(p, Slot):
+            if isinstance(p, SpanSlot):  # an empty piece here; render_tool splices the span in at its offset
+                self.spans.append((len(base), p.span))
+                base.append(0)
+                src.append(0)
+                max_tokens += p.max_tokens
+                options.append(1)
+            elif isinstance(p, Slot):
                 base.append(self.block(p.options))
                 src.append(p.value)
                 max_tokens += max(len(self.encode(o)) for o in p.options)
@@ -530,12 +624,36 @@ def _render(spec: "ChatTables", base: jax.Array, src: jax.Array, source: jax.Arr
     return jnp.where(t < total, ids, spec.pad_id).astype(jnp.int32), total
 
 
+def _splice(xp, ids, n, seg_len, segments, span_ids, span_len, widths, pad_id: int):
+    """Insert token spans into a render made with them empty (numpy or jax; jit/vmap friendly).
+
+    ids ``[Lout]`` / n ``[]``: the render without the spans; seg_len ``[K]``: its segments' token counts;
+    segments ``[J]``: the segment of each span slot (-1: the template has none); span_ids ``[J, W]`` /
+    span_len ``[J]``: the spans, each cut to ``widths[j]`` (its slot's ``max_tokens``). Returns
+    ``(ids [Lout], length [])``.
+    """
+    out_len = ids.shape[0]
+    present = segments >= 0
+    lens = xp.where(present, xp.clip(span_len, 0, xp.minimum(widths, span_ids.shape[1])), 0)
+    seg_start = xp.cumsum(seg_len) - seg_len
+    off = seg_start[xp.maximum(segments, 0)]
+    before = present[None, :] & (segments[None, :] < segments[:, None])  # [J, J]: span i sits before span j
+    start = off + xp.sum(xp.where(before, lens[None, :], 0), axis=1)  # [J] in the output
+    t = xp.arange(out_len)
+    inside = present[:, None] & (t[None, :] >= start[:, None]) & (t[None, :] < (start + lens)[:, None])
+    col = xp.clip(t[None, :] - start[:, None], 0, span_ids.shape[1] - 1)
+    span_val = xp.sum(xp.where(inside, xp.take_along_axis(span_ids, col, axis=1), 0), axis=0)
+    shift = xp.sum(xp.where(t[None, :] >= (start + lens)[:, None], lens[:, None], 0), axis=0)
+    base = ids[xp.clip(t - shift, 0, out_len - 1)]
+    total = n + xp.sum(lens)
+    out = xp.where(xp.any(inside, axis=0), span_val, base)
+    return xp.where(t < total, out, pad_id).astype(np.int32), total.astype(np.int32)
+
+
 def _in_range(x, n: int) -> jax.Array:
     """``int32 []`` value of ``x`` forced into ``[0, n)`` with one unsigned ``min`` (values >= n and negative
     values, which wrap to large unsigned ones, become ``n - 1``); cheaper than a two-sided clip on CPU."""
     return jnp.minimum(jnp.asarray(x).astype(jnp.uint32), jnp.uint32(n - 1)).astype(jnp.int32)
-
-
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -562,6 +680,8 @@ class ChatTables:
       stop_ids: ``int32 [n]`` tokens that end a generation turn (turn end, then eos if different).
       prompt_stencils, response_stencils: `Stencils` of the two program sets (the fast path), or None (then the
         general concatenation of pieces is used; same ids).
+      response_spans: ``int32 [len(spec.tool), J]`` segment of each span slot in each tool program (-1: none);
+        None when no template has a `SpanSlot`.
       prompt_len, response_len: static maximum lengths of a rendered user / tool program.
       pad_id, turn_end_id, eos_id: static ints.
       value_options: static options per message value (what each value is clipped into).
@@ -577,12 +697,15 @@ class ChatTables:
     stop_ids: jax.Array
     prompt_stencils: Stencils | None = None
     response_stencils: Stencils | None = None
+    response_spans: jax.Array | None = None
     prompt_len: int = flax.struct.field(pytree_node=False, default=0)
     response_len: int = flax.struct.field(pytree_node=False, default=0)
     pad_id: int = flax.struct.field(pytree_node=False, default=0)
     turn_end_id: int = flax.struct.field(pytree_node=False, default=0)
     eos_id: int = flax.struct.field(pytree_node=False, default=0)
     value_options: tuple = flax.struct.field(pytree_node=False, default=())
+    span_tokens: tuple = flax.struct.field(pytree_node=False, default=())
+    digit_ids: tuple = flax.struct.field(pytree_node=False, default=())
 
 
 def _internal(parts: Parts) -> Parts:
@@ -590,8 +713,9 @@ def _internal(parts: Parts) -> Parts:
     return tuple(Slot(p.value + 1, p.options) if isinstance(p, Slot) else p for p in parts)
 
 
-def compile_chat(tokenizer, spec: ChatSpec, chat_template: str | None = None,
-                 max_stencil_rows: int = 4096) -> ChatTables:
+def compile_chat(
+    tokenizer, spec: ChatSpec, chat_template: str | None = None, max_stencil_rows: int = 4096
+) -> ChatTables:
     """Compile ``spec`` for ``tokenizer`` and its chat template (or ``chat_template`` if given); host, once.
 
     Every template is rendered with placeholder strings in its slots; the text around them becomes literal
@@ -618,6 +742,7 @@ def compile_chat(tokenizer, spec: ChatSpec, chat_template: str | None = None,
     context = _context(spec)
     turn_end_text = None
     response_programs = []
+    response_span_segments: list[list[tuple[int, int]]] = []
     for parts, continues in zip(spec.tool, spec.tool_continues):
         slots = []
         content = _with_placeholders(_internal(parts), slots)
@@ -628,7 +753,8 @@ def compile_chat(tokenizer, spec: ChatSpec, chat_template: str | None = None,
         if not after.startswith(turn_end_text):
             raise ValueError(f"tool-turn text {after[:40]!r} does not start with turn end {turn_end_text!r}")
         turn_end_slot = Slot(spec.num_values + 1, ("", turn_end_text))
-        response_programs.append(table.program([turn_end_slot, *_split_rendered(after[len(turn_end_text):], slots)]))
+        response_programs.append(table.program([turn_end_slot, *_split_rendered(after[len(turn_end_text) :], slots)]))
+        response_span_segments.append(list(table.spans))
 
     def stack(programs):
         k = max(len(p[0]) for p in programs)
@@ -651,6 +777,21 @@ def compile_chat(tokenizer, spec: ChatSpec, chat_template: str | None = None,
         piece_ids[i, : len(ids)] = ids
     piece_len = np.array([len(ids) for ids in table.ids], np.int32)
     stop = [turn_end_id] + ([int(eos_id)] if int(eos_id) != turn_end_id else [])
+    span_tokens = spec.span_tokens()
+    response_spans = None
+    if span_tokens:
+        segs = np.full((len(spec.tool), len(span_tokens)), -1, np.int32)
+        for r, pairs in enumerate(response_span_segments):
+            for k, j in pairs:
+                segs[r, j] = k
+        response_spans = jnp.asarray(segs)
+    digits = [table.encode(str(d)) for d in range(10)]
+    # number_span writes one token per digit: only when the tokenizer spells numbers digit by digit.
+    digit_ids = (
+        tuple(d[0] for d in digits)
+        if all(len(d) == 1 for d in digits) and (table.encode("9876543210") == [d[0] for d in digits[::-1]])
+        else ()
+    )
 
     tables = ChatTables(
         piece_ids=jnp.asarray(piece_ids),
@@ -663,12 +804,15 @@ def compile_chat(tokenizer, spec: ChatSpec, chat_template: str | None = None,
         stop_ids=jnp.asarray(stop, jnp.int32),
         prompt_stencils=_compile_stencils(prompt_programs, table.ids, prompt_len, pad_id, max_stencil_rows),
         response_stencils=_compile_stencils(response_programs, table.ids, response_len, pad_id, max_stencil_rows),
+        response_spans=response_spans,
         prompt_len=int(prompt_len),
         response_len=int(response_len),
         pad_id=int(pad_id),
         turn_end_id=int(turn_end_id),
         eos_id=int(eos_id),
         value_options=spec.value_options(),
+        span_tokens=span_tokens,
+        digit_ids=digit_ids,
     )
     _self_check(tables, tokenizer, spec, chat_template)
     return tables
@@ -691,9 +835,25 @@ def _self_check(tables: ChatTables, tokenizer, spec: ChatSpec, chat_template) ->
         for _ in range(_CHECK_VECTORS - 2):
             yield rng.integers(0, n_opts)
 
-    def decoded(base, src, values, add_turn_end, out_len):
+    def decoded(base, src, values, add_turn_end, out_len, spans=None):
         source = np.concatenate([[0], values, [int(add_turn_end)]])
         ids, n = _render_np(tables, base, src, source, out_len)
+        if spans is not None:
+            segments, span_ids = spans
+            width = max([1] + [len(x) for x in span_ids])
+            padded = np.array([x + [0] * (width - len(x)) for x in span_ids], np.int64).reshape(len(span_ids), width)
+            seg_len = np.asarray(tables.piece_len)[np.asarray(base) + source[np.asarray(src)]]
+            ids, n = _splice(
+                np,
+                ids,
+                n,
+                seg_len,
+                segments,
+                padded,
+                np.array([len(x) for x in span_ids]),
+                np.array(tables.span_tokens),
+                tables.pad_id,
+            )
         return tokenizer.decode(ids[:n].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     for k in range(len(spec.user)):
@@ -701,15 +861,32 @@ def _self_check(tables: ChatTables, tokenizer, spec: ChatSpec, chat_template) ->
             want = chat_text(tokenizer, spec, user_messages(spec, (k, values)), True, chat_template)
             got = decoded(tables.prompt_base[k], tables.prompt_src[k], values, False, tables.prompt_len)
             if got != want:
-                raise ValueError(f"in-jit user-template {k} pieces do not reproduce the chat template:\n"
-                                 f"{got!r}\n!=\n{want!r}")
+                raise ValueError(
+                    f"in-jit user-template {k} pieces do not reproduce the chat template:\n{got!r}\n!=\n{want!r}"
+                )
+    sample = [int(i) for i in tokenizer.encode(" echo: 42!", add_special_tokens=False)]
     for k in range(len(spec.tool)):
         for i, values in enumerate(vectors()):
-            want = tool_text(tokenizer, spec, (k, values), add_turn_end=bool(i % 2), chat_template=chat_template)
-            got = decoded(tables.response_base[k], tables.response_src[k], values, i % 2, tables.response_len)
+            # Spans empty, then the sample's first tokens (cut to each slot's max_tokens).
+            span_ids = [sample[:w] if i else [] for w in tables.span_tokens]
+            texts = [
+                tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) for ids in span_ids
+            ]
+            want = tool_text(
+                tokenizer, spec, (k, values), add_turn_end=bool(i % 2), chat_template=chat_template, spans=texts
+            )
+            got = decoded(
+                tables.response_base[k],
+                tables.response_src[k],
+                values,
+                i % 2,
+                tables.response_len,
+                None if tables.response_spans is None else (np.asarray(tables.response_spans[k]), span_ids),
+            )
             if got != want:
-                raise ValueError(f"in-jit tool-template {k} pieces do not reproduce the chat template:\n"
-                                 f"{got!r}\n!=\n{want!r}")
+                raise ValueError(
+                    f"in-jit tool-template {k} pieces do not reproduce the chat template:\n{got!r}\n!=\n{want!r}"
+                )
 
     source_opts = np.concatenate([[1], n_opts, [2]])
     for stencils, base, src, out_len in (
@@ -754,7 +931,8 @@ def _source(tables: ChatTables, values, add_turn_end) -> list:
 
 def render_user(tables: ChatTables, message):
     """System + user turn + assistant header of ``message`` (a ``Message`` or ``(template, values)``, values an
-    ``int [S]`` array or a list of S int scalars; jit/vmap friendly). Returns ``(ids int32 [tables.prompt_len], length int32 [])``; ids past ``length`` are ``pad_id``.
+    ``int [S]`` array or a list of S int scalars; jit/vmap friendly). Returns ``(ids int32 [tables.prompt_len],
+    length int32 [])``; ids past ``length`` are ``pad_id``.
     The template index is clipped into range, every value into its slot's options."""
     template, values = _unpack(message)
     row = jnp.clip(jnp.asarray(template, jnp.int32), 0, tables.prompt_base.shape[0] - 1)
@@ -773,6 +951,44 @@ def render_tool(tables: ChatTables, message, add_turn_end: Any = False):
     row = jnp.clip(jnp.asarray(template, jnp.int32), 0, tables.response_base.shape[0] - 1)
     source = _source(tables, values, add_turn_end)
     if tables.response_stencils is not None:
-        return _render_stencil(tables.response_stencils, row, source)
-    return _render(tables, tables.response_base[row], tables.response_src[row], jnp.stack(source),
-                   tables.response_len)
+        ids, n = _render_stencil(tables.response_stencils, row, source)
+    else:
+        ids, n = _render(
+            tables, tables.response_base[row], tables.response_src[row], jnp.stack(source), tables.response_len
+        )
+    if tables.response_spans is None:
+        return ids, n
+    span_ids, span_len = getattr(message, "span_ids", None), getattr(message, "span_len", None)
+    n_spans = len(tables.span_tokens)
+    if span_ids is None or span_ids.shape[0] < n_spans:
+        raise ValueError(
+            f"the tool templates read {n_spans} token spans: the Message needs span_ids [{n_spans}, W] and span_len"
+        )
+    seg_len = tables.piece_len[tables.response_base[row] + jnp.stack(source)[tables.response_src[row]]]
+    return _splice(
+        jnp,
+        ids,
+        n,
+        seg_len,
+        tables.response_spans[row],
+        jnp.asarray(span_ids, jnp.int32)[:n_spans],
+        jnp.asarray(span_len, jnp.int32)[:n_spans],
+        jnp.asarray(tables.span_tokens, jnp.int32),
+        tables.pad_id,
+    )
+
+
+def number_span(tables: ChatTables, value, width: int):
+    """Token ids of the decimal digits of ``value`` (``int []``, clipped to ``0 .. 10**width - 1``), for a
+    `SpanSlot`: ``(ids int32 [width], length int32 [])``, jit/vmap friendly. Needs a tokenizer that spells
+    numbers one token per digit (``tables.digit_ids``), as the shipped one does."""
+    if len(tables.digit_ids) != 10:
+        raise ValueError("number_span needs a tokenizer that encodes every number one token per digit")
+    value = jnp.clip(jnp.asarray(value, jnp.int32), 0, 10**width - 1)
+    powers = jnp.asarray([10 ** (width - 1 - i) for i in range(width)], jnp.int32)  # most significant first
+    digits = (value // powers) % 10
+    length = jnp.maximum(1, jnp.sum(value >= powers)).astype(jnp.int32)
+    # Drop the leading zeros: digit i of the output is digit (width - length + i) of the zero-padded number.
+    idx = jnp.clip(jnp.arange(width) + width - length, 0, width - 1)
+    ids = jnp.asarray(tables.digit_ids, jnp.int32)[digits[idx]]
+    return jnp.where(jnp.arange(width) < length, ids, 0), length

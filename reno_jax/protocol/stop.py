@@ -71,13 +71,17 @@ def build_stop_tables(token_bytes: Sequence[bytes], stop_ids: Sequence[int], pat
             raise ValueError(f"stop id {i} outside the vocabulary of size {vocab}")
         is_stop[int(i)] = True
     if not pattern:
-        return StopTables(is_stop=jnp.asarray(is_stop), match_next=jnp.zeros((1, vocab), jnp.int32),
-                          match_hit=jnp.zeros((1, vocab), bool))
+        return StopTables(
+            is_stop=jnp.asarray(is_stop),
+            match_next=jnp.zeros((1, vocab), jnp.int32),
+            match_hit=jnp.zeros((1, vocab), bool),
+        )
     nxt, hit = matcher_automaton(pattern)
     table, lens = tokens_lib.byte_matrix(list(token_bytes))
     state, code = tokens_lib.lift_to_tokens(nxt, hit, table, lens, merge=np.maximum)
-    return StopTables(is_stop=jnp.asarray(is_stop), match_next=jnp.asarray(state.astype(np.int32)),
-                      match_hit=jnp.asarray(code != 0))
+    return StopTables(
+        is_stop=jnp.asarray(is_stop), match_next=jnp.asarray(state.astype(np.int32)), match_hit=jnp.asarray(code != 0)
+    )
 
 
 def stop_update(tables: StopTables, match_state: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array]:

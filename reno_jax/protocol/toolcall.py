@@ -4,15 +4,18 @@ agrees with it exactly.
 Result (design contract): ``kind`` int32 in {0 ok, 1 no_call, 2 bad_call, 3 out_of_range}, ``tool`` int32 (the
 named tool's index in the schema list when kind is ok or out_of_range, else -1) and ``args`` int32 ``[A]`` (A =
 the largest argument count over the tools): the called tool's argument values in its schema order, zero padded,
-an enum given as its option's index; all zeros unless kind is ok.
+an enum given as its option's index, a free-text argument as 0; all zeros unless kind is ok. ``parse_full`` also
+returns the free-text arguments as token spans (``text_ids [M, L]``, ``text_len [M]``, see "Free text").
 
 Schemas
 -------
 A list of tools in the OpenAI/HF ``tools=`` format (``{"type": "function", "function": {"name", "parameters"}}``,
 or the bare ``function`` object). Every property must be ``required``; supported properties are
 ``{"type": "integer", "minimum": lo, "maximum": hi}`` with ``0 <= lo <= hi <= MAX_INT`` and
-``{"type": "string", "enum": [...]}`` with printable-ASCII options without ``"`` or ``\\``. Tool names and
-argument keys follow the same character rule. Anything else raises ``ValueError`` naming the tool/argument.
+``{"type": "string", "enum": [...]}`` with printable-ASCII options without ``"`` or ``\\``, and free text
+``{"type": "string", "maxTokens": N}`` with ``1 <= N <= MAX_TEXT_TOKENS``: a reno_jax key, the bound in TOKENS
+(JSON-schema ``maxLength`` counts characters, so it is not accepted). Tool names and argument keys follow the
+enum rule. Anything else raises ``ValueError`` naming the tool/argument.
 
 Grammar
 -------
@@ -36,8 +39,27 @@ Grammar
      strings (``"5"``), ``true``/``false``/``null``, arrays, objects -> ``bad_call``; leading zeros (``05``,
      ``-05``) are not JSON -> ``bad_call``; a ``+`` sign is not JSON -> ``bad_call``.
    * An enum argument must be a JSON string equal to one of the options, else ``bad_call``.
+   * A free-text argument must be a JSON string (no escapes, by the rule above; no control characters; any
+     other byte, non-ASCII included). Its token-level rules are in "Free text".
 3. Range: an integer outside ``[minimum, maximum]`` (any negative number, ``-0`` included, and any number of
    digits) -> ``out_of_range``, provided everything else is well formed.
+
+Free text
+---------
+A free-text argument is captured as the ids of the tokens strictly between its quotes, so the quotes must sit at
+token boundaries: the opening quote is the LAST byte of a token (``": "`` merges are fine), every token inside is
+text only, and the closing quote is the FIRST byte of a token (``"}}`` merges are fine, as for any argument).
+A token that holds both text and a quote (``"hello``, ``hello"``) or a backslash is a bad call, and so is a text
+of more than ``maxTokens`` tokens (token counts are not a text property: ``parse_text`` checks only the JSON).
+The shipped tokenizer's pre-tokenizer splits quotes from letters, so its own encoding of a call passes.
+
+The byte automaton gets one more symbol, ``BOUNDARY`` (the end of every token, identity everywhere but inside
+free text): inside a string, ``opened`` -BOUNDARY-> ``between`` -text-> ``inside`` -BOUNDARY-> ``between``, the
+last edge storing "append to span p" (span registers numbered per (tool, text argument) after the value
+registers). Lifted to tokens, a token's entry is its bytes then a boundary, so its store code says which spans
+it appends to (``code_appends``); the runtime keeps ``[P + 1, L]`` ids and ``[P + 1]`` counts beside the
+registers, one token per step (no pair table), and the bound is checked once at the end. Schemas without free
+text have no boundary column: their automata are exactly as before.
 
 Jitted parser
 -------------
@@ -96,6 +118,7 @@ CLOSE_TAG = "</tool_call>"
 MAX_INT = 4095  # largest supported integer maximum: the value lives in the automaton state (one state per value)
 MAX_TOOLS = 4096  # the packed one-register result keeps tool + 1 in 14 bits
 MAX_ARGS = 8  # per tool: the body DFA tracks the set of arguments seen (2**n sets)
+MAX_TEXT_TOKENS = 1024  # a free-text argument's bound (its span register is [maxTokens] token ids)
 MAX_PRODUCT_STATES = 1 << 18  # host-side guard; the runtime table is states x token classes
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -105,17 +128,22 @@ MAX_PRODUCT_STATES = 1 << 18  # host-side guard; the runtime table is states x t
 
 @dataclasses.dataclass(frozen=True)
 class ArgSpec:
-    """One argument: ``kind`` "integer" (``lo..hi``) or "enum" (``options``)."""
+    """One argument: ``kind`` "integer" (``lo..hi``), "enum" (``options``) or "text" (free text of at most
+    ``max_tokens`` tokens)."""
 
     name: str
     kind: str
     lo: int = 0
     hi: int = 0
     options: tuple[str, ...] = ()
+    max_tokens: int = 0
 
     @property
     def max_value(self) -> int:
-        """Largest value its register can hold (an integer saturates at ``hi + 1``)."""
+        """Largest value its register can hold (an integer saturates at ``hi + 1``; a text argument's register
+        is never written)."""
+        if self.kind == "text":
+            return 0
         return self.hi + 1 if self.kind == "integer" else len(self.options) - 1
 
 
@@ -143,24 +171,37 @@ def _arg_spec(tool: str, key: str, prop: Any) -> ArgSpec:
     where = f"tool {tool!r} argument {key!r}"
     if not isinstance(prop, dict):
         raise ValueError(f"{where}: schema must be an object, got {prop!r}")
-    extra = set(prop) - {"type", "minimum", "maximum", "enum", "description", "title"}
+    extra = set(prop) - {"type", "minimum", "maximum", "enum", "maxTokens", "description", "title"}
     if extra:
         raise ValueError(f"{where}: unsupported schema keywords {sorted(extra)}")
     kind = prop.get("type")
+    if kind != "string" and "maxTokens" in prop:
+        raise ValueError(f"{where}: maxTokens applies to strings only")
     if kind == "integer":
         if "enum" in prop:
             raise ValueError(f"{where}: integer enums are not supported (use minimum/maximum)")
         lo, hi = prop.get("minimum"), prop.get("maximum")
         if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi <= MAX_INT):
-            raise ValueError(f"{where}: integers need integer 'minimum' and 'maximum' with 0 <= minimum <= maximum "
-                             f"<= {MAX_INT}, got minimum={lo!r}, maximum={hi!r}")
+            raise ValueError(
+                f"{where}: integers need integer 'minimum' and 'maximum' with 0 <= minimum <= maximum "
+                f"<= {MAX_INT}, got minimum={lo!r}, maximum={hi!r}"
+            )
         return ArgSpec(key, "integer", lo=lo, hi=hi)
     if kind == "string":
         if "minimum" in prop or "maximum" in prop:
             raise ValueError(f"{where}: minimum/maximum apply to integers only")
+        if "maxTokens" in prop:
+            bound = prop["maxTokens"]
+            if "enum" in prop:
+                raise ValueError(f"{where}: give either an 'enum' list or a 'maxTokens' bound, not both")
+            if not (_is_int(bound) and 1 <= bound <= MAX_TEXT_TOKENS):
+                raise ValueError(
+                    f"{where}: free text needs an integer 'maxTokens' in 1..{MAX_TEXT_TOKENS}, got {bound!r}"
+                )
+            return ArgSpec(key, "text", max_tokens=bound)
         options = prop.get("enum")
         if not isinstance(options, (list, tuple)) or not options:
-            raise ValueError(f"{where}: only enum strings are supported (a non-empty 'enum' list)")
+            raise ValueError(f"{where}: strings need a non-empty 'enum' list, or a 'maxTokens' bound for free text")
         for o in options:
             _check_literal(f"{where}: enum option", o, allow_empty=True)
         if len(set(options)) != len(options):
@@ -230,8 +271,30 @@ def max_args(spec: Sequence[ToolSpec]) -> int:
     return max(len(t.args) for t in spec)
 
 
+def max_text_args(spec: Sequence[ToolSpec]) -> int:
+    """Largest number of free-text arguments of one tool (the rows of ``ToolCall.text_ids``)."""
+    return max(sum(a.kind == "text" for a in t.args) for t in spec)
+
+
+def max_text_tokens(spec: Sequence[ToolSpec]) -> int:
+    """Largest ``maxTokens`` bound over the free-text arguments (the columns of ``ToolCall.text_ids``)."""
+    return max([a.max_tokens for t in spec for a in t.args if a.kind == "text"] or [0])
+
+
+def _text_registers(spec: Sequence[ToolSpec]) -> list[list[int]]:
+    """Span register of each tool's free-text arguments, in schema order, numbered per (tool, text position) like
+    the value registers (alternatives alive together never append to the same span)."""
+    out, n = [], 0
+    for t in spec:
+        k = sum(a.kind == "text" for a in t.args)
+        out.append(list(range(n, n + k)))
+        n += k
+    return out
+
+
 def decode_args(tools, tool: int, args) -> dict[str, Any]:
-    """``{argument: value}`` of a parsed call (enum indices mapped back to their strings)."""
+    """``{argument: value}`` of a parsed call (enum indices mapped back to their strings; a free-text argument's
+    value is 0: its tokens are in ``text_ids``)."""
     t = _as_spec(tools)[int(tool)]
     return {a.name: (a.options[int(v)] if a.kind == "enum" else int(v)) for a, v in zip(t.args, list(args))}
 
@@ -281,8 +344,9 @@ def parse_text(tools, text: str) -> tuple[int, int, tuple[int, ...]]:
     if "\\" in body:
         return bad
     try:
-        obj = json.loads(body, object_pairs_hook=_pairs_to_dict, parse_float=_reject, parse_constant=_reject,
-                         parse_int=_parse_int)
+        obj = json.loads(
+            body, object_pairs_hook=_pairs_to_dict, parse_float=_reject, parse_constant=_reject, parse_int=_parse_int
+        )
     except (ValueError, RecursionError, _Reject):
         return bad
     if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or not isinstance(obj["name"], str):
@@ -301,6 +365,10 @@ def parse_text(tools, text: str) -> tuple[int, int, tuple[int, ...]]:
                 return bad
             in_range &= a.lo <= v <= a.hi
             values.append(v)
+        elif a.kind == "text":
+            if not isinstance(v, str):
+                return bad
+            values.append(0)
         else:
             if not isinstance(v, str) or v not in a.options:
                 return bad
@@ -316,14 +384,20 @@ def parse_text(tools, text: str) -> tuple[int, int, tuple[int, ...]]:
 
 _WS = b" \t\n\r"
 _DIGITS = b"0123456789"
+# Free text: the symbol between two tokens (never a byte; only schemas with free text have this column), and the
+# bytes a JSON string may hold unescaped (no quote, no backslash, no control character; non-ASCII bytes count as
+# text, and so does U+FFFD, what decoding makes of invalid UTF-8, so bytes and decoded text agree).
+BOUNDARY = 256
+_TEXT_BYTES = tuple(c for c in range(0x20, 256) if c not in b'"\\')
 
 
 class _BodyBuilder:
     """NFA of the call body. Byte edges may carry one register store ``(register, value)``; epsilon edges carry
-    none. ``accept[s] = t`` marks "object closed, tool t"."""
+    none. ``accept[s] = t`` marks "object closed, tool t". Symbols are bytes and ``BOUNDARY`` (the end of a
+    token); a state without a ``BOUNDARY`` edge keeps its place at a boundary."""
 
     def __init__(self):
-        self.edges: list[list[tuple[bytes, int, tuple[int, int] | None]]] = []
+        self.edges: list[list[tuple[tuple[int, ...], int, tuple[int, int] | None]]] = []
         self.eps: list[list[int]] = []
         self.accept: dict[int, int] = {}
 
@@ -332,8 +406,8 @@ class _BodyBuilder:
         self.eps.append([])
         return len(self.edges) - 1
 
-    def edge(self, s: int, chars: bytes, t: int, store: tuple[int, int] | None = None) -> None:
-        self.edges[s].append((bytes(chars), t, store))
+    def edge(self, s: int, chars, t: int, store: tuple[int, int] | None = None) -> None:
+        self.edges[s].append((tuple(chars), t, store))
 
     def ws(self, s: int) -> int:
         self.edge(s, _WS, s)
@@ -388,7 +462,22 @@ class _BodyBuilder:
         for i, o in enumerate(options):
             self.edge(self.lit(q, o.encode()), b'"', after, (reg, i))
 
-    def arguments(self, s: int, tool: ToolSpec, reg0: int) -> int:
+    def text(self, s: int, after: int, span: int) -> None:
+        """A free-text JSON string whose quotes sit at token boundaries: the opening quote ends a token, every
+        token in between is text only, the closing quote starts a token. Each text token appends to the span
+        register ``span`` (the store on its closing boundary); a token that mixes text with a quote is rejected,
+        so the span holds exactly the ids between the quotes. ``""`` in one token is the empty string."""
+        opened, between, inside = self.state(), self.state(), self.state()
+        self.edge(s, b'"', opened)
+        self.edge(opened, b'"', after)
+        self.edge(opened, (BOUNDARY,), between)
+        self.edge(between, (BOUNDARY,), between)
+        self.edge(between, b'"', after)
+        self.edge(between, _TEXT_BYTES, inside)
+        self.edge(inside, _TEXT_BYTES, inside)
+        self.edge(inside, (BOUNDARY,), between, (span, 0))
+
+    def arguments(self, s: int, tool: ToolSpec, reg0: int, span0: int = 0) -> int:
         """``{ members }`` from value position s: the tool's keys in any order, each once. Returns the state after
         the closing brace (+ ws)."""
         o = self.ws(self.state())
@@ -400,6 +489,7 @@ class _BodyBuilder:
             return done
         full = (1 << n) - 1
         expect = {0: o}  # seen-set -> state expecting a key's opening quote
+        text_index = {i: span0 + k for k, i in enumerate(i for i, a in enumerate(tool.args) if a.kind == "text")}
 
         def expecting(seen: int) -> int:
             if seen not in expect:
@@ -417,6 +507,8 @@ class _BodyBuilder:
                 after = self.ws(self.state())
                 if a.kind == "integer":
                     self.integer(v, after, reg0 + i, a.lo, a.hi)
+                elif a.kind == "text":
+                    self.text(v, after, text_index[i])
                 else:
                     self.enum(v, after, reg0 + i, a.options)
                 now = seen | 1 << i
@@ -435,6 +527,8 @@ def _build_body_nfa(spec: Sequence[ToolSpec]) -> tuple[_BodyBuilder, int, list[i
     outer = b.ws(b.state())
     b.edge(start, b"{", outer)
     offsets = list(np.cumsum([0] + [len(t.args) for t in spec])[:-1])
+    n_regs = sum(len(t.args) for t in spec)
+    spans = [n_regs + r[0] if r else 0 for r in _text_registers(spec)]  # span stores follow the value registers
     for t, tool in enumerate(spec):
         end = b.ws(b.state())
         b.accept[end] = t
@@ -443,9 +537,9 @@ def _build_body_nfa(spec: Sequence[ToolSpec]) -> tuple[_BodyBuilder, int, list[i
         after_name = b.ws(b.lit(name_v, b'"' + tool.name.encode() + b'"'))
         comma = b.ws(b.state())
         b.edge(after_name, b",", comma)
-        b.edge(b.arguments(b.key(comma, "arguments"), tool, int(offsets[t])), b"}", end)
+        b.edge(b.arguments(b.key(comma, "arguments"), tool, int(offsets[t]), spans[t]), b"}", end)
         # arguments first
-        after_args = b.arguments(b.key(outer, "arguments"), tool, int(offsets[t]))
+        after_args = b.arguments(b.key(outer, "arguments"), tool, int(offsets[t]), spans[t])
         comma2 = b.ws(b.state())
         b.edge(after_args, b",", comma2)
         after_name2 = b.ws(b.lit(b.key(comma2, "name"), b'"' + tool.name.encode() + b'"'))
@@ -488,12 +582,17 @@ class _Stores:
         return out
 
 
-def _determinize(nfa: _BodyBuilder, start: int, stores: _Stores):
-    """Subset construction over byte classes. Returns ``(next [N, 256], code [N, 256], label [N])`` with label
-    ``t + 1`` for "accepted, tool t", 0 otherwise; state 0 is the start, state 1 the empty set (dead)."""
+def _determinize(nfa: _BodyBuilder, start: int, stores: _Stores, num_symbols: int = 256):
+    """Subset construction over byte classes. Returns ``(next [N, X], code [N, X], label [N])`` (X =
+    ``num_symbols``: 256 bytes, plus ``BOUNDARY`` with free text) with label ``t + 1`` for "accepted, tool t", 0
+    otherwise; state 0 is the start, state 1 the empty set (dead)."""
     n = len(nfa.edges)
+    if num_symbols > BOUNDARY:  # a state without a boundary edge stays put at a token boundary (edits the NFA)
+        for s in range(n):
+            if not any(BOUNDARY in chars for chars, _, _ in nfa.edges[s]):
+                nfa.edge(s, (BOUNDARY,), s)
     labels = sorted({chars for s in range(n) for chars, _, _ in nfa.edges[s]})  # few distinct byte sets
-    sig = np.zeros((256, max(1, len(labels))), bool)
+    sig = np.zeros((num_symbols, max(1, len(labels))), bool)
     for j, chars in enumerate(labels):
         sig[list(chars), j] = True
     byte_class = _row_ids(sig)
@@ -541,8 +640,10 @@ def _determinize(nfa: _BodyBuilder, start: int, stores: _Stores):
                 index[key] = len(order)
                 order.append(key)
                 if len(order) > MAX_PRODUCT_STATES:
-                    raise ValueError("tool schemas too large: the body automaton exceeds "
-                                     f"{MAX_PRODUCT_STATES} states (narrow the integer ranges)")
+                    raise ValueError(
+                        "tool schemas too large: the body automaton exceeds "
+                        f"{MAX_PRODUCT_STATES} states (narrow the integer ranges)"
+                    )
             nxt[c] = index[key]
             code[c] = stores.id(st.items()) if st else 0
         rows_next.append(nxt[byte_class])
@@ -567,8 +668,9 @@ class Grammar:
     """The whole grammar as ONE minimized byte-level automaton with register stores on its edges.
 
     Attributes:
-      next: ``int32 [S, 256]`` next state; state 0 is the start (before ``<tool_call>``).
-      code: ``int64 [S, 256]`` store code of the edge (0: none; see ``stores``).
+      next: ``int32 [S, X]`` next state per byte (X = 256), plus the ``BOUNDARY`` column between tokens (X = 257)
+        when the schema has free text; state 0 is the start (before ``<tool_call>``).
+      code: ``int64 [S, X]`` store code of the edge (0: none; see ``stores``).
       label: ``int64 [S]`` 0 pending (no call yet), 1 closed and rejected, ``2 + t`` closed and accepted as tool t;
         the closed states are absorbing and store nothing.
       raw_states: reachable states of the unminimized product (for the docs/tests).
@@ -620,19 +722,24 @@ def build_grammar(spec: Sequence[ToolSpec]) -> Grammar:
     """
     spec = tuple(spec)
     n_regs = sum(len(t.args) for t in spec)
-    single = [a.max_value for t in spec for a in t.args][0] if n_regs == 1 else None
-    stores = _Stores(n_regs, single)
+    n_spans = sum(len(r) for r in _text_registers(spec))
+    single = [a.max_value for t in spec for a in t.args][0] if n_regs == 1 and not n_spans else None
+    stores = _Stores(n_regs + n_spans, single)
+    n_sym = 257 if n_spans else 256  # free text adds the token-boundary column (identity for the tag matchers)
     nfa, start, _ = _build_body_nfa(spec)
-    bnext, bcode, blabel = _determinize(nfa, start, stores)
+    bnext, bcode, blabel = _determinize(nfa, start, stores, n_sym)
     close_bytes = np.frombuffer(CLOSE_TAG.encode(), np.uint8)
     if np.any(bcode[:, close_bytes] != 0):  # the closing tag's bytes must leave the registers as at its '<'
         raise AssertionError("tool-call grammar: a byte of the closing tag stores a register")
     open_kmp, close_kmp = tokens_lib.kmp_table(OPEN_TAG.encode()), tokens_lib.kmp_table(CLOSE_TAG.encode())
     n_open, n_close = len(OPEN_TAG), len(CLOSE_TAG)
+    if n_sym > 256:
+        open_kmp = np.concatenate([open_kmp, np.arange(open_kmp.shape[0])[:, None]], axis=1).astype(open_kmp.dtype)
+        close_kmp = np.concatenate([close_kmp, np.arange(close_kmp.shape[0])[:, None]], axis=1).astype(close_kmp.dtype)
     nb, nl = bnext.shape[0], len(spec) + 1
     off1 = n_open  # phase-1 keys: off1 + (k_close * nb + body) * nl + saved
     off2 = off1 + n_close * nb * nl  # phase-2 keys: off2 + saved label
-    lt = np.arange(256) == ord("<")
+    lt = np.arange(n_sym) == ord("<")
     start_key = off1 + (0 * nb + 0) * nl + int(blabel[0])
 
     keys: dict[int, int] = {0: 0}
@@ -642,7 +749,7 @@ def build_grammar(spec: Sequence[ToolSpec]) -> Grammar:
     while i < len(order):
         key = order[i]
         i += 1
-        code = np.zeros(256, np.int64)
+        code = np.zeros(n_sym, np.int64)
         if key < off1:
             k2 = open_kmp[key].astype(np.int64)
             nkey = np.where(k2 == n_open, start_key, k2)
@@ -654,15 +761,17 @@ def build_grammar(spec: Sequence[ToolSpec]) -> Grammar:
             code = bcode[body]
             nkey = np.where(kc2 == n_close, off2 + saved2, off1 + (kc2 * nb + bnext[body]) * nl + saved2)
         else:
-            nkey = np.full(256, key, np.int64)
+            nkey = np.full(n_sym, key, np.int64)
         uniq, inv = np.unique(nkey, return_inverse=True)
         for k in uniq.tolist():
             if k not in keys:
                 keys[k] = len(order)
                 order.append(k)
         if len(order) > MAX_PRODUCT_STATES:
-            raise ValueError(f"tool schemas too large: the grammar automaton exceeds {MAX_PRODUCT_STATES} states "
-                             "(narrow the integer ranges)")
+            raise ValueError(
+                f"tool schemas too large: the grammar automaton exceeds {MAX_PRODUCT_STATES} states "
+                "(narrow the integer ranges)"
+            )
         nexts.append(np.array([keys[k] for k in uniq.tolist()], np.int64)[inv.ravel()])
         codes.append(code)
     nxt, code = np.stack(nexts), np.stack(codes)
@@ -672,8 +781,14 @@ def build_grammar(spec: Sequence[ToolSpec]) -> Grammar:
         if key >= off2:
             label[s] = 1 + (key - off2)  # 1: rejected (saved label 0), 2 + t: accepted as tool t
     cls, rep = _minimize(nxt, code, label)
-    return Grammar(next=cls[nxt[rep]].astype(np.int32), code=code[rep], label=label[rep], raw_states=raw,
-                   stores=stores, body_states=nb)
+    return Grammar(
+        next=cls[nxt[rep]].astype(np.int32),
+        code=code[rep],
+        label=label[rep],
+        raw_states=raw,
+        stores=stores,
+        body_states=nb,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -699,13 +814,20 @@ class ToolCallTables:
       tool_regs: ``int32 [N, A]`` register of each tool's argument (R = a register that is never written: padding).
       arg_lo, arg_hi: ``int32 [N, A]`` accepted range per argument (enums: every option index; padding: 0..0).
       class_pair_next: ``[S, C * C]`` two-token transitions (class pair ``c1 * C + c2``), halving the chain of
-        dependent lookups; None when ``S * C * C`` exceeds ``_MAX_PAIR_ENTRIES``.
+        dependent lookups; None when ``S * C * C`` exceeds ``_MAX_PAIR_ENTRIES``, and with free text (a pair of
+        tokens could append two ids).
       store_val: ``int32 [codes, R + 1]`` value each store code writes to each register (-1: keeps it); None with
         at most one register (the carry's code IS the register).
       code_value: ``int32 [2 ** reg_bits]`` the one register's value per code (0 for code 0); None otherwise.
+      code_appends: ``bool [2 ** reg_bits, P]`` (P = free-text span registers over all tools) whether a token with
+        this code appends its id to each span; None without free text (then the fields below are None too).
+      tool_text_regs: ``int32 [N, M]`` span register of each tool's free-text arguments in schema order (M =
+        ``max_text_args``; P = padding, a span that is always empty).
+      text_bound: ``int32 [N, M]`` each free-text argument's ``maxTokens`` (padding: 0).
       result: ``int32 [S << reg_bits]`` packed carry -> ``kind | (tool + 1) << 2 | arg << 16`` (one register, small
         tables); None otherwise.
-      spec: the normalized schema; reg_bits, num_registers, raw_states: static packing facts.
+      spec: the normalized schema; reg_bits, num_registers (value registers), raw_states: static packing facts;
+        text_tokens: the span width L (``max_text_tokens``).
     """
 
     token_class: jax.Array
@@ -721,10 +843,18 @@ class ToolCallTables:
     store_val: jax.Array | None = None
     code_value: jax.Array | None = None
     result: jax.Array | None = None
+    code_appends: jax.Array | None = None
+    tool_text_regs: jax.Array | None = None
+    text_bound: jax.Array | None = None
     spec: tuple = flax.struct.field(pytree_node=False, default=())
     reg_bits: int = flax.struct.field(pytree_node=False, default=4)
     num_registers: int = flax.struct.field(pytree_node=False, default=1)
     raw_states: int = flax.struct.field(pytree_node=False, default=0)
+    text_tokens: int = flax.struct.field(pytree_node=False, default=0)
+
+    @property
+    def has_text(self) -> bool:
+        return self.code_appends is not None
 
     @property
     def vocab_size(self) -> int:
@@ -762,8 +892,9 @@ def grammar(tools) -> Grammar:
     return _cached_grammar(_as_spec(tools))
 
 
-def compile_tool_calls(tools, tokenizer=None, vocab_size: int | None = None, *,
-                       pieces: Sequence[bytes] | None = None) -> ToolCallTables:
+def compile_tool_calls(
+    tools, tokenizer=None, vocab_size: int | None = None, *, pieces: Sequence[bytes] | None = None
+) -> ToolCallTables:
     """Tables of ``tools`` for ``tokenizer`` (or the token ``pieces``, bytes per id); ``vocab_size`` (e.g. the
     model's padded vocab) adds ids without text.
 
@@ -776,17 +907,22 @@ def compile_tool_calls(tools, tokenizer=None, vocab_size: int | None = None, *,
         pieces = tokens_lib.token_bytes(tokenizer)
     tb, lens = tokens_lib.byte_matrix(list(pieces), vocab_size)
     stores = g.stores
-    n_regs = stores.num_registers
-    merge = stores.merge if n_regs > 1 else tokens_lib.last_store
+    text_regs = _text_registers(spec)
+    n_spans = sum(len(r) for r in text_regs)
+    n_regs = stores.num_registers - n_spans  # value registers (span stores are numbered after them)
+    merge = stores.merge if stores.num_registers > 1 else tokens_lib.last_store
     s_count = g.num_states
-    st, cd = tokens_lib.lift_to_tokens(g.next, g.code, tb, lens, merge=merge)
+    st, cd = tokens_lib.lift_to_tokens(g.next[:, :256], g.code[:, :256], tb, lens, merge=merge)
+    if n_spans:  # every token ends at a boundary (where a text token appends to its span)
+        cd = merge(cd, g.code[st, BOUNDARY])
+        st = g.next[st, BOUNDARY].astype(np.int64)
     state = np.concatenate([st, np.arange(s_count)[:, None]], axis=1)  # column V: no token
     code = np.concatenate([cd, np.zeros((s_count, 1), np.int64)], axis=1)
     token_class, cls_pack = tokens_lib.token_classes(state * (1 << 24) + code)
     cls_state, cls_code = cls_pack >> 24, cls_pack & ((1 << 24) - 1)
     c = cls_state.shape[1]
     pair = None
-    if s_count * c * c <= _MAX_PAIR_ENTRIES:
+    if s_count * c * c <= _MAX_PAIR_ENTRIES and not n_spans:  # a pair could append two ids: one token a step
         first_state = cls_state  # [S, C]
         second_state = cls_state[first_state]  # [S, C, C]
         second_code = cls_code[first_state]
@@ -800,37 +936,16 @@ def compile_tool_calls(tools, tokenizer=None, vocab_size: int | None = None, *,
         return ((s.astype(np.int64) << bits) | k).astype(dtype)
 
     byte_next = np.zeros((s_count, 257), np.int64)
-    byte_next[:, :256] = (g.next.astype(np.int64) << bits) | g.code
+    byte_next[:, :256] = (g.next[:, :256].astype(np.int64) << bits) | g.code[:, :256]
     byte_next[:, 256] = np.arange(s_count) << bits
 
-    a_max = max_args(spec)
-    offsets = np.cumsum([0] + [len(t.args) for t in spec])
-    tool_regs = np.full((len(spec), a_max), n_regs, np.int32)
-    lo = np.zeros((len(spec), a_max), np.int32)
-    hi = np.zeros((len(spec), a_max), np.int32)
-    for t, tool in enumerate(spec):
-        for i, a in enumerate(tool.args):
-            tool_regs[t, i] = offsets[t] + i
-            lo[t, i], hi[t, i] = (a.lo, a.hi) if a.kind == "integer" else (0, len(a.options) - 1)
-    store_val = code_value = result = None
-    if n_regs > 1:
-        sv = np.full((n_codes, n_regs + 1), -1, np.int32)
-        for k, sets in enumerate(stores.sets):
-            for r, val in sets:
-                sv[k, r] = val
-        store_val = jnp.asarray(sv)
+    tool_regs, lo, hi = _argument_tables(spec, n_regs)
+    if n_regs > 1 or n_spans:
+        store_val, code_appends, tool_text_regs, text_bound = _register_tables(spec, stores, n_regs, text_regs, bits)
+        code_value = result = None
     else:
-        cv = np.zeros(1 << bits, np.int32)
-        for k, sets in enumerate(stores.sets):
-            if sets:
-                cv[k] = sets[0][1]
-        code_value = jnp.asarray(cv)
-        if s_count << bits <= _MAX_RESULT_ENTRIES:
-            carry = np.arange(s_count << bits)
-            regs = np.stack([cv[carry & ((1 << bits) - 1)], np.zeros_like(carry)], axis=1)  # [.., R + 1]
-            kind, tool, args = _decide(np, g.label[carry >> bits], regs, tool_regs, lo, hi)
-            arg0 = args[:, 0] if a_max else 0
-            result = jnp.asarray((kind | (tool + 1) << 2 | arg0 << 16).astype(np.int32))
+        code_value, result = _single_register_tables(g, stores, bits, tool_regs, lo, hi, max_args(spec))
+        store_val = code_appends = tool_text_regs = text_bound = None
     return ToolCallTables(
         token_class=jnp.asarray(token_class),
         class_next=jnp.asarray(pack(cls_state, cls_code)),
@@ -845,11 +960,71 @@ def compile_tool_calls(tools, tokenizer=None, vocab_size: int | None = None, *,
         store_val=store_val,
         code_value=code_value,
         result=result,
+        code_appends=code_appends,
+        tool_text_regs=tool_text_regs,
+        text_bound=text_bound,
         spec=spec,
         reg_bits=bits,
         num_registers=n_regs,
         raw_states=g.raw_states,
+        text_tokens=max_text_tokens(spec),
     )
+
+
+def _argument_tables(spec, n_regs: int):
+    """Per tool and argument: its value register (``n_regs`` where the tool has fewer arguments) and its range."""
+    a_max = max_args(spec)
+    offsets = np.cumsum([0] + [len(t.args) for t in spec])
+    tool_regs = np.full((len(spec), a_max), n_regs, np.int32)
+    lo = np.zeros((len(spec), a_max), np.int32)
+    hi = np.zeros((len(spec), a_max), np.int32)
+    for t, tool in enumerate(spec):
+        for i, a in enumerate(tool.args):
+            tool_regs[t, i] = offsets[t] + i
+            if a.kind != "text":  # a text argument's register is never written: 0..0
+                lo[t, i], hi[t, i] = (a.lo, a.hi) if a.kind == "integer" else (0, len(a.options) - 1)
+    return tool_regs, lo, hi
+
+
+def _register_tables(spec, stores, n_regs: int, text_regs, bits: int):
+    """Several registers or text spans: what each store code writes (``store_val``), which spans it appends to, and
+    per tool its text arguments' span registers and token bounds (None without text arguments)."""
+    n_spans = sum(len(r) for r in text_regs)
+    sv = np.full((len(stores.sets), n_regs + 1), -1, np.int32)
+    appends = np.zeros((1 << bits, n_spans), bool)
+    for k, sets in enumerate(stores.sets):
+        for r, val in sets:
+            if r < n_regs:
+                sv[k, r] = val
+            else:
+                appends[k, r - n_regs] = True
+    if not n_spans:
+        return jnp.asarray(sv), None, None, None
+    m = max_text_args(spec)
+    regs_np = np.full((len(spec), m), n_spans, np.int32)
+    bound = np.zeros((len(spec), m), np.int32)
+    for t, tool in enumerate(spec):
+        texts = [a for a in tool.args if a.kind == "text"]
+        regs_np[t, : len(texts)] = text_regs[t]
+        bound[t, : len(texts)] = [a.max_tokens for a in texts]
+    return (jnp.asarray(sv), *(jnp.asarray(x) for x in (appends, regs_np, bound)))
+
+
+def _single_register_tables(g, stores, bits: int, tool_regs, lo, hi, a_max: int):
+    """One register: the value each store code writes, and (when small enough) the verdict of every final carry."""
+    s_count = g.num_states
+    cv = np.zeros(1 << bits, np.int32)
+    for k, sets in enumerate(stores.sets):
+        if sets:
+            cv[k] = sets[0][1]
+    result = None
+    if s_count << bits <= _MAX_RESULT_ENTRIES:
+        carry = np.arange(s_count << bits)
+        regs = np.stack([cv[carry & ((1 << bits) - 1)], np.zeros_like(carry)], axis=1)  # [.., R + 1]
+        kind, tool, args = _decide(np, g.label[carry >> bits], regs, tool_regs, lo, hi)
+        arg0 = args[:, 0] if a_max else 0
+        result = jnp.asarray((kind | (tool + 1) << 2 | arg0 << 16).astype(np.int32))
+    return jnp.asarray(cv), result
 
 
 def _decide(xp, label, regs, tool_regs, lo, hi):
@@ -862,8 +1037,9 @@ def _decide(xp, label, regs, tool_regs, lo, hi):
     else:
         vals = xp.zeros(label.shape + (0,), np.int32)
         in_range = xp.ones(label.shape, bool)
-    kind = xp.where(accepted, xp.where(in_range, KIND_OK, KIND_OUT_OF_RANGE),
-                    xp.where(label == 1, KIND_BAD_CALL, KIND_NO_CALL))
+    kind = xp.where(
+        accepted, xp.where(in_range, KIND_OK, KIND_OUT_OF_RANGE), xp.where(label == 1, KIND_BAD_CALL, KIND_NO_CALL)
+    )
     tool = xp.where(accepted, t, -1)
     args = xp.where((kind == KIND_OK)[..., None], vals, 0)
     return kind.astype(np.int32), tool.astype(np.int32), args.astype(np.int32)
@@ -876,9 +1052,16 @@ def _decide(xp, label, regs, tool_regs, lo, hi):
 _UNROLL_MAX = 32  # sequences up to this many symbols are unrolled in Python (no scan, no transposes)
 
 
-def _run(table: jax.Array, symbols: jax.Array, bits: int, carry: Any = 0, regs: jax.Array | None = None,
-         store_val: jax.Array | None = None, symbol_class: jax.Array | None = None,
-         pair_table: jax.Array | None = None):
+def _run(
+    table: jax.Array,
+    symbols: jax.Array,
+    bits: int,
+    carry: Any = 0,
+    regs: jax.Array | None = None,
+    store_val: jax.Array | None = None,
+    symbol_class: jax.Array | None = None,
+    pair_table: jax.Array | None = None,
+):
     """Feed ``symbols [N]`` (columns of the packed ``table [S, C]``, or ids mapped to columns by
     ``symbol_class``) to the automaton. Returns ``(carry, regs)``.
 
@@ -949,9 +1132,51 @@ def _result(tables: ToolCallTables, carry: jax.Array, regs: jax.Array | None):
     return _decide(jnp, label, regs, tables.tool_regs, tables.arg_lo, tables.arg_hi)
 
 
+def _run_text(tables: ToolCallTables, ids: jax.Array, regs: jax.Array):
+    """Feed token ``ids [T]`` (V: no token) one token a step, appending each text token's id to the spans its
+    code names. Returns ``(carry, regs, span_ids int32 [P + 1, L], span_len int32 [P + 1])``; row P is the
+    padding span (never appended to); a span's length counts past L (the ids past L are dropped)."""
+    flat = tables.class_next.reshape(-1)
+    width = tables.class_next.shape[1]
+    bits, low = tables.reg_bits, (1 << tables.reg_bits) - 1
+    n_spans, span_w = tables.code_appends.shape[1], tables.text_tokens
+    positions = jnp.arange(span_w, dtype=jnp.int32)
+
+    def step(c, token):
+        carry, regs, span_ids, span_len = c
+        cls = tables.token_class.at[token.astype(jnp.uint32)].get(mode="promise_in_bounds")
+        carry = flat.at[((carry >> bits) * width + cls).astype(jnp.uint32)].get(mode="promise_in_bounds")
+        carry = carry.astype(jnp.int32)
+        code = carry & low
+        row = tables.store_val.at[code.astype(jnp.uint32)].get(mode="promise_in_bounds")
+        regs = jnp.where(row >= 0, row, regs)
+        append = jnp.concatenate([tables.code_appends[code], jnp.zeros((1,), bool)])  # [P + 1]
+        write = append[:, None] & (positions[None, :] == span_len[:, None])
+        return (carry, regs, jnp.where(write, token, span_ids), span_len + append.astype(jnp.int32)), None
+
+    init = (jnp.int32(0), regs, jnp.zeros((n_spans + 1, span_w), jnp.int32), jnp.zeros((n_spans + 1,), jnp.int32))
+    return jax.lax.scan(step, init, ids)[0]
+
+
+def _text_result(tables: ToolCallTables, kind, tool, span_ids, span_len):
+    """The called tool's spans ``(text_ids [M, L], text_len [M])`` (zero unless ok) and the verdict with an
+    over-long text made a bad call (it is malformed, whatever the other arguments' ranges)."""
+    t = jnp.maximum(tool, 0)
+    regs = tables.tool_text_regs[t]  # [M]
+    text_len = span_len[regs]
+    too_long = jnp.any(text_len > tables.text_bound[t])
+    kind = jnp.where(
+        (kind == KIND_OK) | (kind == KIND_OUT_OF_RANGE), jnp.where(too_long, KIND_BAD_CALL, kind), kind
+    ).astype(jnp.int32)
+    ok = kind == KIND_OK
+    text_len = jnp.where(ok, text_len, 0)
+    keep = jnp.arange(tables.text_tokens)[None, :] < text_len[:, None]
+    return kind, jnp.where(keep, span_ids[regs], 0), text_len
+
+
 def parse(tables: ToolCallTables, token_ids: jax.Array, length: Any = None, *, max_bytes: int | None = None):
     """Parse the first tool call in a generated token sequence (jit/vmap friendly; agrees with
-    ``parse_text(tables, decode(token_ids[:length]))``).
+    ``parse_text(tables, decode(token_ids[:length]))`` for schemas without free text).
 
     Args:
       tables: ``ToolCallTables`` of the schema and of the tokenizer that produced the ids.
@@ -962,7 +1187,20 @@ def parse(tables: ToolCallTables, token_ids: jax.Array, length: Any = None, *, m
         over that token, ``tables.max_bytes`` steps, so only pass a cap that can bind).
 
     Returns:
-      ``(kind int32 [], tool int32 [], args int32 [A])``.
+      ``(kind int32 [], tool int32 [], args int32 [A])``; see ``parse_full`` for free-text arguments.
+    """
+    return parse_full(tables, token_ids, length, max_bytes=max_bytes)[:3]
+
+
+def parse_full(tables: ToolCallTables, token_ids: jax.Array, length: Any = None, *, max_bytes: int | None = None):
+    """``parse`` with the free-text arguments: ``(kind, tool, args, text_ids, text_len)`` where ``text_ids``
+    ``int32 [M, L]`` holds the called tool's free-text arguments in schema order (M = ``max_text_args``, L =
+    ``max_text_tokens``; the ids strictly between the quotes, zero padded) and ``text_len`` ``int32 [M]`` their
+    token counts; both zero unless kind is ok. Without free text in the schema both are ``None``.
+
+    A free-text argument's quotes must sit at token boundaries (the opening quote ends a token, the closing
+    quote starts one; a token that mixes text and a quote is a bad call), and a text of more than ``maxTokens``
+    tokens is a bad call. ``parse_text`` cannot see tokens: on the decoded text it checks only the JSON.
     """
     token_ids = jnp.asarray(token_ids)
     if token_ids.ndim != 1:
@@ -987,17 +1225,38 @@ def parse(tables: ToolCallTables, token_ids: jax.Array, length: Any = None, *, m
         cut_bytes = jnp.sum(jnp.where(cut, cap - starts, 0))
         valid = valid & (ends <= cap)
     regs = None if tables.store_val is None else jnp.zeros((tables.num_registers + 1,), jnp.int32)
-    carry, regs = _run(tables.class_next, jnp.where(valid, ids, v), tables.reg_bits, regs=regs,
-                       store_val=tables.store_val, symbol_class=tables.token_class,
-                       pair_table=tables.class_pair_next)
+    if tables.has_text:
+        carry, regs, span_ids, span_len = _run_text(tables, jnp.where(valid, ids, v), regs)
+    else:
+        carry, regs = _run(
+            tables.class_next,
+            jnp.where(valid, ids, v),
+            tables.reg_bits,
+            regs=regs,
+            store_val=tables.store_val,
+            symbol_class=tables.token_class,
+            pair_table=tables.class_pair_next,
+        )
     if cap is not None:  # the first cut_bytes bytes of the straddling token, one byte at a time
         col = jnp.arange(tables.max_bytes)
         symbols = jnp.where(col < cut_bytes, tables.token_bytes[cut_id].astype(jnp.int32), 256)
         carry, regs = _run(tables.byte_next, symbols, tables.reg_bits, carry, regs, store_val=tables.store_val)
-    return _result(tables, carry, regs)
+    kind, tool, args = _result(tables, carry, regs)
+    if not tables.has_text:
+        return kind, tool, args, None, None
+    kind, text_ids, text_len = _text_result(tables, kind, tool, span_ids, span_len)
+    named = (kind == KIND_OK) | (kind == KIND_OUT_OF_RANGE)
+    return kind, jnp.where(named, tool, -1), jnp.where(kind == KIND_OK, args, 0), text_ids, text_len
 
 
 def parse_batch(tables: ToolCallTables, token_ids: jax.Array, lengths: jax.Array, *, max_bytes=None):
     """``vmap`` of ``parse`` over ``token_ids [B, T]`` and ``lengths [B]`` -> ``(kind [B], tool [B], args [B, A])``."""
     fn = functools.partial(parse, max_bytes=max_bytes)
+    return jax.vmap(fn, in_axes=(None, 0, 0))(tables, token_ids, lengths)
+
+
+def parse_full_batch(tables: ToolCallTables, token_ids: jax.Array, lengths: jax.Array, *, max_bytes=None):
+    """``vmap`` of ``parse_full``: ``(kind [B], tool [B], args [B, A], text_ids [B, M, L] | None,
+    text_len [B, M] | None)``."""
+    fn = functools.partial(parse_full, max_bytes=max_bytes)
     return jax.vmap(fn, in_axes=(None, 0, 0))(tables, token_ids, lengths)

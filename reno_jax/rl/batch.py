@@ -21,21 +21,21 @@ import jax.numpy as jnp
 @flax.struct.dataclass
 class TrainBatch:
     """Attributes:
-      tokens: ``int32 [B, L]`` the conversations (prompt, policy turns, tool responses; pad after the end).
-      loss_mask: ``bool [B, L]`` the policy-generated tokens, the ones the loss is over.
-      old_logp: ``float32 [B, L]`` the log-probs the importance ratios are taken against (the rollout's
-        behaviour log-probs; zeros for supervised batches).
-      advantages: ``float32 [B]`` one per row (sequence-level; zeros for supervised batches), or ``[B, L]`` one
-        per token (turn advantages, `learner.LearnerConfig.turn_advantage_coef`).
-      valid: ``bool [B, L]`` real tokens (None: every token is real).
-      routing: ``int16 [B, L, n_moe, K]`` the rollout's MoE experts per token (routing replay / agreement).
-      entropy_scale: ``float32 [B]`` the forking regulariser's scheduled scale, a loss input.
-      ref_logp: ``float32 [B, L]`` a reference policy's log-probs (the forking KL's anchor), a loss input.
-      soft_target_ids: ``int32 [B, K]`` and soft_target_weights: ``float32 [B, L, K]``: supervised soft targets
-        (`rl.sft.call_token_targets`, over the call table's `choice_tokens`): where a position's weights sum to
-        > 0 its log-prob is the expected log-likelihood of those K tokens.
-      prefix_tokens: ``int32 [B, S - C]``, prefix_routing, common_tokens: ``int32 [B, C]``, common_routing: the
-        shared-prefix cut (module docstring).
+    tokens: ``int32 [B, L]`` the conversations (prompt, policy turns, tool responses; pad after the end).
+    loss_mask: ``bool [B, L]`` the policy-generated tokens, the ones the loss is over.
+    old_logp: ``float32 [B, L]`` the log-probs the importance ratios are taken against (the rollout's
+      behaviour log-probs; zeros for supervised batches).
+    advantages: ``float32 [B]`` one per row (sequence-level; zeros for supervised batches), or ``[B, L]`` one
+      per token (turn advantages, `learner.LearnerConfig.turn_advantage_coef`).
+    valid: ``bool [B, L]`` real tokens (None: every token is real).
+    routing: ``int16 [B, L, n_moe, K]`` the rollout's MoE experts per token (routing replay / agreement).
+    entropy_scale: ``float32 [B]`` the forking regulariser's scheduled scale, a loss input.
+    ref_logp: ``float32 [B, L]`` a reference policy's log-probs (the forking KL's anchor), a loss input.
+    soft_target_ids: ``int32 [B, K]`` and soft_target_weights: ``float32 [B, L, K]``: supervised soft targets
+      (`rl.sft.call_token_targets`, over the call table's `choice_tokens`): where a position's weights sum to
+      > 0 its log-prob is the expected log-likelihood of those K tokens.
+    prefix_tokens: ``int32 [B, S - C]``, prefix_routing, common_tokens: ``int32 [B, C]``, common_routing: the
+      shared-prefix cut (module docstring).
     """
 
     tokens: jax.Array

@@ -60,6 +60,7 @@ TURN_SCOPES = ("group", "batch")
 
 # ---------------------------------------------------------------------------------------------- config
 
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     """Static settings of the learner (hashable: they shape the compiled programs).
@@ -89,6 +90,7 @@ class LearnerConfig:
       (`batch.trim_length`; exact), instead of the whole conversation length: for multi-turn episodes whose length
       varies (a game won in 6 moves or drawn in 21). Each width compiles the train step once. 0: off.
     """
+
     group_size: int
     train_groups: int = 0
     normalize_adv_std: bool = True
@@ -120,15 +122,16 @@ class LearnerConfig:
         if self.step_offset < 0:
             raise ValueError(f"step_offset must be >= 0, got {self.step_offset}")
         if not self.turn_advantage_coef >= 0.0 or not 0.0 < self.turn_discount <= 1.0:
-            raise ValueError(f"turn_advantage_coef must be >= 0 and turn_discount in (0, 1], got "
-                             f"{self.turn_advantage_coef}, {self.turn_discount}")
+            raise ValueError(
+                f"turn_advantage_coef must be >= 0 and turn_discount in (0, 1], got "
+                f"{self.turn_advantage_coef}, {self.turn_discount}"
+            )
         if self.turn_scope not in TURN_SCOPES:
             raise ValueError(f"turn_scope must be one of {TURN_SCOPES}, got {self.turn_scope!r}")
         if self.length_bucket < 0:
             raise ValueError(f"length_bucket must be >= 0 (0: off), got {self.length_bucket}")
-        if not self.max_logp_shift >= 0.0 or self.shift_probe_groups < 1:
-            raise ValueError(f"max_logp_shift must be >= 0 and shift_probe_groups >= 1, got {self.max_logp_shift}, "
-                             f"{self.shift_probe_groups}")
+        if self.shift_probe_groups < 1:  # max_logp_shift itself: `trainer.make_train_step`'s check
+            raise ValueError(f"shift_probe_groups must be >= 1, got {self.shift_probe_groups}")
 
     def trained_groups(self, num_groups: int) -> int:
         """Groups trained on per step when `num_groups` are rolled out."""
@@ -140,15 +143,20 @@ class LearnerConfig:
         splits = self.num_minibatches * self.num_microbatches
         if self.share_prompt_prefix and trained % splits:
             # The shared-prefix scorer encodes each group's prompt once per piece, so a piece must hold whole groups.
-            raise ValueError("share_prompt_prefix needs whole groups in every minibatch / micro-batch: "
-                             f"{trained} trained groups per step are not divisible by "
-                             f"num_minibatches * num_microbatches = {splits}")
+            raise ValueError(
+                "share_prompt_prefix needs whole groups in every minibatch / micro-batch: "
+                f"{trained} trained groups per step are not divisible by "
+                f"num_minibatches * num_microbatches = {splits}"
+            )
         if (trained * self.group_size) % splits:
-            raise ValueError(f"{trained * self.group_size} trained rows per step are not divisible by "
-                             f"num_minibatches * num_microbatches = {splits}")
+            raise ValueError(
+                f"{trained * self.group_size} trained rows per step are not divisible by "
+                f"num_minibatches * num_microbatches = {splits}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- schedule
+
 
 def forking_entropy_schedule(num_steps: int, hold: float, end: float) -> optax.Schedule:
     """Scale of the forking regulariser at train step `count`: 1 until `hold * num_steps`, then linear to 0 at
@@ -166,12 +174,16 @@ def forking_entropy_schedule(num_steps: int, hold: float, end: float) -> optax.S
     n = max(int(num_steps), 1)
     start, stop = float(hold) * n, float(end) * n
     if stop > start:
-        pieces = [optax.constant_schedule(1.0), optax.linear_schedule(1.0, 0.0, stop - start),
-                  optax.constant_schedule(0.0)]
+        pieces = [
+            optax.constant_schedule(1.0),
+            optax.linear_schedule(1.0, 0.0, stop - start),
+            optax.constant_schedule(0.0),
+        ]
         joined = optax.join_schedules(pieces, [start, stop])
     else:  # no ramp: 1 while step <= hold * n
-        joined = optax.join_schedules([optax.constant_schedule(1.0), optax.constant_schedule(0.0)],
-                                      [math.floor(start) + 1])
+        joined = optax.join_schedules(
+            [optax.constant_schedule(1.0), optax.constant_schedule(0.0)], [math.floor(start) + 1]
+        )
 
     def schedule(count):
         return jnp.asarray(joined(jnp.asarray(count, jnp.int32)), jnp.float32)
@@ -180,6 +192,7 @@ def forking_entropy_schedule(num_steps: int, hold: float, end: float) -> optax.S
 
 
 # ---------------------------------------------------------------------------------------------- group selection
+
 
 @functools.partial(jax.jit, static_argnames=("group_size", "train_groups"))
 def select_groups(batch: TrainBatch, reward: Array, group_size: int, train_groups: int) -> tuple[TrainBatch, Array]:
@@ -205,11 +218,13 @@ def select_groups(batch: TrainBatch, reward: Array, group_size: int, train_group
 
 # ---------------------------------------------------------------------------------------------- batch
 
+
 @flax.struct.dataclass
 class BatchStats:
     """What `prepare_batch` reports beside the batch (device scalars): the share of groups whose rewards differ,
     for the shared-prefix cut the shortest prompt and the length every row shares, and for `length_bucket` one
     past the batch's last real column (None unless needed)."""
+
     informative_group_rate: Array
     shortest_prompt: Array | None = None
     common_prefix: Array | None = None
@@ -229,21 +244,32 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
     and `entropy_scale [B]` with `forking_schedule`);
     `step` is the train step counter (`TrainState.step`, int32 on the device) the schedule is evaluated at.
     """
-    schedule = (forking_entropy_schedule(config.num_steps, config.forking_entropy_hold, config.forking_entropy_end)
-                if config.forking_schedule else None)
+    schedule = (
+        forking_entropy_schedule(config.num_steps, config.forking_entropy_hold, config.forking_entropy_end)
+        if config.forking_schedule
+        else None
+    )
 
     @jax.jit
     def assemble(traj, step):
         advantages = losses.group_advantages(traj.reward, config.group_size, normalize_std=config.normalize_adv_std)
         if config.turn_advantage_coef:  # [B, L]: each turn's tokens also get their turn's credit
             peers = traj.turn_reward.shape[0] if config.turn_scope == "batch" else config.group_size
-            turn_adv = losses.turn_advantages(traj.turn_reward, traj.turn_key, peers,
-                                              config.turn_discount, normalize_std=config.normalize_adv_std)
-            advantages = losses.token_advantages(advantages, turn_adv, traj.turn_id, traj.loss_mask,
-                                                 config.turn_advantage_coef)
+            turn_adv = losses.turn_advantages(
+                traj.turn_reward, traj.turn_key, peers, config.turn_discount, normalize_std=config.normalize_adv_std
+            )
+            advantages = losses.token_advantages(
+                advantages, turn_adv, traj.turn_id, traj.loss_mask, config.turn_advantage_coef
+            )
         # routing: the rollout's [B, L, n_moe, K] experts (None unless recorded), replayed and/or compared
-        batch = TrainBatch(tokens=traj.tokens, valid=traj.valid, loss_mask=traj.loss_mask,
-                           old_logp=traj.behaviour_logp, advantages=advantages, routing=traj.routing)
+        batch = TrainBatch(
+            tokens=traj.tokens,
+            valid=traj.valid,
+            loss_mask=traj.loss_mask,
+            old_logp=traj.behaviour_logp,
+            advantages=advantages,
+            routing=traj.routing,
+        )
         batch, informative = select_groups(batch, traj.reward, config.group_size, config.train_groups)
         if schedule is not None:  # per row because the trainer splits loss inputs like the batch
             scale = schedule(step - config.step_offset)
@@ -252,8 +278,9 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
         shortest = jnp.min(traj.prompt_length) if config.share_prompt_prefix else None
         common = common_prefix_length(traj.tokens) if config.share_common_prefix else None
         used = used_length(batch.valid) if config.length_bucket else None
-        return batch, BatchStats(informative_group_rate=informative, shortest_prompt=shortest, common_prefix=common,
-                                 used_length=used)
+        return batch, BatchStats(
+            informative_group_rate=informative, shortest_prompt=shortest, common_prefix=common, used_length=used
+        )
 
     def prepare_batch(traj, step):
         # The figures of the trajectory stay out of the program: it reads the token fields and rewards only.
@@ -264,10 +291,12 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
 
 # ---------------------------------------------------------------------------------------------- learner
 
+
 @flax.struct.dataclass
 class StepOutput:
     """One `Learner.run_step`: the new state, the step's trajectory and metrics (device arrays); the rollout's
     wall time in seconds when it was timed (else None)."""
+
     state: trainer.TrainState
     traj: Any
     metrics: dict
@@ -298,11 +327,22 @@ class Learner:
         the rollout runs `combine(state.params, frozen)`, the weights the train step scores. Both or neither.
     """
 
-    def __init__(self, config: LearnerConfig, logp_fn: Callable, loss_fn: Callable,
-                 optimizer: optax.GradientTransformation, *, ref_logp_fn: Callable | None = None,
-                 ref_params: Any = None, rollout_fn: Callable | None = None, num_groups: int | None = None,
-                 rollout_metrics: bool = True, donate: bool = True, combine: Callable | None = None,
-                 frozen: Any = None):
+    def __init__(
+        self,
+        config: LearnerConfig,
+        logp_fn: Callable,
+        loss_fn: Callable,
+        optimizer: optax.GradientTransformation,
+        *,
+        ref_logp_fn: Callable | None = None,
+        ref_params: Any = None,
+        rollout_fn: Callable | None = None,
+        num_groups: int | None = None,
+        rollout_metrics: bool = True,
+        donate: bool = True,
+        combine: Callable | None = None,
+        frozen: Any = None,
+    ):
         if (ref_logp_fn is None) != (ref_params is None):
             raise ValueError("ref_logp_fn and ref_params go together")
         if (combine is None) != (frozen is None):
@@ -320,11 +360,18 @@ class Learner:
             splits = config.num_minibatches * config.num_microbatches
             probe_groups = max(1, min(probe_groups, config.trained_groups(num_groups) // splits))
         self.train_step = trainer.make_train_step(
-            logp_fn, loss_fn, optimizer, num_minibatches=config.num_minibatches,
+            logp_fn,
+            loss_fn,
+            optimizer,
+            num_minibatches=config.num_minibatches,
             num_microbatches=config.num_microbatches,
-            loss_batch_keys=("entropy_scale",) if config.forking_schedule else (), rollout_metrics=rollout_metrics,
-            donate=donate, max_logp_shift=config.max_logp_shift,
-            shift_probe_rows=probe_groups * config.group_size, combine=combine)
+            loss_batch_keys=("entropy_scale",) if config.forking_schedule else (),
+            rollout_metrics=rollout_metrics,
+            donate=donate,
+            max_logp_shift=config.max_logp_shift,
+            shift_probe_rows=probe_groups * config.group_size,
+            combine=combine,
+        )
         self._ref_logp = None if ref_logp_fn is None else jax.jit(lambda p, b: ref_logp_fn(p, b).logp)
         self._split = jax.jit(shared_prefix.split_shared_prefix, static_argnums=(1, 2))
         self._trim = jax.jit(trim_length, static_argnums=1)
@@ -374,8 +421,9 @@ class Learner:
         metrics["rollout/informative_group_rate"] = stats.informative_group_rate
         return state, metrics
 
-    def run_step(self, state: trainer.TrainState, starts_fn: Callable[[Array], Any], *,
-                 time_rollout: bool = False) -> StepOutput:
+    def run_step(
+        self, state: trainer.TrainState, starts_fn: Callable[[Array], Any], *, time_rollout: bool = False
+    ) -> StepOutput:
         """Rollout + `learner_step`. The step's key is split from `state.rng` into `(k_starts, k_rollout)`;
         `starts_fn(k_starts)` gives the episode starts (placed as the rollout needs them). With `time_rollout`,
         waits for the rollout (ROLLOUT_WAIT) to report its wall time from the start of this call."""

@@ -102,7 +102,8 @@ def group_advantages(rewards: Array, group_size: int, normalize_std: bool = True
     group_size = int(group_size)
     if group_size < 1 or rewards.shape[0] % group_size != 0:
         raise ValueError(
-            f"group_advantages: batch size {rewards.shape[0]} is not a positive multiple of group_size {group_size}")
+            f"group_advantages: batch size {rewards.shape[0]} is not a positive multiple of group_size {group_size}"
+        )
     r = rewards.reshape(-1, group_size)
     # A constant group must get exactly 0: its float32 mean can be off by one ulp (16 x 0.8 sums to 12.8000002), and
     # dividing that rounding residue by an equally tiny std would turn it into advantages of order 1 that push the
@@ -115,8 +116,14 @@ def group_advantages(rewards: Array, group_size: int, normalize_std: bool = True
     return centred.reshape(-1)
 
 
-def turn_advantages(turn_reward: Array, turn_key: Array, group_size: int, discount: float = 1.0,
-                    normalize_std: bool = True, eps: float = 1e-8) -> Array:
+def turn_advantages(
+    turn_reward: Array,
+    turn_key: Array,
+    group_size: int,
+    discount: float = 1.0,
+    normalize_std: bool = True,
+    eps: float = 1e-8,
+) -> Array:
     """Turn-level advantages of multi-turn episodes, by states the group's episodes share (GiGPO's step groups,
     Feng et al., 2025).
 
@@ -140,8 +147,10 @@ def turn_advantages(turn_reward: Array, turn_key: Array, group_size: int, discou
     """
     turn_reward = jnp.asarray(turn_reward, jnp.float32)
     if turn_reward.ndim != 2 or jnp.shape(turn_key) != turn_reward.shape:
-        raise ValueError(f"turn_advantages: turn_reward and turn_key must both be [B, T], got {turn_reward.shape} "
-                         f"and {jnp.shape(turn_key)}")
+        raise ValueError(
+            f"turn_advantages: turn_reward and turn_key must both be [B, T], got {turn_reward.shape} "
+            f"and {jnp.shape(turn_key)}"
+        )
     b, t = turn_reward.shape
     group_size = int(group_size)
     if group_size < 1 or b % group_size:
@@ -155,8 +164,9 @@ def turn_advantages(turn_reward: Array, turn_key: Array, group_size: int, discou
     same = (key[:, :, None] == key[:, None, :]) & has[:, :, None] & has[:, None, :]  # [N, GT, GT]
     count = jnp.sum(same, axis=-1)
     # Exactly 0 where the peers' returns are all equal (as in `group_advantages`: no float residue).
-    constant = (jnp.max(jnp.where(same, ret[:, None, :], -jnp.inf), axis=-1)
-                == jnp.min(jnp.where(same, ret[:, None, :], jnp.inf), axis=-1))
+    constant = jnp.max(jnp.where(same, ret[:, None, :], -jnp.inf), axis=-1) == jnp.min(
+        jnp.where(same, ret[:, None, :], jnp.inf), axis=-1
+    )
     mean = jnp.sum(jnp.where(same, ret[:, None, :], 0.0), axis=-1) / jnp.maximum(count, 1)
     centred = jnp.where(constant | (count < 2) | ~has, 0.0, ret - mean)
     if normalize_std:
@@ -215,8 +225,9 @@ def _ppo_surrogate(ratio, adv, eps_low, eps_high):
 def _as_token_weight(name, token_weight, mask):
     """``token_weight`` as float32 ``[B, L]``, gradient-free, 1 where ``mask`` is 0 (masked garbage is ignored)."""
     if jnp.shape(token_weight) != mask.shape:
-        raise ValueError(f"{name}: token_weight must have the shape of logp {mask.shape}, got "
-                         f"{jnp.shape(token_weight)}")
+        raise ValueError(
+            f"{name}: token_weight must have the shape of logp {mask.shape}, got {jnp.shape(token_weight)}"
+        )
     return jnp.where(mask, jax.lax.stop_gradient(jnp.asarray(token_weight, jnp.float32)), 1.0)
 
 
@@ -268,11 +279,13 @@ def _make_agg_constant(max_length):
         """Sum over tokens divided by the constant ``B * max_length`` (Dr. GRPO)."""
         denom = float(mask.shape[0] * (mask.shape[1] if max_length is None else max_length))
         return jnp.sum(jnp.where(mask, x, 0.0)) / denom, jnp.float32(denom)
+
     return agg
 
 
-def _finish(policy_loss, agg, logp, old_logp, mask, ref_logp, kl_coef, entropy, entropy_coef, normalizer,
-            ratio_stats, clip_frac):
+def _finish(
+    policy_loss, agg, logp, old_logp, mask, ref_logp, kl_coef, entropy, entropy_coef, normalizer, ratio_stats, clip_frac
+):
     """Adds KL / entropy terms (same aggregation as the policy term) and assembles the metrics."""
     loss = policy_loss
     d = _masked_log_ratio(logp, old_logp, mask)
@@ -305,8 +318,20 @@ def _finish(policy_loss, agg, logp, old_logp, mask, ref_logp, kl_coef, entropy, 
 # ----------------------------------------------------------------------------------------------------------------
 # GSPO (sequence level)
 # ----------------------------------------------------------------------------------------------------------------
-def gspo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
-              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0, token_weight=None):
+def gspo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    ref_logp=None,
+    kl_coef: float = 0.0,
+    entropy=None,
+    entropy_coef: float = 0.0,
+    token_weight=None,
+):
     """GSPO: Group Sequence Policy Optimization (Zheng et al., 2025), sequence-level clipping.
 
     ``s_i = (pi(y_i) / pi_old(y_i)) ** (1/|y_i|) = exp(mean_{t in mask_i}(logp - old_logp))``,
@@ -326,7 +351,8 @@ def gspo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_hi
     Clipping is still decided on ``s_i``.
     """
     logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
-        "gspo_loss", logp, old_logp, advantages, mask, ref_logp, entropy)
+        "gspo_loss", logp, old_logp, advantages, mask, ref_logp, entropy
+    )
     lengths = jnp.sum(mask, axis=1)
     valid = lengths > 0
     log_s = jnp.sum(_masked_log_ratio(logp, old_logp, mask), axis=1) / jnp.maximum(lengths, 1)
@@ -339,13 +365,36 @@ def gspo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_hi
     n_valid = jnp.sum(valid)
     policy_loss = jnp.sum(jnp.where(valid, per_seq, 0.0)) / jnp.maximum(n_valid, 1)
     clip_frac = jnp.sum(clipped & valid) / jnp.maximum(n_valid, 1)
-    return _finish(policy_loss, _agg_sequence_mean, logp, old_logp, mask, ref_logp, kl_coef, entropy,
-                   entropy_coef, n_valid.astype(jnp.float32), _masked_stats(s_value, valid), clip_frac)
+    return _finish(
+        policy_loss,
+        _agg_sequence_mean,
+        logp,
+        old_logp,
+        mask,
+        ref_logp,
+        kl_coef,
+        entropy,
+        entropy_coef,
+        n_valid.astype(jnp.float32),
+        _masked_stats(s_value, valid),
+        clip_frac,
+    )
 
 
-def gspo_token_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
-                    ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0,
-                    token_weight=None):
+def gspo_token_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    ref_logp=None,
+    kl_coef: float = 0.0,
+    entropy=None,
+    entropy_coef: float = 0.0,
+    token_weight=None,
+):
     """GSPO-token: ``s_{i,t} = sg(s_i) * exp(logp_{i,t} - sg(logp_{i,t}))``, token-level advantages allowed.
 
     ``advantages`` may be ``[B]`` (then this equals ``gspo_loss`` in value and gradient) or ``[B, L]``.
@@ -357,7 +406,8 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, 
     for sequence advantages.
     """
     logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
-        "gspo_token_loss", logp, old_logp, advantages, mask, ref_logp, entropy, token_advantages=True)
+        "gspo_token_loss", logp, old_logp, advantages, mask, ref_logp, entropy, token_advantages=True
+    )
     adv = advantages if advantages.ndim == 2 else jnp.broadcast_to(advantages[:, None], logp.shape)
     lengths = jnp.sum(mask, axis=1)
     log_s = jnp.sum(_masked_log_ratio(logp, old_logp, mask), axis=1) / jnp.maximum(lengths, 1)
@@ -371,43 +421,119 @@ def gspo_token_loss(logp, old_logp, advantages, mask, *, eps_low: float = 3e-4, 
         per_tok = per_tok * seq_weight[:, None]
     policy_loss, normalizer = _agg_sequence_mean(per_tok, mask)
     clip_frac = _token_mean(clipped.astype(jnp.float32), mask)
-    return _finish(policy_loss, _agg_sequence_mean, logp, old_logp, mask, ref_logp, kl_coef, entropy,
-                   entropy_coef, normalizer, _masked_stats(jax.lax.stop_gradient(s_tok), mask), clip_frac)
+    return _finish(
+        policy_loss,
+        _agg_sequence_mean,
+        logp,
+        old_logp,
+        mask,
+        ref_logp,
+        kl_coef,
+        entropy,
+        entropy_coef,
+        normalizer,
+        _masked_stats(jax.lax.stop_gradient(s_tok), mask),
+        clip_frac,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Token-level PPO-clip family: GRPO, Dr. GRPO, DAPO
 # ----------------------------------------------------------------------------------------------------------------
-def _token_ppo(name, agg, logp, old_logp, advantages, mask, eps_low, eps_high, ref_logp, kl_coef, entropy,
-               entropy_coef, token_weight):
+def _token_ppo(
+    name,
+    agg,
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    eps_low,
+    eps_high,
+    ref_logp,
+    kl_coef,
+    entropy,
+    entropy_coef,
+    token_weight,
+):
     logp, old_logp, advantages, mask, ref_logp, entropy = _check_inputs(
-        name, logp, old_logp, advantages, mask, ref_logp, entropy, token_advantages=True)
+        name, logp, old_logp, advantages, mask, ref_logp, entropy, token_advantages=True
+    )
     log_r = jnp.clip(_masked_log_ratio(logp, old_logp, mask), -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = jnp.exp(log_r)
-    per_tok, clipped = _ppo_surrogate(ratio, advantages if advantages.ndim == 2 else advantages[:, None], eps_low,
-                                      eps_high)
+    per_tok, clipped = _ppo_surrogate(
+        ratio, advantages if advantages.ndim == 2 else advantages[:, None], eps_low, eps_high
+    )
     if token_weight is not None:
         per_tok = per_tok * _as_token_weight(name, token_weight, mask)
     policy_loss, normalizer = agg(per_tok, mask)
     clip_frac = _token_mean(clipped.astype(jnp.float32), mask)
-    return _finish(policy_loss, agg, logp, old_logp, mask, ref_logp, kl_coef, entropy, entropy_coef, normalizer,
-                   _masked_stats(jax.lax.stop_gradient(ratio), mask), clip_frac)
+    return _finish(
+        policy_loss,
+        agg,
+        logp,
+        old_logp,
+        mask,
+        ref_logp,
+        kl_coef,
+        entropy,
+        entropy_coef,
+        normalizer,
+        _masked_stats(jax.lax.stop_gradient(ratio), mask),
+        clip_frac,
+    )
 
 
-def grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
-              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0, token_weight=None):
+def grpo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    ref_logp=None,
+    kl_coef: float = 0.0,
+    entropy=None,
+    entropy_coef: float = 0.0,
+    token_weight=None,
+):
     """GRPO (Shao et al., 2024): token-level PPO clip ``r_t = exp(logp_t - old_t)``, symmetric eps 0.2.
 
     Aggregation as in GRPO: mean over each sequence's policy tokens, then mean over sequences with at least one
     policy token. Use with ``group_advantages(..., normalize_std=True)``.
     """
-    return _token_ppo("grpo_loss", _agg_sequence_mean, logp, old_logp, advantages, mask, eps_low, eps_high,
-                      ref_logp, kl_coef, entropy, entropy_coef, token_weight)
+    return _token_ppo(
+        "grpo_loss",
+        _agg_sequence_mean,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        eps_low,
+        eps_high,
+        ref_logp,
+        kl_coef,
+        entropy,
+        entropy_coef,
+        token_weight,
+    )
 
 
-def dr_grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.2,
-                 max_length: int | None = None, ref_logp=None, kl_coef: float = 0.0, entropy=None,
-                 entropy_coef: float = 0.0, token_weight=None):
+def dr_grpo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    max_length: int | None = None,
+    ref_logp=None,
+    kl_coef: float = 0.0,
+    entropy=None,
+    entropy_coef: float = 0.0,
+    token_weight=None,
+):
     """Dr. GRPO ("GRPO done right", Liu et al., 2025): token-level PPO clip without the length and std biases.
 
     * Advantages must be computed WITHOUT std normalisation: ``group_advantages(r, G, normalize_std=False)``
@@ -416,16 +542,54 @@ def dr_grpo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_
       ``B * max_length`` (no per-sequence ``1/|y_i|``). ``max_length`` should be the fixed generation budget;
       ``None`` uses the padded length L (fine when the padding length is fixed across steps).
     """
-    return _token_ppo("dr_grpo_loss", _make_agg_constant(max_length), logp, old_logp, advantages, mask, eps_low,
-                      eps_high, ref_logp, kl_coef, entropy, entropy_coef, token_weight)
+    return _token_ppo(
+        "dr_grpo_loss",
+        _make_agg_constant(max_length),
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        eps_low,
+        eps_high,
+        ref_logp,
+        kl_coef,
+        entropy,
+        entropy_coef,
+        token_weight,
+    )
 
 
-def dapo_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
-              ref_logp=None, kl_coef: float = 0.0, entropy=None, entropy_coef: float = 0.0, token_weight=None):
+def dapo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    ref_logp=None,
+    kl_coef: float = 0.0,
+    entropy=None,
+    entropy_coef: float = 0.0,
+    token_weight=None,
+):
     """DAPO (Yu et al., 2025): token-level PPO with decoupled clip (eps_low 0.2, "clip-higher" eps_high 0.28)
     and token-level aggregation: the mean over ALL policy tokens of the batch (long sequences weigh more)."""
-    return _token_ppo("dapo_loss", _agg_token_mean, logp, old_logp, advantages, mask, eps_low, eps_high,
-                      ref_logp, kl_coef, entropy, entropy_coef, token_weight)
+    return _token_ppo(
+        "dapo_loss",
+        _agg_token_mean,
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        eps_low,
+        eps_high,
+        ref_logp,
+        kl_coef,
+        entropy,
+        entropy_coef,
+        token_weight,
+    )
 
 
 def forking_token_mask(entropy, mask, top_k: int = 1, per_turn: bool = False):
@@ -475,11 +639,15 @@ def with_forking_entropy_bonus(loss_fn: Callable, coef: float, top_k: int = 1, p
         if entropy is None:
             raise ValueError("with_forking_entropy_bonus needs the per-token entropy")
         loss, metrics = loss_fn(logp, old_logp, advantages, mask, entropy=entropy, **kwargs)
-        bonus, _ = _agg_sequence_mean(jnp.asarray(entropy, jnp.float32),
-                                      forking_token_mask(entropy, mask, top_k, per_turn))
+        bonus, _ = _agg_sequence_mean(
+            jnp.asarray(entropy, jnp.float32), forking_token_mask(entropy, mask, top_k, per_turn)
+        )
         scale = 1.0 if entropy_scale is None else jnp.mean(jnp.asarray(entropy_scale, jnp.float32))
-        metrics = dict(metrics, forking_entropy=jax.lax.stop_gradient(bonus),
-                       forking_entropy_coef=jnp.asarray(coef * scale, jnp.float32))
+        metrics = dict(
+            metrics,
+            forking_entropy=jax.lax.stop_gradient(bonus),
+            forking_entropy_coef=jnp.asarray(coef * scale, jnp.float32),
+        )
         return loss - coef * scale * bonus, metrics
 
     return fn
@@ -505,8 +673,9 @@ def with_forking_kl(loss_fn: Callable, coef: float, top_k: int = 1, per_turn: bo
         sel = forking_token_mask(entropy, mask, top_k, per_turn)
         kl, _ = _agg_sequence_mean(_k3(jnp.asarray(logp, jnp.float32), jnp.asarray(ref_logp, jnp.float32), sel), sel)
         scale = 1.0 if entropy_scale is None else jnp.mean(jnp.asarray(entropy_scale, jnp.float32))
-        metrics = dict(metrics, forking_kl=jax.lax.stop_gradient(kl),
-                       forking_kl_coef=jnp.asarray(coef * scale, jnp.float32))
+        metrics = dict(
+            metrics, forking_kl=jax.lax.stop_gradient(kl), forking_kl_coef=jnp.asarray(coef * scale, jnp.float32)
+        )
         return loss + coef * scale * kl, metrics
 
     return fn
@@ -564,9 +733,11 @@ def with_tis(loss_fn: Callable, cap: float) -> Callable:
         factor = jnp.where(truncated, cap / k, 1.0)
         weight = factor if token_weight is None else jnp.asarray(token_weight, jnp.float32) * factor
         loss, metrics = loss_fn(logp, old_logp, advantages, mask, token_weight=weight, **kwargs)
-        metrics = dict(metrics,
-                       tis_weight_mean=jax.lax.stop_gradient(_token_mean(jnp.minimum(k, cap), policy)),
-                       tis_clipped_frac=_token_mean(truncated.astype(jnp.float32), policy))
+        metrics = dict(
+            metrics,
+            tis_weight_mean=jax.lax.stop_gradient(_token_mean(jnp.minimum(k, cap), policy)),
+            tis_clipped_frac=_token_mean(truncated.astype(jnp.float32), policy),
+        )
         return loss, metrics
 
     return fn
@@ -590,8 +761,9 @@ def with_icepop(loss_fn: Callable, low: float = 0.5, high: float = 2.0) -> Calla
     """
     low, high = float(low), float(high)
     if not (0.0 <= low < 1.0 < high):
-        raise ValueError(f"with_icepop: need 0 <= low < 1 < high so that on-policy tokens are kept, got "
-                         f"low={low}, high={high}")
+        raise ValueError(
+            f"with_icepop: need 0 <= low < 1 < high so that on-policy tokens are kept, got low={low}, high={high}"
+        )
     # Compared in log space: no exp of an unbounded log-ratio, and low = 0 / high = inf are exact.
     log_low = -jnp.inf if low == 0.0 else math.log(low)
     log_high = math.log(high)
@@ -603,8 +775,11 @@ def with_icepop(loss_fn: Callable, low: float = 0.5, high: float = 2.0) -> Calla
         dropped = policy & ~kept
         loss, metrics = loss_fn(logp, old_logp, advantages, kept, **kwargs)
         n_dropped = jnp.sum(dropped).astype(jnp.float32)
-        metrics = dict(metrics, icepop_masked_count=n_dropped,
-                       icepop_masked_frac=n_dropped / jnp.maximum(jnp.sum(policy), 1).astype(jnp.float32))
+        metrics = dict(
+            metrics,
+            icepop_masked_count=n_dropped,
+            icepop_masked_frac=n_dropped / jnp.maximum(jnp.sum(policy), 1).astype(jnp.float32),
+        )
         return loss, metrics
 
     return fn
@@ -621,7 +796,11 @@ LOSSES: Mapping[str, Callable] = {
 # Whether each loss's paper scales group advantages by the group std (the ``normalize_std`` argument of
 # ``group_advantages``): Dr. GRPO removes it, the others keep it.
 NORMALIZE_STD: Mapping[str, bool] = {
-    "gspo": True, "gspo_token": True, "grpo": True, "dr_grpo": False, "dapo": True,
+    "gspo": True,
+    "gspo_token": True,
+    "grpo": True,
+    "dr_grpo": False,
+    "dapo": True,
 }
 
 

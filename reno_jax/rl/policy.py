@@ -20,6 +20,7 @@ class Adapted:
     targeted weights become `lora.LoraKernel` leaves that the model's matmuls apply in the layer, so the train
     step, the rollout and evaluation all run the same adapted weights (no merged copy). Hashable: a static part
     of the compiled programs."""
+
     config: lora.LoraConfig
 
     def __call__(self, adapters, base):
@@ -36,13 +37,21 @@ def routing_stats(own: jax.Array, recorded: jax.Array) -> trainer.RoutingStats:
     recorded = recorded.astype(jnp.int32)
     present = (own[..., 0] >= 0) & (recorded[..., 0] >= 0)
     same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(recorded, axis=-1), axis=-1)
-    return trainer.RoutingStats(agree=jnp.sum(same & present).astype(jnp.float32),
-                                total=jnp.sum(present).astype(jnp.float32))
+    return trainer.RoutingStats(
+        agree=jnp.sum(same & present).astype(jnp.float32), total=jnp.sum(present).astype(jnp.float32)
+    )
 
 
-def position_terms(logits: jax.Array, targets: jax.Array, *, with_entropy: bool, entropy_top_k: int = 0,
-                   temperature: float = 1.0, soft_ids: jax.Array | None = None,
-                   soft_weights: jax.Array | None = None):
+def position_terms(
+    logits: jax.Array,
+    targets: jax.Array,
+    *,
+    with_entropy: bool,
+    entropy_top_k: int = 0,
+    temperature: float = 1.0,
+    soft_ids: jax.Array | None = None,
+    soft_weights: jax.Array | None = None,
+):
     """Per-position log-prob of `targets` and entropy under `logits`, each position on its own.
 
     logits: float32 [B, T, V]; targets: int [B, T]; soft_ids int [B, K] and soft_weights float32 [B, T, K]: the
@@ -53,8 +62,7 @@ def position_terms(logits: jax.Array, targets: jax.Array, *, with_entropy: bool,
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     logp = picked - logz
     if soft_weights is not None:
-        soft_logits = jnp.take_along_axis(logits, jnp.broadcast_to(soft_ids[:, None, :], soft_weights.shape),
-                                          axis=-1)
+        soft_logits = jnp.take_along_axis(logits, jnp.broadcast_to(soft_ids[:, None, :], soft_weights.shape), axis=-1)
         total = jnp.sum(soft_weights, axis=-1)
         soft = jnp.sum(soft_weights * soft_logits, axis=-1) - total * logz
         logp = jnp.where(total > 0, soft, logp)
@@ -92,8 +100,9 @@ def chunked_position_terms(hidden: jax.Array, head, targets: jax.Array, chunk: i
         h, tgt, w = xs
         return position_terms(layers.head_logits(h, head), tgt, soft_ids=soft_ids, soft_weights=w, **kw)
 
-    logp, entropy = jax.lax.map(one, (split(hidden), split(targets),
-                                      None if soft_weights is None else split(soft_weights)))
+    logp, entropy = jax.lax.map(
+        one, (split(hidden), split(targets), None if soft_weights is None else split(soft_weights))
+    )
 
     def join(x):  # [n, B, chunk] -> [B, T]
         return None if x is None else jnp.moveaxis(x, 0, 1).reshape(b, n * chunk)[:, :t]
@@ -101,9 +110,16 @@ def chunked_position_terms(hidden: jax.Array, head, targets: jax.Array, chunk: i
     return join(logp), join(entropy)
 
 
-def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_size: int | None = None,
-                 remat: bool = False, entropy_top_k: int = 0, routing_replay: bool = False,
-                 temperature: float = 1.0, logits_chunk: int = 0):
+def make_logp_fn(
+    model_config: Ling3Config,
+    with_entropy: bool = True,
+    group_size: int | None = None,
+    remat: bool = False,
+    entropy_top_k: int = 0,
+    routing_replay: bool = False,
+    temperature: float = 1.0,
+    logits_chunk: int = 0,
+):
     """`logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput` for `trainer.make_train_step`.
 
     `temperature`: score the tempered policy `softmax(logits / temperature)`, the distribution a rollout with that
@@ -150,29 +166,51 @@ def make_logp_fn(model_config: Ling3Config, with_entropy: bool = True, group_siz
                 parts["common_tokens"] = batch.common_tokens
                 if replay:
                     parts["common_replay"] = batch.common_routing
-            out = shared_prefix.shared_prefix_logits(params, model_config, batch.prefix_tokens, tokens,
-                                                     valid, group_size, remat=remat, return_routing=recorded,
-                                                     apply_head=not logits_chunk, **parts)
+            out = shared_prefix.shared_prefix_logits(
+                params,
+                model_config,
+                batch.prefix_tokens,
+                tokens,
+                valid,
+                group_size,
+                remat=remat,
+                return_routing=recorded,
+                apply_head=not logits_chunk,
+                **parts,
+            )
             logits, routing = out if recorded else (out, None)
             if recorded:
                 full_recorded = jnp.concatenate(
                     ([batch.common_routing] if batch.common_tokens is not None else [])
-                    + [batch.prefix_routing, batch.routing], axis=1)
+                    + [batch.prefix_routing, batch.routing],
+                    axis=1,
+                )
             targets, pad = tokens, 0
         else:
-            out = ling3.forward(params, model_config, tokens, valid=valid, remat=remat, return_routing=recorded,
-                                replay_experts=batch.routing if replay else None, apply_head=not logits_chunk)
+            out = ling3.forward(
+                params,
+                model_config,
+                tokens,
+                valid=valid,
+                remat=remat,
+                return_routing=recorded,
+                replay_experts=batch.routing if replay else None,
+                apply_head=not logits_chunk,
+            )
             logits = out[0][:, :-1]
             if recorded:
                 routing, full_recorded = out[-1], batch.routing
             targets, pad = tokens[:, 1:], 1
         kw = dict(with_entropy=with_entropy, entropy_top_k=entropy_top_k, temperature=temperature)
         if batch.soft_target_weights is not None:
-            kw.update(soft_ids=batch.soft_target_ids,  # [B, K]; weights [B, T, K], aligned with the logits
-                      soft_weights=batch.soft_target_weights[:, pad:].astype(jnp.float32))
+            kw.update(
+                soft_ids=batch.soft_target_ids,  # [B, K]; weights [B, T, K], aligned with the logits
+                soft_weights=batch.soft_target_weights[:, pad:].astype(jnp.float32),
+            )
         if logits_chunk:  # `logits` holds the final hidden states [B, T, D] here
-            logp, entropy = chunked_position_terms(logits, ling3.lm_head(params, model_config), targets,
-                                                   logits_chunk, **kw)
+            logp, entropy = chunked_position_terms(
+                logits, ling3.lm_head(params, model_config), targets, logits_chunk, **kw
+            )
         else:
             logp, entropy = position_terms(logits.astype(jnp.float32), targets, **kw)
         logp = jnp.pad(logp, ((0, 0), (pad, 0)))

@@ -54,8 +54,10 @@ def _call_argument(value, tool: str, argument: str, schemas) -> int:
             options = function.get("parameters", {}).get("properties", {}).get(argument, {}).get("enum") or []
             if value in options:
                 return options.index(value)
-    raise ValueError(f"teacher call {tool}({argument}={value!r}): a string argument must be an option of the "
-                     "tool's enum, and build_call_table needs the tool schemas (`schemas`) to number it")
+    raise ValueError(
+        f"teacher call {tool}({argument}={value!r}): a string argument must be an option of the "
+        "tool's enum, and build_call_table needs the tool schemas (`schemas`) to number it"
+    )
 
 
 def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names=None, schemas=None) -> CallTable:
@@ -71,7 +73,7 @@ def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), pad_id, np.int32)
     for k, r in enumerate(rows):
-        ids[k, :len(r)] = r
+        ids[k, : len(r)] = r
     differs = np.flatnonzero((ids != ids[:1]).any(axis=0))
     offset = int(differs[0]) if len({len(r) for r in rows}) == 1 and len(differs) == 1 else -1
     lengths = np.asarray([len(r) for r in rows])
@@ -83,10 +85,15 @@ def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names
     n_args = max(1, max(len(a) for a in args))
     arg_arr = np.zeros((len(rows), n_args), np.int32)
     for k, a in enumerate(args):
-        arg_arr[k, :len(a)] = a
-    return CallTable(ids=jnp.asarray(ids), length=jnp.asarray([len(r) for r in rows], jnp.int32),
-                     tool=jnp.asarray(tools, jnp.int32), args=jnp.asarray(arg_arr), choice_offset=offset,
-                     choice_tokens=tuple(sorted(int(t) for t in choice)))
+        arg_arr[k, : len(a)] = a
+    return CallTable(
+        ids=jnp.asarray(ids),
+        length=jnp.asarray([len(r) for r in rows], jnp.int32),
+        tool=jnp.asarray(tools, jnp.int32),
+        args=jnp.asarray(arg_arr),
+        choice_offset=offset,
+        choice_tokens=tuple(sorted(int(t) for t in choice)),
+    )
 
 
 @flax.struct.dataclass
@@ -131,8 +138,9 @@ def call_token_targets(calls: CallTable, row: jax.Array, support: jax.Array) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("teacher", "max_turns", "length", "soft_targets"))
-def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, max_turns: int,
-                    length: int, soft_targets: bool = False) -> Transcripts:
+def env_transcripts(
+    key: jax.Array, starts, env, teacher, calls: CallTable, *, max_turns: int, length: int, soft_targets: bool = False
+) -> Transcripts:
     """Whole conversations of a scripted teacher playing an environment, by stepping the environment itself.
 
     The prompt, every tool response and assistant header are rendered by the same compiled tables the rollout
@@ -152,7 +160,7 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
     Returns:
       `Transcripts`.
     """
-    
+
     tenv = env.env
     b = jax.tree.leaves(starts)[0].shape[0]
     r = calls.ids.shape[0]
@@ -160,8 +168,9 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
         raise ValueError(f"length {length} cannot hold the prompt ({env.prompt_len} tokens)")
     state, message = jax.vmap(tenv.reset)(starts)
     prompt, pos = jax.vmap(env.render_user)(message)
-    tokens = rollout_lib.scatter_rows(jnp.full((b, length), env.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32),
-                                      prompt, pos)
+    tokens = rollout_lib.scatter_rows(
+        jnp.full((b, length), env.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), prompt, pos
+    )
     loss_mask = jnp.zeros((b, length), jnp.bool_)
     support = jnp.zeros((b, length, r), jnp.bool_)
     if soft_targets and not calls.choice_tokens:
@@ -194,7 +203,8 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
         call = interface.ToolCall(kind=jnp.zeros((b,), jnp.int32), tool=calls.tool[row], args=calls.args[row])
         out = jax.vmap(tenv.step)(state, call)
         keep = lambda new, old: jax.tree.map(  # noqa: E731
-            lambda a, o: jnp.where(jnp.reshape(live, (b,) + (1,) * (a.ndim - 1)), a, o), new, old)
+            lambda a, o: jnp.where(jnp.reshape(live, (b,) + (1,) * (a.ndim - 1)), a, o), new, old
+        )
         state = keep(out.state, state)
         info = out.info if info is None else keep(out.info, info)
         done = done | (live & out.done) | ~live
@@ -207,8 +217,14 @@ def env_transcripts(key: jax.Array, starts, env, teacher, calls: CallTable, *, m
     truncated = truncated | ~done
     info = jax.vmap(tenv.finish)(state, info, truncated)
     valid = jnp.arange(length)[None, :] < pos[:, None]
-    return Transcripts(tokens=jnp.where(valid, tokens, env.pad_id), valid=valid, loss_mask=loss_mask,
-                       support=support, info=info, target_weights=weights)
+    return Transcripts(
+        tokens=jnp.where(valid, tokens, env.pad_id),
+        valid=valid,
+        loss_mask=loss_mask,
+        support=support,
+        info=info,
+        target_weights=weights,
+    )
 
 
 def length_sorted_batches(transcripts: Transcripts, batch_size: int, key: jax.Array) -> list[Transcripts]:

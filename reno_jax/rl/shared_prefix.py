@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from reno_jax.models import ling3
 from reno_jax.rl.batch import TOKEN_FIELDS, TrainBatch
 
+
 def split_shared_prefix(batch: TrainBatch, prefix_len: int, common_len: int = 0) -> TrainBatch:
     """Row-wise batch -> shared-prefix batch (see module docstring); `prefix_len` and `common_len` are static.
 
@@ -57,11 +58,21 @@ def split_shared_prefix(batch: TrainBatch, prefix_len: int, common_len: int = 0)
     return batch.replace(**cut)
 
 
-def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.Array, tokens: jax.Array,
-                         valid: jax.Array | None, group_size: int, remat: bool = False,
-                         prefix_replay: jax.Array | None = None, replay: jax.Array | None = None,
-                         return_routing: bool = False, common_tokens: jax.Array | None = None,
-                         common_replay: jax.Array | None = None, apply_head: bool = True):
+def shared_prefix_logits(
+    params,
+    config: ling3.Ling3Config,
+    prefix_tokens: jax.Array,
+    tokens: jax.Array,
+    valid: jax.Array | None,
+    group_size: int,
+    remat: bool = False,
+    prefix_replay: jax.Array | None = None,
+    replay: jax.Array | None = None,
+    return_routing: bool = False,
+    common_tokens: jax.Array | None = None,
+    common_replay: jax.Array | None = None,
+    apply_head: bool = True,
+):
     """Next-token logits for a shared-prefix batch.
 
     Args:
@@ -92,13 +103,20 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
     dtype = params["model"]["word_embeddings"]["embedding"].dtype
     kw = dict(remat=remat, return_routing=return_routing, apply_head=apply_head)
     if s0:
-        common_out = ling3.forward(params, config, common_tokens[:1], ling3.init_cache(config, 1, s0 + s + c, dtype),
-                                   replay_experts=None if common_replay is None else common_replay[:1], **kw)
+        common_out = ling3.forward(
+            params,
+            config,
+            common_tokens[:1],
+            ling3.init_cache(config, 1, s0 + s + c, dtype),
+            replay_experts=None if common_replay is None else common_replay[:1],
+            **kw,
+        )
         cache = jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), common_out[1])
     else:
         cache = ling3.init_cache(config, n, s + c, dtype=dtype)
-    prefix_out = ling3.forward(params, config, prefix, cache, replay_experts=None if prefix_replay is None
-                               else prefix_replay[::g], **kw)
+    prefix_out = ling3.forward(
+        params, config, prefix, cache, replay_experts=None if prefix_replay is None else prefix_replay[::g], **kw
+    )
     prefix_logits, cache = prefix_out[:2]
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
     cont_out = ling3.forward(params, config, tokens, cache, valid=valid, replay_experts=replay, **kw)
@@ -107,9 +125,11 @@ def shared_prefix_logits(params, config: ling3.Ling3Config, prefix_tokens: jax.A
     logits = logits.astype(jnp.float32) if apply_head else logits
     if not return_routing:
         return logits
-    routing = jax.tree.map(lambda p, q: jnp.concatenate([jnp.repeat(p, g, axis=0), q], axis=1),
-                           prefix_out[-1], cont_out[-1])
+    routing = jax.tree.map(
+        lambda p, q: jnp.concatenate([jnp.repeat(p, g, axis=0), q], axis=1), prefix_out[-1], cont_out[-1]
+    )
     if s0:
-        routing = jax.tree.map(lambda p, q: jnp.concatenate([jnp.repeat(p, b, axis=0), q], axis=1),
-                               common_out[-1], routing)
+        routing = jax.tree.map(
+            lambda p, q: jnp.concatenate([jnp.repeat(p, b, axis=0), q], axis=1), common_out[-1], routing
+        )
     return logits, routing

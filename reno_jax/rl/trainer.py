@@ -37,8 +37,9 @@ PyTree = Any
 # ----------------------------------------------------------------------------------------------------------------
 # Learning-rate schedule
 # ----------------------------------------------------------------------------------------------------------------
-def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmup_steps: int = 0,
-                     total_steps: int | None = None) -> Callable[[Array], Array]:
+def make_lr_schedule(
+    learning_rate: float, end_learning_rate: float = 0.0, warmup_steps: int = 0, total_steps: int | None = None
+) -> Callable[[Array], Array]:
     """Linear warmup then cosine decay, as a function of the optimizer update count (0-based); optax's
     ``warmup_cosine_decay_schedule``.
 
@@ -64,11 +65,16 @@ def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmu
     if total_steps is None:
         joined = optax.join_schedules(
             [optax.linear_schedule(init_value, learning_rate, warmup_steps), optax.constant_schedule(learning_rate)],
-            [warmup_steps])
+            [warmup_steps],
+        )
     else:
-        joined = optax.warmup_cosine_decay_schedule(init_value, learning_rate, warmup_steps,
-                                                    decay_steps=max(int(total_steps), warmup_steps + 1),
-                                                    end_value=end_learning_rate)
+        joined = optax.warmup_cosine_decay_schedule(
+            init_value,
+            learning_rate,
+            warmup_steps,
+            decay_steps=max(int(total_steps), warmup_steps + 1),
+            end_value=end_learning_rate,
+        )
 
     def schedule(count):
         return jnp.asarray(joined(count), jnp.float32)
@@ -76,8 +82,9 @@ def make_lr_schedule(learning_rate: float, end_learning_rate: float = 0.0, warmu
     return schedule
 
 
-def join_lr_schedules(schedules: Sequence[Callable[[Array], Array]], lengths: Sequence[int]
-                      ) -> Callable[[Array], Array]:
+def join_lr_schedules(
+    schedules: Sequence[Callable[[Array], Array]], lengths: Sequence[int]
+) -> Callable[[Array], Array]:
     """One schedule made of ``schedules[i]`` for ``lengths[i]`` updates each, in order, every piece counted from
     its own start (0-based); the last piece also runs past its length."""
     if len(schedules) != len(lengths) or not schedules:
@@ -98,6 +105,7 @@ class QuantizedMoment:
 
     The original shape is not stored: it is always the shape of the matching gradient / parameter.
     """
+
     codes: Array
     scale: Array
 
@@ -105,13 +113,14 @@ class QuantizedMoment:
 @flax.struct.dataclass
 class ScaleByAdamCompressedState:
     count: Array  # int32 [] number of updates so far
-    mu: PyTree    # per leaf: array in state dtype, or QuantizedMoment
+    mu: PyTree  # per leaf: array in state dtype, or QuantizedMoment
     nu: PyTree
 
 
 @flax.struct.dataclass
 class _LeafOut:
     """Per-leaf result of the compressed Adam update (a distinct type so tree_map can find it)."""
+
     update: Array
     mu: Any
     nu: Any
@@ -170,8 +179,14 @@ def _dequantize_nonneg(q, shape):
     return _unblocks((u * u) * (u * u) * q.scale[:, None], shape)
 
 
-def scale_by_adam_compressed(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, state_dtype: str = "bfloat16",
-                             block_size: int = 256, min_quantized_size: int = 4096) -> optax.GradientTransformation:
+def scale_by_adam_compressed(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    state_dtype: str = "bfloat16",
+    block_size: int = 256,
+    min_quantized_size: int = 4096,
+) -> optax.GradientTransformation:
     """Adam's ``m / (sqrt(v) + eps)`` scaling with moments stored compactly; all arithmetic in float32.
 
     Args:
@@ -220,7 +235,8 @@ def scale_by_adam_compressed(b1: float = 0.9, b2: float = 0.999, eps: float = 1e
         return ScaleByAdamCompressedState(
             count=jnp.zeros([], jnp.int32),
             mu=jax.tree.map(lambda p: zero_moment(p, "mu"), params),
-            nu=jax.tree.map(lambda p: zero_moment(p, "nu"), params))
+            nu=jax.tree.map(lambda p: zero_moment(p, "nu"), params),
+        )
 
     def update_fn(updates, state, params=None):
         del params
@@ -249,12 +265,23 @@ def _matrices_only(params):
     return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
-def make_optimizer(learning_rate: float, end_learning_rate: float = 0.0, warmup_steps: int = 0,
-                   total_steps: int | None = None, b1: float = 0.9, b2: float = 0.999, weight_decay: float = 0.01,
-                   clip_norm: float | None = 1.0, state_dtype: str | None = None, *, eps: float = 1e-8,
-                   weight_decay_mask: Any = "matrices", quant_block_size: int = 256,
-                   quant_min_size: int = 4096, schedule: Callable[[Array], Array] | None = None
-                   ) -> optax.GradientTransformation:
+def make_optimizer(
+    learning_rate: float,
+    end_learning_rate: float = 0.0,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    weight_decay: float = 0.01,
+    clip_norm: float | None = 1.0,
+    state_dtype: str | None = None,
+    *,
+    eps: float = 1e-8,
+    weight_decay_mask: Any = "matrices",
+    quant_block_size: int = 256,
+    quant_min_size: int = 4096,
+    schedule: Callable[[Array], Array] | None = None,
+) -> optax.GradientTransformation:
     """Global-norm clipping + AdamW with linear warmup and cosine decay (``make_lr_schedule``).
 
     Args:
@@ -298,6 +325,7 @@ class TrainState:
     calls).  skipped_updates: int32 [] optimizer updates skipped because of a non-finite loss / gradient.
     rng: uint32 [2] PRNG key owned by the training loop (rollout sampling etc.; ``split_rng``).
     """
+
     params: PyTree
     opt_state: PyTree
     step: Array
@@ -311,8 +339,13 @@ def create_train_state(params: PyTree, optimizer: optax.GradientTransformation, 
         rng = jax.random.PRNGKey(rng)
     # One compiled program instead of op-by-op dispatch (much faster for big or quantised states).
     opt_state = jax.jit(optimizer.init)(params)
-    return TrainState(params=params, opt_state=opt_state, step=jnp.zeros([], jnp.int32),
-                      skipped_updates=jnp.zeros([], jnp.int32), rng=jnp.asarray(rng))
+    return TrainState(
+        params=params,
+        opt_state=opt_state,
+        step=jnp.zeros([], jnp.int32),
+        skipped_updates=jnp.zeros([], jnp.int32),
+        rng=jnp.asarray(rng),
+    )
 
 
 def split_rng(state: TrainState) -> tuple[TrainState, Array]:
@@ -329,6 +362,7 @@ MISMATCH_MAXIMA = ("abs_max", "ratio_max")  # `mismatch_sums` entries that combi
 class RoutingStats:
     """Routing agreement counts of one (micro-)batch, float32 scalars, over the (token, MoE layer) pairs with a
     recorded rollout routing: ``agree`` those whose train-forward top-k set equals the rollout's, ``total`` all."""
+
     agree: Array
     total: Array
 
@@ -341,6 +375,7 @@ class PolicyOutput:
       loss reads); entropy: ``float32 [B, L]`` of the next-token distribution at the same positions, or None;
       routing: the train forward's agreement with the rollout's recorded experts, or None.
     """
+
     logp: Array
     entropy: Array | None = None
     routing: RoutingStats | None = None
@@ -355,28 +390,47 @@ def mismatch_sums(logp: Array, behaviour_logp: Array, mask: Array) -> dict:
     """
     m = mask.astype(jnp.bool_)
     d = jnp.where(m, logp.astype(jnp.float32) - behaviour_logp.astype(jnp.float32), 0.0)
-    return dict(count=jnp.sum(m).astype(jnp.float32), abs_sum=jnp.sum(jnp.abs(d)),
-                abs_max=jnp.max(jnp.where(m, jnp.abs(d), 0.0)), k3_sum=jnp.sum(jnp.expm1(d) - d),
-                ratio_max=jnp.max(jnp.where(m, jnp.exp(d), 0.0)))
+    return dict(
+        count=jnp.sum(m).astype(jnp.float32),
+        abs_sum=jnp.sum(jnp.abs(d)),
+        abs_max=jnp.max(jnp.where(m, jnp.abs(d), 0.0)),
+        k3_sum=jnp.sum(jnp.expm1(d) - d),
+        ratio_max=jnp.max(jnp.where(m, jnp.exp(d), 0.0)),
+    )
 
 
 def mismatch_metrics(sums: dict, routing: RoutingStats | None) -> dict:
     """``rollout_*`` metrics (and ``routing_agreement`` when the routing was recorded) from summed
     ``mismatch_sums`` / ``RoutingStats``."""
     count = jnp.maximum(sums["count"], 1.0)
-    out = {"rollout_logp_abs_diff_mean": sums["abs_sum"] / count, "rollout_logp_abs_diff_max": sums["abs_max"],
-           "rollout_k3_kl": sums["k3_sum"] / count, "rollout_ratio_max": sums["ratio_max"]}
+    out = {
+        "rollout_logp_abs_diff_mean": sums["abs_sum"] / count,
+        "rollout_logp_abs_diff_max": sums["abs_max"],
+        "rollout_k3_kl": sums["k3_sum"] / count,
+        "rollout_ratio_max": sums["ratio_max"],
+    }
     if routing is not None:
         out["routing_agreement"] = routing.agree / jnp.maximum(routing.total, 1.0)
     return out
 
 
-def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.GradientTransformation,
-                    num_minibatches: int = 1, num_microbatches: int = 1, *, shuffle: bool = False,
-                    donate: bool = True, loss_batch_keys: Sequence[str] = (), rollout_metrics: bool = False,
-                    max_logp_shift: float = 0.0, shift_probe_rows: int = 0, shift_backtracks: int = 4,
-                    metric_reductions: Mapping[str, str] | None = None, combine: Callable | None = None
-                    ) -> Callable[..., tuple[TrainState, dict]]:
+def make_train_step(
+    logp_fn: Callable,
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    num_minibatches: int = 1,
+    num_microbatches: int = 1,
+    *,
+    shuffle: bool = False,
+    donate: bool = True,
+    loss_batch_keys: Sequence[str] = (),
+    rollout_metrics: bool = False,
+    max_logp_shift: float = 0.0,
+    shift_probe_rows: int = 0,
+    shift_backtracks: int = 4,
+    metric_reductions: Mapping[str, str] | None = None,
+    combine: Callable | None = None,
+) -> Callable[..., tuple[TrainState, dict]]:
     """Builds ``train_step(state, batch, frozen=None) -> (state, metrics)``, jitted with ``state`` donated.
 
     Args:
@@ -443,19 +497,32 @@ def make_train_step(logp_fn: Callable, loss_fn: Callable, optimizer: optax.Gradi
     if not max_logp_shift >= 0.0:
         raise ValueError(f"max_logp_shift must be >= 0 (0: off), got {max_logp_shift}")
     if max_logp_shift and (int(shift_probe_rows) < 1 or int(shift_backtracks) < 0):
-        raise ValueError(f"max_logp_shift needs shift_probe_rows >= 1 and shift_backtracks >= 0, got "
-                         f"{shift_probe_rows}, {shift_backtracks}")
-    spec = _StepSpec(logp_fn=logp_fn, loss_fn=loss_fn, optimizer=optimizer, num_minibatches=num_minibatches,
-                     num_microbatches=num_microbatches, shuffle=bool(shuffle),
-                     loss_batch_keys=tuple(loss_batch_keys), rollout_metrics=bool(rollout_metrics),
-                     max_logp_shift=max_logp_shift, shift_probe_rows=int(shift_probe_rows),
-                     shift_backtracks=int(shift_backtracks), reductions=reductions, combine=combine)
+        raise ValueError(
+            f"max_logp_shift needs shift_probe_rows >= 1 and shift_backtracks >= 0, got "
+            f"{shift_probe_rows}, {shift_backtracks}"
+        )
+    spec = _StepSpec(
+        logp_fn=logp_fn,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        num_minibatches=num_minibatches,
+        num_microbatches=num_microbatches,
+        shuffle=bool(shuffle),
+        loss_batch_keys=tuple(loss_batch_keys),
+        rollout_metrics=bool(rollout_metrics),
+        max_logp_shift=max_logp_shift,
+        shift_probe_rows=int(shift_probe_rows),
+        shift_backtracks=int(shift_backtracks),
+        reductions=reductions,
+        combine=combine,
+    )
     return jax.jit(functools.partial(_train_step, spec), donate_argnums=(0,) if donate else ())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: it holds a dict
 class _StepSpec:
     """The validated options of `make_train_step`, read by every phase of the train step (static)."""
+
     logp_fn: Callable
     loss_fn: Callable
     optimizer: optax.GradientTransformation
@@ -502,7 +569,6 @@ def _loss_and_metrics(params, spec: _StepSpec, frozen, mb: TrainBatch):
     return loss, (dict(metrics), extra)
 
 
-
 def _accumulate_grads(spec: _StepSpec, params, frozen, micro: TrainBatch):
     """``(loss, grads, loss metrics, mismatch sums)`` of a minibatch: the normalizer-weighted accumulation over
     the leading (micro-batch) axis of ``micro`` (``[K, rows, ...]``)."""
@@ -518,11 +584,12 @@ def _accumulate_grads(spec: _StepSpec, params, frozen, micro: TrainBatch):
         return (g_acc, l_acc + w * loss, w_acc + w), (metrics, w, extra)
 
     zeros = hints.like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(
-        body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
+    (g_sum, l_sum, w_sum), (mets, ws, extras) = jax.lax.scan(body, (zeros, jnp.float32(0.0), jnp.float32(0.0)), micro)
     # Mismatch sums over the micro-batches (plain sums / maxima: token-level, not loss-weighted).
-    extra = {k: (jnp.max(v) if k in MISMATCH_MAXIMA else jnp.sum(v)) if k != "routing"
-             else jax.tree.map(jnp.sum, v) for k, v in extras.items()}
+    extra = {
+        k: (jnp.max(v) if k in MISMATCH_MAXIMA else jnp.sum(v)) if k != "routing" else jax.tree.map(jnp.sum, v)
+        for k, v in extras.items()
+    }
     denom = jnp.maximum(w_sum, 1e-30)  # w_sum == 0 only when every loss sum is 0 too
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
     return l_sum / denom, grads, _reduce_microbatch_metrics(spec, mets, ws, w_sum, denom), extra
@@ -564,8 +631,7 @@ def _guarded_params(spec: _StepSpec, params, frozen, updates, micro: TrainBatch)
         raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro.tokens.shape[1]} rows)")
     probe = jax.tree.map(lambda x: x[0, :rows] if jnp.ndim(x) > 1 else x, micro)
     probe = jax.tree.map(lambda x: hints.constrain_rows(x) if jnp.ndim(x) else x, probe)
-    apply = lambda scale: optax.apply_updates(params, jax.tree.map(lambda u: (u * scale).astype(u.dtype),
-                                                                     updates))
+    apply = lambda scale: optax.apply_updates(params, jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates))
 
     def cond(c):
         scale, shift, tries = c
@@ -601,8 +667,7 @@ def _check_batch(spec: _StepSpec, batch: TrainBatch, frozen) -> int:
         raise ValueError(f"train_step: every batch field needs leading dimension B={B}; got {bad}")
     M, K = spec.num_minibatches, spec.num_microbatches
     if B % (M * K):
-        raise ValueError(f"train_step: batch size {B} is not divisible by num_minibatches*num_microbatches = "
-                         f"{M}*{K}")
+        raise ValueError(f"train_step: batch size {B} is not divisible by num_minibatches*num_microbatches = {M}*{K}")
     return B
 
 
@@ -660,10 +725,17 @@ def _train_step(spec: _StepSpec, state: TrainState, batch: TrainBatch, frozen: P
     mbs, rng = _split_minibatches(spec, batch, B, state.rng)
     (params, opt_state, skipped), (mets, extras) = jax.lax.scan(
         functools.partial(_minibatch_update, spec, frozen),
-        (state.params, state.opt_state, jnp.zeros([], jnp.int32)), mbs)
+        (state.params, state.opt_state, jnp.zeros([], jnp.int32)),
+        mbs,
+    )
     metrics = _reduce_minibatch_metrics(spec, mets, extras)
-    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                              skipped_updates=state.skipped_updates + skipped, rng=rng)
+    new_state = state.replace(
+        params=params,
+        opt_state=opt_state,
+        step=state.step + 1,
+        skipped_updates=state.skipped_updates + skipped,
+        rng=rng,
+    )
     metrics["skipped"] = skipped
     metrics["skipped_updates"] = new_state.skipped_updates
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}

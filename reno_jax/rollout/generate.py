@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from reno_jax.models import ling3
+
 # Re-exported: the stop matcher lives in the protocol layer, the rollout reaches it through this module.
 from reno_jax.protocol.stop import StopTables, build_stop_tables, stop_update  # noqa: F401
 from reno_jax.rollout import sampling
-
 
 # ---------------------------------------------------------------------------------------------- prefill / decode
 
@@ -62,8 +62,16 @@ def write_routing(buf: jax.Array, start: jax.Array, routing: jax.Array, valid: j
     return buf.at[jnp.arange(b)[:, None], idx].set(routing.astype(buf.dtype), mode="drop")
 
 
-def prefill_chunked(params, model_config: ling3.Ling3Config, cache: dict, ids: jax.Array, n: jax.Array,
-                    last_logits: jax.Array, chunk: int, routing: jax.Array | None = None):
+def prefill_chunked(
+    params,
+    model_config: ling3.Ling3Config,
+    cache: dict,
+    ids: jax.Array,
+    n: jax.Array,
+    last_logits: jax.Array,
+    chunk: int,
+    routing: jax.Array | None = None,
+):
     """Feeds each row's `n[b]` tokens of `ids` into the cache, `chunk` tokens per model call.
 
     Args:
@@ -91,8 +99,7 @@ def prefill_chunked(params, model_config: ling3.Ling3Config, cache: dict, ids: j
         seg = jax.lax.dynamic_slice_in_dim(ids, start, chunk, axis=1)
         valid = (start + offs)[None, :] < n[:, None]
         if record:
-            logits, new_cache, used = ling3.forward(params, model_config, seg, cache, valid=valid,
-                                                    return_routing=True)
+            logits, new_cache, used = ling3.forward(params, model_config, seg, cache, valid=valid, return_routing=True)
             buf = write_routing(buf, cache["length"], used.experts, valid)
         else:
             logits, new_cache = ling3.forward(params, model_config, seg, cache, valid=valid)
@@ -102,8 +109,9 @@ def prefill_chunked(params, model_config: ling3.Ling3Config, cache: dict, ids: j
         last = jnp.where(here[:, None], picked.astype(jnp.float32), last)
         return c + 1, new_cache, last, buf
 
-    _, cache, last_logits, routing = jax.lax.while_loop(lambda c: c[0] < num_chunks, body,
-                                                        (jnp.int32(0), cache, last_logits, routing))
+    _, cache, last_logits, routing = jax.lax.while_loop(
+        lambda c: c[0] < num_chunks, body, (jnp.int32(0), cache, last_logits, routing)
+    )
     if record:
         return cache, last_logits, routing
     return cache, last_logits
@@ -119,8 +127,17 @@ class SamplingConfig:
     greedy: bool = False
 
 
-def decode_step(params, model_config: ling3.Ling3Config, sconf: SamplingConfig, cache: dict, last_logits: jax.Array,
-                keys: jax.Array, active: jax.Array, forced: jax.Array | None = None, return_routing: bool = False):
+def decode_step(
+    params,
+    model_config: ling3.Ling3Config,
+    sconf: SamplingConfig,
+    cache: dict,
+    last_logits: jax.Array,
+    keys: jax.Array,
+    active: jax.Array,
+    forced: jax.Array | None = None,
+    return_routing: bool = False,
+):
     """Samples one token per row from `last_logits` and feeds it to the model.
 
     Args:
@@ -134,11 +151,19 @@ def decode_step(params, model_config: ling3.Ling3Config, sconf: SamplingConfig, 
       the fed token (the token at position `cache['length']` of the input cache) per MoE layer, -1 for inactive
       rows.
     """
-    token, logp = sampling.sample(step_keys(keys, cache["length"]), last_logits, sconf.temperature, sconf.top_k,
-                                  sconf.top_p, sconf.greedy, forced=forced)
+    token, logp = sampling.sample(
+        step_keys(keys, cache["length"]),
+        last_logits,
+        sconf.temperature,
+        sconf.top_k,
+        sconf.top_p,
+        sconf.greedy,
+        forced=forced,
+    )
     if return_routing:
-        logits, cache, routing = ling3.forward(params, model_config, token[:, None], cache, valid=active[:, None],
-                                               return_routing=True)
+        logits, cache, routing = ling3.forward(
+            params, model_config, token[:, None], cache, valid=active[:, None], return_routing=True
+        )
         return token, logp, cache, logits[:, 0], routing.experts[:, 0]
     logits, cache = ling3.forward(params, model_config, token[:, None], cache, valid=active[:, None])
     return token, logp, cache, logits[:, 0]
@@ -154,9 +179,18 @@ def pad_to_multiple(ids: jax.Array, chunk: int, pad_id: int = 0) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "max_new_tokens", "sconf", "chunk", "cache_dtype"))
-def generate(params, key: jax.Array, prompt_ids: jax.Array, prompt_length: jax.Array, *,
-             model_config: ling3.Ling3Config, max_new_tokens: int, sconf: SamplingConfig = SamplingConfig(),
-             chunk: int = 32, cache_dtype=jnp.float32):
+def generate(
+    params,
+    key: jax.Array,
+    prompt_ids: jax.Array,
+    prompt_length: jax.Array,
+    *,
+    model_config: ling3.Ling3Config,
+    max_new_tokens: int,
+    sconf: SamplingConfig = SamplingConfig(),
+    chunk: int = 32,
+    cache_dtype=jnp.float32,
+):
     """Prompt prefill + exactly `max_new_tokens` sampled tokens per row (no stopping), one jitted program.
 
     Args:
@@ -169,8 +203,9 @@ def generate(params, key: jax.Array, prompt_ids: jax.Array, prompt_length: jax.A
     keys = row_keys(key, b)
     cache = ling3.init_cache(model_config, b, p + max_new_tokens, cache_dtype)
     last = jnp.zeros((b, model_config.vocab_size), jnp.float32)
-    cache, last = prefill_chunked(params, model_config, cache, pad_to_multiple(prompt_ids, chunk),
-                                  prompt_length.astype(jnp.int32), last, chunk)
+    cache, last = prefill_chunked(
+        params, model_config, cache, pad_to_multiple(prompt_ids, chunk), prompt_length.astype(jnp.int32), last, chunk
+    )
     active = jnp.ones((b,), bool)
 
     def body(i, carry):

@@ -187,8 +187,9 @@ class CompiledEnv:
         return bind.parse_batch(self.parser, ids, lengths, max_bytes)
 
 
-def compile_env(env: interface.TextEnv, tokenizer, vocab_size: int | None = None,
-                chat_template: str | None = None) -> CompiledEnv:
+def compile_env(
+    env: interface.TextEnv, tokenizer, vocab_size: int | None = None, chat_template: str | None = None
+) -> CompiledEnv:
     """Binds `env` to `tokenizer` (host, once): compiles its chat templates and tool schemas to token tables.
 
     Args:
@@ -323,8 +324,17 @@ class _Episodes:
     routing: Any
 
 
-def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, rollout_config: RolloutConfig,
-            env: CompiledEnv, forced_tokens: jax.Array | None = None, return_cache: bool = False):
+def rollout(
+    params,
+    key: jax.Array,
+    starts,
+    *,
+    model_config: ling3.Ling3Config,
+    rollout_config: RolloutConfig,
+    env: CompiledEnv,
+    forced_tokens: jax.Array | None = None,
+    return_cache: bool = False,
+):
     """Runs B = N * group_size episodes to the end; a pure function, jit it with the configs static.
 
     Args:
@@ -347,8 +357,9 @@ def rollout(params, key: jax.Array, starts, *, model_config: ling3.Ling3Config, 
     env_state, prompt_ids, prompt_len = _reset(setup, starts)
     cache, last, routing = _prefill_prompts(setup, prompt_ids, prompt_len)
     carry = _initial_episodes(setup, env_state, prompt_ids, prompt_len, cache, last, routing)
-    carry = jax.lax.while_loop(lambda c: (c.turn < setup.turns) & jnp.any(c.live),
-                               functools.partial(_play_turn, setup), carry)
+    carry = jax.lax.while_loop(
+        lambda c: (c.turn < setup.turns) & jnp.any(c.live), functools.partial(_play_turn, setup), carry
+    )
     traj = _finalise(setup, carry, prompt_len)
     if return_cache:
         return traj, carry.cache
@@ -379,8 +390,9 @@ class _Setup:
         return self.rollout_config.record_routing
 
 
-def _make_setup(params, key, starts, mc: ling3.Ling3Config, rc: RolloutConfig, env: CompiledEnv,
-                forced_tokens) -> _Setup:
+def _make_setup(
+    params, key, starts, mc: ling3.Ling3Config, rc: RolloutConfig, env: CompiledEnv, forced_tokens
+) -> _Setup:
     """Checks the arguments of `rollout` against each other and gathers them in a `_Setup`."""
     t_max, m, big_l = num_turns(env, rc), rc.max_new_tokens, conversation_length(env, rc)
     leaves = jax.tree.leaves(starts)
@@ -388,20 +400,32 @@ def _make_setup(params, key, starts, mc: ling3.Ling3Config, rc: RolloutConfig, e
         raise ValueError("starts has no arrays; it must be the environment's start records with a leading [N]")
     b = leaves[0].shape[0] * rc.group_size
     if env.prompt_len + m > big_l:
-        raise ValueError(f"max_length {big_l} cannot hold the prompt ({env.prompt_len} tokens) plus one turn of "
-                         f"{m} tokens; use at least required_length(env, config) = {required_length(env, rc)}")
+        raise ValueError(
+            f"max_length {big_l} cannot hold the prompt ({env.prompt_len} tokens) plus one turn of "
+            f"{m} tokens; use at least required_length(env, config) = {required_length(env, rc)}"
+        )
     if env.parser.vocab_size < mc.vocab_size or env.vocab_size < mc.vocab_size:
-        raise ValueError(f"env tables cover {env.parser.vocab_size} token ids but the model has {mc.vocab_size}; "
-                         "build the env with compile_env(env, tokenizer, vocab_size=model_config.vocab_size)")
+        raise ValueError(
+            f"env tables cover {env.parser.vocab_size} token ids but the model has {mc.vocab_size}; "
+            "build the env with compile_env(env, tokenizer, vocab_size=model_config.vocab_size)"
+        )
     if forced_tokens is not None and forced_tokens.shape != (b, t_max, m):
-        raise ValueError(f"forced_tokens must be [B={b}, turns={t_max}, max_new_tokens={m}], "
-                         f"got {forced_tokens.shape}")
+        raise ValueError(f"forced_tokens must be [B={b}, turns={t_max}, max_new_tokens={m}], got {forced_tokens.shape}")
     if forced_tokens is not None:
         forced_tokens = jnp.asarray(forced_tokens, jnp.int32)
     if rc.record_routing and mc.num_experts > np.iinfo(np.int16).max:
         raise ValueError(f"record_routing stores expert ids as int16; {mc.num_experts} experts do not fit")
-    return _Setup(params=params, model_config=mc, rollout_config=rc, env=env, keys=gen.row_keys(key, b),
-                  forced_tokens=forced_tokens, batch=b, turns=t_max, length=big_l)
+    return _Setup(
+        params=params,
+        model_config=mc,
+        rollout_config=rc,
+        env=env,
+        keys=gen.row_keys(key, b),
+        forced_tokens=forced_tokens,
+        batch=b,
+        turns=t_max,
+        length=big_l,
+    )
 
 
 def _prefill(setup: _Setup, cache, ids, n, last, chunk: int, routing):
@@ -440,8 +464,9 @@ def _prefill_prompts(setup: _Setup, prompt_ids, prompt_len):
     last = jnp.zeros((rows_fed, mc.vocab_size), jnp.float32)
     routing = None
     if setup.record:  # int16 holds any expert id (< 32768) at half the bytes of int32; -1 = nothing routed
-        routing = jnp.full((rows_fed, setup.length, len(ling3.moe_layer_indices(mc)), mc.num_experts_per_tok), -1,
-                           jnp.int16)
+        routing = jnp.full(
+            (rows_fed, setup.length, len(ling3.moe_layer_indices(mc)), mc.num_experts_per_tok), -1, jnp.int16
+        )
     cache, last, routing = _prefill(setup, cache, fed_ids, fed_len.astype(jnp.int32), last, pchunk, routing)
     if share:
         cache, last, routing = jax.tree.map(lambda a: _expand(a, g), (cache, last, routing))
@@ -452,25 +477,34 @@ def _initial_episodes(setup: _Setup, env_state, prompt_ids, prompt_len, cache, l
     """The turn loop's state before turn 0: the prompts written, every episode live."""
     b, t_max, big_l, tenv = setup.batch, setup.turns, setup.length, setup.env.env
     # The info pytree's structure comes from a step (reset does not produce one): start from zeros of that shape.
-    info_shape = jax.eval_shape(lambda s, c: jax.vmap(tenv.step)(s, c).info, env_state,
-                                bind.empty_calls(b, setup.env.parser))
+    info_shape = jax.eval_shape(
+        lambda s, c: jax.vmap(tenv.step)(s, c).info, env_state, bind.empty_calls(b, setup.env.parser)
+    )
     i32 = functools.partial(jnp.zeros, (b,), jnp.int32)
     bool_ = functools.partial(jnp.zeros, (b,), jnp.bool_)
     return _Episodes(
         turn=jnp.int32(0),
         cache=cache,
         last=last,
-        tokens=scatter_rows(jnp.full((b, big_l), setup.env.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32),
-                            prompt_ids, prompt_len),
+        tokens=scatter_rows(
+            jnp.full((b, big_l), setup.env.pad_id, jnp.int32), jnp.zeros((b,), jnp.int32), prompt_ids, prompt_len
+        ),
         logp=jnp.zeros((b, big_l), jnp.float32),
         gen_start=jnp.full((b, t_max), big_l, jnp.int32),
         gen_end=jnp.full((b, t_max), big_l, jnp.int32),
         live=jnp.ones((b,), jnp.bool_),
         reward=jnp.zeros((b,), jnp.float32),
-        turn_reward=jnp.zeros((b, t_max), jnp.float32), turn_key=jnp.full((b, t_max), -1, jnp.int32),
-        env_state=env_state, env_info=jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape),
-        parse_kind=i32(), valid_call=bool_(), num_turns=i32(), gen_tokens=i32(), budget_stops=i32(),
-        truncated=bool_(), routing=routing,
+        turn_reward=jnp.zeros((b, t_max), jnp.float32),
+        turn_key=jnp.full((b, t_max), -1, jnp.int32),
+        env_state=env_state,
+        env_info=jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape),
+        parse_kind=i32(),
+        valid_call=bool_(),
+        num_turns=i32(),
+        gen_tokens=i32(),
+        budget_stops=i32(),
+        truncated=bool_(),
+        routing=routing,
     )
 
 
@@ -481,8 +515,16 @@ def _decode_token(setup: _Setup, forced_turn, c: _Decode) -> _Decode:
     """Samples (or takes the forced) next token of every row that has not stopped and feeds it to the model."""
     m, env, active = setup.max_new_tokens, setup.env, ~c.stopped
     forced = None if forced_turn is None else jax.lax.dynamic_index_in_dim(forced_turn, c.step, 1, False)
-    step_args = (setup.params, setup.model_config, setup.rollout_config.sampling_config, c.cache, c.last,
-                 setup.keys, active, forced)
+    step_args = (
+        setup.params,
+        setup.model_config,
+        setup.rollout_config.sampling_config,
+        c.cache,
+        c.last,
+        setup.keys,
+        active,
+        forced,
+    )
     routing = c.routing
     if setup.record:
         tok, lp, cache, logits, fed = gen.decode_step(*step_args, return_routing=True)
@@ -511,14 +553,24 @@ def _decode_token(setup: _Setup, forced_turn, c: _Decode) -> _Decode:
 def _decode_turn(setup: _Setup, carry: _Episodes) -> _Decode:
     """Decodes one turn for the live rows (while_loop until every live row has stopped)."""
     b, m, pad_id = setup.batch, setup.max_new_tokens, setup.env.pad_id
-    forced_turn = (None if setup.forced_tokens is None
-                   else jax.lax.dynamic_index_in_dim(setup.forced_tokens, carry.turn, 1, False))
-    c0 = _Decode(step=jnp.int32(0), cache=carry.cache, last=carry.last,
-                 gen_tok=jnp.full((b, m), pad_id, jnp.int32), gen_logp=jnp.zeros((b, m), jnp.float32),
-                 n_gen=jnp.zeros((b,), jnp.int32), match=jnp.zeros((b,), jnp.int32), stopped=~carry.live,
-                 turn_end=jnp.zeros((b,), jnp.bool_), routing=carry.routing)
-    return jax.lax.while_loop(lambda c: (c.step < m) & jnp.any(~c.stopped),
-                              functools.partial(_decode_token, setup, forced_turn), c0)
+    forced_turn = (
+        None if setup.forced_tokens is None else jax.lax.dynamic_index_in_dim(setup.forced_tokens, carry.turn, 1, False)
+    )
+    c0 = _Decode(
+        step=jnp.int32(0),
+        cache=carry.cache,
+        last=carry.last,
+        gen_tok=jnp.full((b, m), pad_id, jnp.int32),
+        gen_logp=jnp.zeros((b, m), jnp.float32),
+        n_gen=jnp.zeros((b,), jnp.int32),
+        match=jnp.zeros((b,), jnp.int32),
+        stopped=~carry.live,
+        turn_end=jnp.zeros((b,), jnp.bool_),
+        routing=carry.routing,
+    )
+    return jax.lax.while_loop(
+        lambda c: (c.step < m) & jnp.any(~c.stopped), functools.partial(_decode_token, setup, forced_turn), c0
+    )
 
 
 def _play_turn(setup: _Setup, carry: _Episodes) -> _Episodes:
@@ -538,7 +590,8 @@ def _play_turn(setup: _Setup, carry: _Episodes) -> _Episodes:
     state_key = jax.vmap(tenv.state_key)(carry.env_state)
     if state_key is not None:
         turn_key = jax.lax.dynamic_update_index_in_dim(
-            carry.turn_key, jnp.where(live, state_key.astype(jnp.int32), -1), turn, 1)
+            carry.turn_key, jnp.where(live, state_key.astype(jnp.int32), -1), turn, 1
+        )
     else:
         turn_key = carry.turn_key
     out = jax.vmap(tenv.step)(carry.env_state, call)
@@ -546,20 +599,30 @@ def _play_turn(setup: _Setup, carry: _Episodes) -> _Episodes:
     # 3. The tool response, for the episodes that go on.
     cont = live & ~out.done
     cache, last, routing, tokens, cont, truncated = _feed_tool_response(
-        setup, turn, d, out.message, tokens, cont, carry.truncated)
+        setup, turn, d, out.message, tokens, cont, carry.truncated
+    )
     kind = call.kind.astype(jnp.int32)
     return _Episodes(
-        turn=turn + 1, cache=cache, last=last, tokens=tokens, logp=logp, gen_start=gen_start, gen_end=gen_end,
-        live=cont, reward=carry.reward + step_reward,
+        turn=turn + 1,
+        cache=cache,
+        last=last,
+        tokens=tokens,
+        logp=logp,
+        gen_start=gen_start,
+        gen_end=gen_end,
+        live=cont,
+        reward=carry.reward + step_reward,
         turn_reward=jax.lax.dynamic_update_index_in_dim(carry.turn_reward, step_reward, turn, 1),
-        turn_key=turn_key, env_state=_keep_where(live, out.state, carry.env_state),
+        turn_key=turn_key,
+        env_state=_keep_where(live, out.state, carry.env_state),
         env_info=_keep_where(live, out.info, carry.env_info),
         parse_kind=jnp.where(live, kind, carry.parse_kind),
         valid_call=jnp.where(live, kind == 0, carry.valid_call),
         num_turns=carry.num_turns + live.astype(jnp.int32),
         gen_tokens=carry.gen_tokens + n_gen,
         budget_stops=carry.budget_stops + (live & (n_gen >= setup.max_new_tokens)).astype(jnp.int32),
-        truncated=truncated, routing=routing,
+        truncated=truncated,
+        routing=routing,
     )
 
 
@@ -606,16 +669,34 @@ def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
     turn_id = jnp.sum(pos[:, None, :] >= ge[:, :-1], axis=1).astype(jnp.int32) if t_max > 1 else jnp.zeros_like(pos)
     turn_id = jnp.where(valid, turn_id, -1)
     logp = jnp.where(loss_mask, carry.logp, 0.0)
-    stats = RolloutStats(parse_kind=carry.parse_kind, valid_call=carry.valid_call, num_turns=carry.num_turns,
-                         generated_tokens=carry.gen_tokens, budget_stops=carry.budget_stops, truncated=truncated)
+    stats = RolloutStats(
+        parse_kind=carry.parse_kind,
+        valid_call=carry.valid_call,
+        num_turns=carry.num_turns,
+        generated_tokens=carry.gen_tokens,
+        budget_stops=carry.budget_stops,
+        truncated=truncated,
+    )
     group_id = jnp.arange(setup.batch, dtype=jnp.int32) // setup.rollout_config.group_size
-    return Trajectory(tokens=jnp.where(valid, carry.tokens, setup.env.pad_id), valid=valid, loss_mask=loss_mask,
-                      behaviour_logp=logp, turn_id=turn_id, prompt_length=prompt_len.astype(jnp.int32),
-                      reward=reward, group_id=group_id, stats=stats, env_info=env_info, routing=carry.routing,
-                      turn_reward=turn_reward, turn_key=carry.turn_key)
+    return Trajectory(
+        tokens=jnp.where(valid, carry.tokens, setup.env.pad_id),
+        valid=valid,
+        loss_mask=loss_mask,
+        behaviour_logp=logp,
+        turn_id=turn_id,
+        prompt_length=prompt_len.astype(jnp.int32),
+        reward=reward,
+        group_id=group_id,
+        stats=stats,
+        env_info=env_info,
+        routing=carry.routing,
+        turn_reward=turn_reward,
+        turn_key=carry.turn_key,
+    )
 
 
 def make_rollout_fn(model_config: ling3.Ling3Config, rollout_config: RolloutConfig, return_cache: bool = False):
     """`jax.jit`-ed `fn(params, key, starts, env, forced_tokens=None) -> Trajectory` with the configs bound."""
-    return jax.jit(functools.partial(rollout, model_config=model_config, rollout_config=rollout_config,
-                                     return_cache=return_cache))
+    return jax.jit(
+        functools.partial(rollout, model_config=model_config, rollout_config=rollout_config, return_cache=return_cache)
+    )

@@ -61,8 +61,20 @@ def forced_columns(board: np.ndarray) -> list[int]:
 def board_view(config) -> interface.BoardView:
     side = config.env.get("agent_player", "alternate")
     return interface.BoardView(
-        rows=rules.ROWS, cols=rules.COLS, input="column", chars=".xo", symbols=("", "\u25cf", "\u25cf"),
-        colors=("", "#d62d20", "#e6a800"), sides=("X", "O"), to_move=rules.np_to_move, legal=rules.np_legal,
-        apply=apply, result=result, decision_start=lambda board: c4_env.position_starts(np.asarray(board)[None]),
-        decision_overrides={"single_move": True, "opponent": "random"}, check=check, best_actions=forced_columns,
-        trained_side=int(side) if str(side) in ("1", "2") else None)
+        rows=rules.ROWS,
+        cols=rules.COLS,
+        input="column",
+        chars=".xo",
+        symbols=("", "\u25cf", "\u25cf"),
+        colors=("", "#d62d20", "#e6a800"),
+        sides=("X", "O"),
+        to_move=rules.np_to_move,
+        legal=rules.np_legal,
+        apply=apply,
+        result=result,
+        decision_start=lambda board: c4_env.position_starts(np.asarray(board)[None]),
+        decision_overrides={"single_move": True, "opponent": "random"},
+        check=check,
+        best_actions=forced_columns,
+        trained_side=int(side) if str(side) in ("1", "2") else None,
+    )

@@ -149,8 +149,12 @@ def position_starts(boards) -> Connect4Start:
         raise ValueError(f"boards must be [N, {rules.ROWS}, {rules.COLS}], got shape {boards.shape}")
     n = boards.shape[0]
     sides = np.array([rules.np_to_move(b) for b in boards], np.int32)
-    return Connect4Start(agent_player=jnp.asarray(sides), opponent=jnp.zeros((n,), jnp.int32),
-                         key=jnp.zeros((n, 2), jnp.uint32), board=jnp.asarray(boards))
+    return Connect4Start(
+        agent_player=jnp.asarray(sides),
+        opponent=jnp.zeros((n,), jnp.int32),
+        key=jnp.zeros((n, 2), jnp.uint32),
+        board=jnp.asarray(boards),
+    )
 
 
 @flax.struct.dataclass
@@ -200,8 +204,10 @@ class Connect4Env(TextEnv):
         if not float(self.illegal_reward) <= 0.0:
             raise ValueError(f"illegal_reward must be <= 0 (a dropped move is never a gain), got {self.illegal_reward}")
         if not (float(self.move_cost) >= 0.0 and float(self.move_cost) * int(self.max_agent_turns) < 1.0):
-            raise ValueError(f"move_cost must be >= 0 with move_cost * max_agent_turns < 1 (every win above 0, "
-                             f"every loss below), got {self.move_cost} with max_agent_turns={self.max_agent_turns}")
+            raise ValueError(
+                f"move_cost must be >= 0 with move_cost * max_agent_turns < 1 (every win above 0, "
+                f"every loss below), got {self.move_cost} with max_agent_turns={self.max_agent_turns}"
+            )
 
     # ------------------------------------------------------------------------------------------------ host
 
@@ -216,13 +222,17 @@ class Connect4Env(TextEnv):
         return sample_starts(key, num_groups, self.opponent, agent_player)
 
     def episode_metrics(self):
-        out = {f"{name}_rate": interface.rate("outcome", equals=code, plot=name in ("win", "loss", "truncated"))
-               for code, name in enumerate(OUTCOME_NAMES) if code != OUTCOME_ONGOING}
+        out = {
+            f"{name}_rate": interface.rate("outcome", equals=code, plot=name in ("win", "loss", "truncated"))
+            for code, name in enumerate(OUTCOME_NAMES)
+            if code != OUTCOME_ONGOING
+        }
         out["agent_moves_mean"] = interface.mean_of("num_agent_moves")
         if self.opponent == "mixed":
             for kind, name in enumerate(opponents.KIND_NAMES):
                 out[f"win_rate_vs_{name}"] = interface.rate(
-                    "outcome", equals=OUTCOME_WIN, where=lambda info, kind=kind: np.asarray(info["opponent"]) == kind)
+                    "outcome", equals=OUTCOME_WIN, where=lambda info, kind=kind: np.asarray(info["opponent"]) == kind
+                )
         return out
 
     # ------------------------------------------------------------------------------------------------ traced
@@ -233,9 +243,7 @@ class Connect4Env(TextEnv):
         return (opponents.kind_id(self.opponent),)
 
     def _opponent_column(self, key, game: rules.GameState, opponent) -> jax.Array:
-        return opponents.opponent_column(
-            key, game, opponent, depth=int(self.negamax_depth), kinds=self._kinds()
-        )
+        return opponents.opponent_column(key, game, opponent, depth=int(self.negamax_depth), kinds=self._kinds())
 
     def _info(self, state: Connect4State) -> dict[str, jax.Array]:
         o = state.outcome
@@ -296,8 +304,7 @@ class Connect4Env(TextEnv):
             outcome=jnp.int32(OUTCOME_ONGOING),
             opponent_column=opening,
         )
-        values = wording.message_values(game.board, state.agent_player, opening,
-                                        mark_playable=bool(self.mark_playable))
+        values = wording.message_values(game.board, state.agent_player, opening, mark_playable=bool(self.mark_playable))
         return state, Message(template=jnp.int32(wording.USER_GAME), values=values)
 
     def step(self, state: Connect4State, call: ToolCall) -> Step:
@@ -328,8 +335,9 @@ class Connect4Env(TextEnv):
         ).astype(jnp.int32)
         moves = state.agent_moves + played.astype(jnp.int32)
         lasted = float(self.move_cost) * moves.astype(jnp.float32)
-        reward = jnp.select([won, lost, invalid | illegal], [1.0 - lasted, -1.0 + lasted,
-                                                             jnp.float32(self.illegal_reward)], 0.0)
+        reward = jnp.select(
+            [won, lost, invalid | illegal], [1.0 - lasted, -1.0 + lasted, jnp.float32(self.illegal_reward)], 0.0
+        )
         reward = reward.astype(jnp.float32)
         opponent_column = jnp.where(reply, reply_column + 1, 0).astype(jnp.int32)
         new_state = state.replace(
@@ -339,8 +347,9 @@ class Connect4Env(TextEnv):
             opponent_column=jnp.where(live, opponent_column, state.opponent_column),
         )
         template = jnp.clip(outcome, 0, wording.NUM_TOOL_TEMPLATES - 1)  # TOOL_* == OUTCOME_* for 0..5
-        values = wording.message_values(game2.board, agent, new_state.opponent_column, column,
-                                        mark_playable=bool(self.mark_playable))
+        values = wording.message_values(
+            game2.board, agent, new_state.opponent_column, column, mark_playable=bool(self.mark_playable)
+        )
         return Step(
             state=new_state,
             message=Message(template=template.astype(jnp.int32), values=values),
@@ -364,9 +373,7 @@ class Connect4Env(TextEnv):
         (``"random" | "greedy" | "negamax"``, static), for supervised warm-start transcripts written by stepping
         this env; 0 once the game is over."""
         kind = opponents.kind_id(policy)
-        col = opponents.opponent_column(
-            _key_data(key), state.game, kind, depth=int(self.negamax_depth), kinds=(kind,)
-        )
+        col = opponents.opponent_column(_key_data(key), state.game, kind, depth=int(self.negamax_depth), kinds=(kind,))
         return jnp.where(state.done, 0, col + 1).astype(jnp.int32)
 
     def teacher_call(self, state: Connect4State, key: jax.Array, policy: str = "greedy") -> ToolCall:

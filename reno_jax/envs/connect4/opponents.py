@@ -10,7 +10,8 @@ Every policy returns a 0-based column (``int32 []``), or -1 when the game is ove
 
 Why full width and no alpha-beta: pruning is control flow, and under ``vmap`` (a batch of games, and the columns of
 every node) a branch-free search computes every child anyway. The tree is instead built as nested ``vmap``s over
-the 7 columns, so one search is one XLA program over ``[7] * depth`` positions (343 at depth 3). Measured for a vmapped batch of 64 on a shared 2-core CPU (XLA's
+the 7 columns, so one search is one XLA program over ``[7] * depth`` positions (343 at depth 3). Measured for a
+vmapped batch of 64 on a shared 2-core CPU (XLA's
 default optimisation level): depth 2 ~4 ms (~18k replies/s), depth 3 ~20-30 ms (~2-3k/s), depth 4 ~260 ms
 (~250/s); the leaf heuristic and the four-in-a-row tests cost about the same.
 

@@ -18,10 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.envs import interface, registry
-from reno_jax.errors import ConfigError
-from reno_jax.envs.connect4 import board_view
+from reno_jax.envs.connect4 import board_view, opponents, rules
 from reno_jax.envs.connect4 import env as c4_env
-from reno_jax.envs.connect4 import opponents, rules
+from reno_jax.errors import ConfigError
 
 TEACHERS = ("center_greedy", "greedy", "negamax", "random")
 GAMES_PER_SUITE = 256
@@ -30,14 +29,17 @@ CENTER_ORDER = (3, 2, 4, 1, 5, 0, 6)  # 0-based columns, the centre first
 
 def make_env(env_config, **overrides) -> c4_env.Connect4Env:
     get = lambda name, default: overrides.get(name, env_config.get(name, default))  # noqa: E731
-    return c4_env.Connect4Env(opponent=str(get("opponent", "random")), negamax_depth=int(get("negamax_depth", 3)),
-                              max_agent_turns=int(get("max_agent_turns", 21)),
-                              single_move=bool(get("single_move", False)),
-                              mark_playable=bool(get("mark_playable", False)),
-                              opening_plies=int(get("opening_plies", 0)),
-                              echo_board=bool(get("echo_board", False)),
-                              illegal_reward=float(get("illegal_reward", -1.0)),
-                              move_cost=float(get("move_cost", 0.0)))
+    return c4_env.Connect4Env(
+        opponent=str(get("opponent", "random")),
+        negamax_depth=int(get("negamax_depth", 3)),
+        max_agent_turns=int(get("max_agent_turns", 21)),
+        single_move=bool(get("single_move", False)),
+        mark_playable=bool(get("mark_playable", False)),
+        opening_plies=int(get("opening_plies", 0)),
+        echo_board=bool(get("echo_board", False)),
+        illegal_reward=float(get("illegal_reward", -1.0)),
+        move_cost=float(get("move_cost", 0.0)),
+    )
 
 
 def make_sampler(config):
@@ -55,8 +57,11 @@ def center_greedy_column(state: c4_env.Connect4State) -> jax.Array:
     game = state.game
     legal = rules.legal_columns(game)
     rank = jnp.zeros((rules.COLS,), jnp.int32).at[jnp.asarray(CENTER_ORDER)].set(jnp.arange(7, 0, -1))
-    score = (100 * opponents.winning_columns(game).astype(jnp.int32)
-             + 10 * opponents.blocking_columns(game).astype(jnp.int32) + rank)
+    score = (
+        100 * opponents.winning_columns(game).astype(jnp.int32)
+        + 10 * opponents.blocking_columns(game).astype(jnp.int32)
+        + rank
+    )
     return jnp.argmax(jnp.where(legal, score, -1)).astype(jnp.int32)
 
 
@@ -68,25 +73,29 @@ def forced_position(state: c4_env.Connect4State) -> jax.Array:
 
 
 def make_teacher(config, env: c4_env.Connect4Env) -> interface.Teacher:
-    """`config.sft.teacher` (default "center_greedy"); call row k is `drop_piece(column=k + 1)`. The support
+    """`config.sft.teacher` ('': "center_greedy"); call row k is `drop_piece(column=k + 1)`. The support
     (the soft target) is the teacher's own column for "center_greedy" (it is deterministic), the legal columns for
     the opponents' policies (they choose among ties at random)."""
-    policy = str(config.sft.get("teacher", "center_greedy"))
+    policy = config.sft.teacher or "center_greedy"
     if policy not in TEACHERS:
         raise ValueError(f"sft.teacher must be one of {list(TEACHERS)}, got {policy!r}")
-    explore = float(config.sft.get("explore", 0.0))
+    explore = config.sft.explore
     if not 0.0 <= explore < 1.0:
         raise ConfigError(f"--config.sft.explore must be in [0, 1), got {explore}")
-    if explore and (policy != "center_greedy" or not config.sft.get("soft_targets", False)):
-        raise ConfigError(f"--config.sft.explore={explore} needs --config.sft.teacher=center_greedy and "
-                          "--config.sft.soft_targets=True (the explored move is played, the teacher's is the target)")
+    if explore and (policy != "center_greedy" or not config.sft.soft_targets):
+        raise ConfigError(
+            f"--config.sft.explore={explore} needs --config.sft.teacher=center_greedy and "
+            "--config.sft.soft_targets=True (the explored move is played, the teacher's is the target)"
+        )
 
-    forced_weight = float(config.sft.get("forced_weight", 1.0))
+    forced_weight = config.sft.forced_weight
     if forced_weight <= 0.0:
         raise ConfigError(f"--config.sft.forced_weight must be > 0, got {forced_weight}")
-    if forced_weight != 1.0 and not config.sft.get("soft_targets", False):
-        raise ConfigError(f"--config.sft.forced_weight={forced_weight} needs --config.sft.soft_targets=True "
-                          "(the weight scales a decision's soft targets)")
+    if forced_weight != 1.0 and not config.sft.soft_targets:
+        raise ConfigError(
+            f"--config.sft.forced_weight={forced_weight} needs --config.sft.soft_targets=True "
+            "(the weight scales a decision's soft targets)"
+        )
 
     def teacher(state, key):
         legal = rules.legal_columns(state.game)
@@ -110,12 +119,15 @@ def _game_suite(opponent: str) -> interface.EvalSuite:
     def starts(key, ids):
         ids = np.asarray(ids)
         if len(ids) % 2 or ids[0] % 2:
-            raise ValueError("Connect Four suites alternate sides by episode: batches must start on an even "
-                             "episode and hold an even number of them")
+            raise ValueError(
+                "Connect Four suites alternate sides by episode: batches must start on an even "
+                "episode and hold an even number of them"
+            )
         return c4_env.sample_starts(jax.random.fold_in(key, int(ids[0])), len(ids), opponent, "alternate")
 
-    return interface.EvalSuite(num_episodes=GAMES_PER_SUITE, starts=starts, scalable=True,
-                               env_overrides={"opponent": opponent})
+    return interface.EvalSuite(
+        num_episodes=GAMES_PER_SUITE, starts=starts, scalable=True, env_overrides={"opponent": opponent}
+    )
 
 
 def eval_suites(config) -> dict[str, interface.EvalSuite]:
@@ -123,5 +135,6 @@ def eval_suites(config) -> dict[str, interface.EvalSuite]:
     return {name: _game_suite(name) for name in opponents.KIND_NAMES}
 
 
-ENTRY = registry.register("connect4", make_env, make_sampler, make_teacher, eval_suites=eval_suites,
-                          board_view=board_view.board_view)
+ENTRY = registry.register(
+    "connect4", make_env, make_sampler, make_teacher, eval_suites=eval_suites, board_view=board_view.board_view
+)

@@ -64,8 +64,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.envs.connect4 import rules
-
-
 from reno_jax.protocol.chat import ChatSpec, Parts, Slot, resolve
 
 TOOL_NAME = "drop_piece"
@@ -208,8 +206,9 @@ def message_values(board, agent_player=1, opponent_column=0, agent_column=0, mar
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def host_values(board=None, agent_player: int = 1, opponent_column: int = 0, agent_column: int = 0,
-                mark_playable: bool = False) -> list[int]:
+def host_values(
+    board=None, agent_player: int = 1, opponent_column: int = 0, agent_column: int = 0, mark_playable: bool = False
+) -> list[int]:
     b = np.zeros((rules.ROWS, rules.COLS), np.int64) if board is None else np.asarray(board)
     if b.shape != (rules.ROWS, rules.COLS) or not np.isin(b, (0, 1, 2)).all():
         raise ValueError(f"board must be int [6, 7] with values 0 (empty), 1 (X), 2 (O); got {b!r}")
@@ -219,8 +218,11 @@ def host_values(board=None, agent_player: int = 1, opponent_column: int = 0, age
         if not 0 <= int(col) <= rules.COLS:
             raise ValueError(f"{name} must be 0 (none) or 1..7, got {col}")
     cells = np.where(playable_cells(b), PLAYABLE, b) if mark_playable else b
-    return ([int(v) for v in cells.reshape(-1)] + [int(agent_player) - 1, int(opponent_column), int(agent_column)]
-            + [int(v == 0) for v in b[0]])
+    return (
+        [int(v) for v in cells.reshape(-1)]
+        + [int(agent_player) - 1, int(opponent_column), int(agent_column)]
+        + [int(v == 0) for v in b[0]]
+    )
 
 
 def render_board(board, mark_playable: bool = False) -> str:

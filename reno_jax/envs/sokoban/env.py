@@ -55,9 +55,13 @@ class Rooms:
 
     @classmethod
     def of(cls, split: rooms.Split) -> "Rooms":
-        return cls(walls=jnp.asarray(split.walls), targets=jnp.asarray(split.targets),
-                   boxes=jnp.asarray(split.boxes), player=jnp.asarray(split.player, jnp.int32),
-                   optimal=jnp.asarray(split.optimal, jnp.int32))
+        return cls(
+            walls=jnp.asarray(split.walls),
+            targets=jnp.asarray(split.targets),
+            boxes=jnp.asarray(split.boxes),
+            player=jnp.asarray(split.player, jnp.int32),
+            optimal=jnp.asarray(split.optimal, jnp.int32),
+        )
 
 
 @flax.struct.dataclass
@@ -130,37 +134,59 @@ class SokobanEnv(TextEnv):
         return int(self.max_steps)
 
     def episode_metrics(self):
-        out = {f"{name}_rate": interface.rate("outcome", equals=code, plot=name == "solved")
-               for code, name in enumerate(OUTCOME_NAMES) if code != OUTCOME_ONGOING}
+        out = {
+            f"{name}_rate": interface.rate("outcome", equals=code, plot=name == "solved")
+            for code, name in enumerate(OUTCOME_NAMES)
+            if code != OUTCOME_ONGOING
+        }
         out["steps_mean"] = interface.mean_of("steps", plot=True)
         out["boxes_on_target_mean"] = interface.mean_of("boxes_on_target")
         out["blocked_mean"] = interface.mean_of("blocked")
         out["excess_moves_mean"] = interface.Metric(  # moves beyond the optimal solution, over solved rooms
             lambda info: np.asarray(info["steps"]) - np.asarray(info["optimal"]),
-            where=lambda info: np.asarray(info["solved"], bool))
+            where=lambda info: np.asarray(info["solved"], bool),
+        )
         return out
 
     # ------------------------------------------------------------------------------------------------ traced
 
     def _info(self, state: SokobanState) -> dict[str, jax.Array]:
-        return dict(outcome=state.outcome, solved=state.outcome == OUTCOME_SOLVED,
-                    invalid=state.outcome == OUTCOME_INVALID, steps=state.steps,
-                    boxes_on_target=rules.boxes_on_target(state.boxes, state.targets), blocked=state.blocked,
-                    optimal=state.optimal)
+        return dict(
+            outcome=state.outcome,
+            solved=state.outcome == OUTCOME_SOLVED,
+            invalid=state.outcome == OUTCOME_INVALID,
+            steps=state.steps,
+            boxes_on_target=rules.boxes_on_target(state.boxes, state.targets),
+            blocked=state.blocked,
+            optimal=state.optimal,
+        )
 
     def _message(self, template, state: SokobanState) -> Message:
-        return Message(template=jnp.asarray(template, jnp.int32),
-                       values=wording.cell_values(state.walls, state.targets, state.boxes, state.player))
+        return Message(
+            template=jnp.asarray(template, jnp.int32),
+            values=wording.cell_values(state.walls, state.targets, state.boxes, state.player),
+        )
 
     def reset(self, start: SokobanStart) -> tuple[SokobanState, Message]:
         split = jnp.asarray(start.split, jnp.int32)
         pick = lambda train, heldout: jnp.where(  # noqa: E731
-            split == HELDOUT, heldout[jnp.clip(start.room, 0, heldout.shape[0] - 1)],
-            train[jnp.clip(start.room, 0, train.shape[0] - 1)])
+            split == HELDOUT,
+            heldout[jnp.clip(start.room, 0, heldout.shape[0] - 1)],
+            train[jnp.clip(start.room, 0, train.shape[0] - 1)],
+        )
         room = jax.tree.map(pick, self.train, self.heldout)
-        state = SokobanState(walls=room.walls, targets=room.targets, boxes=room.boxes, player=room.player,
-                             split=split, room=jnp.asarray(start.room, jnp.int32), optimal=room.optimal,
-                             steps=jnp.int32(0), blocked=jnp.int32(0), outcome=jnp.int32(OUTCOME_ONGOING))
+        state = SokobanState(
+            walls=room.walls,
+            targets=room.targets,
+            boxes=room.boxes,
+            player=room.player,
+            split=split,
+            room=jnp.asarray(start.room, jnp.int32),
+            optimal=room.optimal,
+            steps=jnp.int32(0),
+            blocked=jnp.int32(0),
+            outcome=jnp.int32(OUTCOME_ONGOING),
+        )
         return state, self._message(wording.USER_ROOM, state)
 
     def step(self, state: SokobanState, call: ToolCall) -> Step:
@@ -175,18 +201,34 @@ class SokobanEnv(TextEnv):
         steps = state.steps + play.astype(jnp.int32)
         solved = play & rules.solved(boxes, state.targets)
         out = play & ~solved & (steps >= int(self.max_steps))
-        outcome = jnp.select([invalid, solved, out], [OUTCOME_INVALID, OUTCOME_SOLVED, OUTCOME_OUT_OF_MOVES],
-                             state.outcome).astype(jnp.int32)
+        outcome = jnp.select(
+            [invalid, solved, out], [OUTCOME_INVALID, OUTCOME_SOLVED, OUTCOME_OUT_OF_MOVES], state.outcome
+        ).astype(jnp.int32)
         gained = rules.boxes_on_target(boxes, state.targets) - rules.boxes_on_target(state.boxes, state.targets)
-        reward = jnp.where(play, STEP_REWARD + BOX_REWARD * gained + jnp.where(solved, SOLVE_REWARD, 0.0),
-                           jnp.where(invalid, INVALID_REWARD, 0.0)).astype(jnp.float32)
-        new = state.replace(boxes=boxes, player=player, steps=steps,
-                            blocked=state.blocked + (play & ~moved).astype(jnp.int32), outcome=outcome)
-        template = jnp.select([invalid, solved, out, play & ~moved],
-                              [wording.TOOL_INVALID, wording.TOOL_SOLVED, wording.TOOL_OUT_OF_MOVES,
-                               wording.TOOL_BLOCKED], wording.TOOL_MOVED)
-        return Step(state=new, message=self._message(template, new), reward=reward,
-                    done=outcome != OUTCOME_ONGOING, info=self._info(new))
+        reward = jnp.where(
+            play,
+            STEP_REWARD + BOX_REWARD * gained + jnp.where(solved, SOLVE_REWARD, 0.0),
+            jnp.where(invalid, INVALID_REWARD, 0.0),
+        ).astype(jnp.float32)
+        new = state.replace(
+            boxes=boxes,
+            player=player,
+            steps=steps,
+            blocked=state.blocked + (play & ~moved).astype(jnp.int32),
+            outcome=outcome,
+        )
+        template = jnp.select(
+            [invalid, solved, out, play & ~moved],
+            [wording.TOOL_INVALID, wording.TOOL_SOLVED, wording.TOOL_OUT_OF_MOVES, wording.TOOL_BLOCKED],
+            wording.TOOL_MOVED,
+        )
+        return Step(
+            state=new,
+            message=self._message(template, new),
+            reward=reward,
+            done=outcome != OUTCOME_ONGOING,
+            info=self._info(new),
+        )
 
     def finish(self, state: SokobanState, info, truncated: jax.Array):
         cut = jnp.asarray(truncated) & (state.outcome == OUTCOME_ONGOING)

@@ -29,8 +29,16 @@ from reno_jax.envs.sokoban import rooms, rules
 from reno_jax.errors import ConfigError
 
 TEACHERS = ("solver", "random")
-DEFAULTS = dict(room_size=6, num_boxes=1, max_steps=15, num_train_rooms=1000, num_heldout_rooms=200, room_seed=0,
-                min_pushes=2, max_solution_moves=10)
+DEFAULTS = dict(
+    room_size=6,
+    num_boxes=1,
+    max_steps=15,
+    num_train_rooms=1000,
+    num_heldout_rooms=200,
+    room_seed=0,
+    min_pushes=2,
+    max_solution_moves=10,
+)
 
 
 def settings(env_config, **overrides) -> dict:
@@ -39,34 +47,58 @@ def settings(env_config, **overrides) -> dict:
     for name, default in DEFAULTS.items():
         value = overrides.get(name, env_config.get(name, default) if env_config is not None else default)
         out[name] = int(value)
-    minimum = dict(room_size=4, num_boxes=1, max_steps=1, num_train_rooms=1, num_heldout_rooms=1, room_seed=0,
-                   min_pushes=1, max_solution_moves=1)
+    minimum = dict(
+        room_size=4,
+        num_boxes=1,
+        max_steps=1,
+        num_train_rooms=1,
+        num_heldout_rooms=1,
+        room_seed=0,
+        min_pushes=1,
+        max_solution_moves=1,
+    )
     for name, low in minimum.items():
         if out[name] < low:
             raise ValueError(f"env.{name} must be >= {low}, got {out[name]}")
     if out["max_solution_moves"] > out["max_steps"]:
-        raise ValueError(f"env.max_solution_moves ({out['max_solution_moves']}) must be <= env.max_steps "
-                         f"({out['max_steps']}): every room must be solvable within the budget")
+        raise ValueError(
+            f"env.max_solution_moves ({out['max_solution_moves']}) must be <= env.max_steps "
+            f"({out['max_steps']}): every room must be solvable within the budget"
+        )
     return out
 
 
 def splits(env_config, **overrides) -> tuple[rooms.Split, rooms.Split]:
     """``(train, heldout)`` rooms of a config (cached by `rooms.build`)."""
     s = settings(env_config, **overrides)
-    return rooms.build(s["room_seed"], s["num_train_rooms"], s["num_heldout_rooms"], s["room_size"],
-                       s["room_size"], s["num_boxes"], s["min_pushes"], s["max_solution_moves"])
+    return rooms.build(
+        s["room_seed"],
+        s["num_train_rooms"],
+        s["num_heldout_rooms"],
+        s["room_size"],
+        s["room_size"],
+        s["num_boxes"],
+        s["min_pushes"],
+        s["max_solution_moves"],
+    )
 
 
 def make_env(env_config, **overrides) -> sokoban_env.SokobanEnv:
     s = settings(env_config, **overrides)
     train, heldout = splits(env_config, **overrides)
-    return sokoban_env.SokobanEnv(train=sokoban_env.Rooms.of(train), heldout=sokoban_env.Rooms.of(heldout),
-                                  max_steps=s["max_steps"], num_boxes=s["num_boxes"])
+    return sokoban_env.SokobanEnv(
+        train=sokoban_env.Rooms.of(train),
+        heldout=sokoban_env.Rooms.of(heldout),
+        max_steps=s["max_steps"],
+        num_boxes=s["num_boxes"],
+    )
 
 
 def train_starts(key: jax.Array, num_groups: int, num_rooms: int) -> sokoban_env.SokobanStart:
-    return sokoban_env.SokobanStart(split=jnp.full((num_groups,), sokoban_env.TRAIN, jnp.int32),
-                                    room=jax.random.randint(key, (num_groups,), 0, num_rooms, jnp.int32))
+    return sokoban_env.SokobanStart(
+        split=jnp.full((num_groups,), sokoban_env.TRAIN, jnp.int32),
+        room=jax.random.randint(key, (num_groups,), 0, num_rooms, jnp.int32),
+    )
 
 
 def make_sampler(config):
@@ -74,10 +106,12 @@ def make_sampler(config):
     return lambda key, num_groups: train_starts(key, num_groups, num_rooms)
 
 
-def optimal_moves(state: sokoban_env.SokobanState, train_table: jax.Array, heldout_table: jax.Array,
-                  num_boxes: int) -> jax.Array:
+def optimal_moves(
+    state: sokoban_env.SokobanState, train_table: jax.Array, heldout_table: jax.Array, num_boxes: int
+) -> jax.Array:
     """``bool [4]``: the moves (tool order) that leave the fewest moves to solve, by the rooms' solver tables
     (``uint8 [N, K]``, `rooms.Split.distance`); every move where none can solve the room any more."""
+
     def after(direction):
         boxes, player, _, _ = rules.move(state.walls, state.boxes, state.player, direction)
         key = rules.position_key(boxes, player, num_boxes)
@@ -91,16 +125,18 @@ def optimal_moves(state: sokoban_env.SokobanState, train_table: jax.Array, heldo
 
 def make_teacher(config, env: sokoban_env.SokobanEnv) -> interface.Teacher:
     """`config.sft.teacher` (default "solver"); call row k is ``move(direction=rules.DIRECTIONS[k])``."""
-    policy = str(config.sft.get("teacher", "solver"))
+    policy = config.sft.teacher or "solver"
     if policy not in TEACHERS:
         raise ConfigError(f"--config.sft.teacher must be one of {list(TEACHERS)}, got {policy!r}")
-    explore = float(config.sft.get("explore", 0.0))
+    explore = config.sft.explore
     if not 0.0 <= explore < 1.0:
         raise ConfigError(f"--config.sft.explore must be in [0, 1), got {explore}")
-    if explore and (policy != "solver" or not config.sft.get("soft_targets", False)):
-        raise ConfigError(f"--config.sft.explore={explore} needs --config.sft.teacher=solver and "
-                          "--config.sft.soft_targets=True (the explored move is played, the optimal ones are the "
-                          "target)")
+    if explore and (policy != "solver" or not config.sft.soft_targets):
+        raise ConfigError(
+            f"--config.sft.explore={explore} needs --config.sft.teacher=solver and "
+            "--config.sft.soft_targets=True (the explored move is played, the optimal ones are the "
+            "target)"
+        )
     train, heldout = splits(config.env)
     train_table, heldout_table = jnp.asarray(train.distance), jnp.asarray(heldout.distance)
     num_boxes = int(env.num_boxes)
@@ -125,11 +161,15 @@ def eval_suites(config) -> dict[str, interface.EvalSuite]:
 
     def starts(split):
         return lambda key, ids: sokoban_env.SokobanStart(
-            split=jnp.full((len(ids),), split, jnp.int32), room=jnp.asarray(np.asarray(ids), jnp.int32))
+            split=jnp.full((len(ids),), split, jnp.int32), room=jnp.asarray(np.asarray(ids), jnp.int32)
+        )
 
-    return {"heldout": interface.EvalSuite(num_episodes=len(heldout), starts=starts(sokoban_env.HELDOUT)),
-            "train": interface.EvalSuite(num_episodes=min(len(train), len(heldout)),
-                                         starts=starts(sokoban_env.TRAIN), default=False)}
+    return {
+        "heldout": interface.EvalSuite(num_episodes=len(heldout), starts=starts(sokoban_env.HELDOUT)),
+        "train": interface.EvalSuite(
+            num_episodes=min(len(train), len(heldout)), starts=starts(sokoban_env.TRAIN), default=False
+        ),
+    }
 
 
 ENTRY = registry.register("sokoban", make_env, make_sampler, make_teacher, eval_suites=eval_suites)

@@ -187,8 +187,17 @@ def _reverse_play(rng: np.random.Generator, walls: np.ndarray, boxes: list, play
     return walk
 
 
-def generate_room(rng: np.random.Generator, height: int, width: int, num_boxes: int, *, min_pushes: int,
-                  max_moves: int, reverse_steps: int, max_inner_walls: int):
+def generate_room(
+    rng: np.random.Generator,
+    height: int,
+    width: int,
+    num_boxes: int,
+    *,
+    min_pushes: int,
+    max_moves: int,
+    reverse_steps: int,
+    max_inner_walls: int,
+):
     """One room (see the module docstring) as ``(walls, targets, boxes, player, distance)`` with ``distance`` the
     layout's `layout_distances`, or None when this draw is rejected (the caller draws again)."""
     walls = np.ones((height, width), bool)
@@ -201,8 +210,10 @@ def generate_room(rng: np.random.Generator, height: int, width: int, num_boxes: 
         return None
     target_cells = [int(c) for c in rng.choice(floor, size=num_boxes, replace=False)]
     # the player starts next to a box, so the walk's first moves can pull it
-    beside = sorted({int(b + dr * width + dc) for b in target_cells for dr, dc in rules.DELTAS} & set(floor.tolist())
-                    - set(target_cells))
+    beside = sorted(
+        {int(b + dr * width + dc) for b in target_cells for dr, dc in rules.DELTAS}
+        & set(floor.tolist()) - set(target_cells)
+    )
     if not beside:
         return None
     targets = np.zeros((height, width), bool)
@@ -254,15 +265,30 @@ def _split(rooms: list, num_boxes: int) -> Split:
         start = (tuple(np.flatnonzero(boxes.reshape(-1)).tolist()), int(player))
         optimal.append(distance[start])
         pushes.append(_pushes(walls, distance, start))
-    return Split(walls=np.stack([r[0] for r in rooms]), targets=np.stack([r[1] for r in rooms]),
-                 boxes=np.stack([r[2] for r in rooms]), player=np.array([r[3] for r in rooms], np.int32),
-                 optimal=np.array(optimal, np.int32), pushes=np.array(pushes, np.int32), distance=table)
+    return Split(
+        walls=np.stack([r[0] for r in rooms]),
+        targets=np.stack([r[1] for r in rooms]),
+        boxes=np.stack([r[2] for r in rooms]),
+        player=np.array([r[3] for r in rooms], np.int32),
+        optimal=np.array(optimal, np.int32),
+        pushes=np.array(pushes, np.int32),
+        distance=table,
+    )
 
 
 @functools.lru_cache(maxsize=8)
-def build(seed: int, num_train: int, num_heldout: int, height: int = 6, width: int = 6, num_boxes: int = 1,
-          min_pushes: int = 2, max_moves: int = 10, reverse_steps: int | None = None,
-          max_inner_walls: int | None = None) -> tuple[Split, Split]:
+def build(
+    seed: int,
+    num_train: int,
+    num_heldout: int,
+    height: int = 6,
+    width: int = 6,
+    num_boxes: int = 1,
+    min_pushes: int = 2,
+    max_moves: int = 10,
+    reverse_steps: int | None = None,
+    max_inner_walls: int | None = None,
+) -> tuple[Split, Split]:
     """``(train, heldout)``: distinct rooms, the held-out ones drawn first (so they do not change with
     ``num_train``), deterministic in the arguments. Cached: every caller of one configuration shares the rooms.
 
@@ -275,8 +301,9 @@ def build(seed: int, num_train: int, num_heldout: int, height: int = 6, width: i
         raise ValueError(f"both splits need rooms, got num_train={num_train}, num_heldout={num_heldout}")
     interior = (height - 2) * (width - 2)
     if not 1 <= num_boxes <= min(4, interior // 3):
-        raise ValueError(f"num_boxes must be in 1..{min(4, interior // 3)} for a {height} x {width} room, "
-                         f"got {num_boxes}")
+        raise ValueError(
+            f"num_boxes must be in 1..{min(4, interior // 3)} for a {height} x {width} room, got {num_boxes}"
+        )
     steps = int(3.4 * (height + width)) if reverse_steps is None else int(reverse_steps)
     inner_walls = interior // 5 if max_inner_walls is None else int(max_inner_walls)
     rng = np.random.default_rng(seed)
@@ -285,10 +312,20 @@ def build(seed: int, num_train: int, num_heldout: int, height: int = 6, width: i
     while len(rooms) < wanted:
         draws += 1
         if draws > 200 * wanted + 1000:
-            raise ValueError(f"only {len(rooms)} distinct rooms of {wanted} after {draws} draws: lower the room "
-                             "counts or min_pushes, or raise max_moves")
-        room = generate_room(rng, height, width, num_boxes, min_pushes=min_pushes, max_moves=max_moves,
-                             reverse_steps=steps, max_inner_walls=inner_walls)
+            raise ValueError(
+                f"only {len(rooms)} distinct rooms of {wanted} after {draws} draws: lower the room "
+                "counts or min_pushes, or raise max_moves"
+            )
+        room = generate_room(
+            rng,
+            height,
+            width,
+            num_boxes,
+            min_pushes=min_pushes,
+            max_moves=max_moves,
+            reverse_steps=steps,
+            max_inner_walls=inner_walls,
+        )
         if room is None:
             continue
         key = b"".join(np.asarray(a).tobytes() for a in room[:3]) + int(room[3]).to_bytes(2, "little")

@@ -34,10 +34,18 @@ USER_ROOM = 0
 
 
 def tool_schema() -> dict:
-    return {"type": "function", "function": {
-        "name": TOOL_NAME, "description": "Move one cell; walking into a box pushes it.",
-        "parameters": {"type": "object", "properties": {
-            "direction": {"type": "string", "enum": list(rules.DIRECTIONS)}}, "required": ["direction"]}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": TOOL_NAME,
+            "description": "Move one cell; walking into a box pushes it.",
+            "parameters": {
+                "type": "object",
+                "properties": {"direction": {"type": "string", "enum": list(rules.DIRECTIONS)}},
+                "required": ["direction"],
+            },
+        },
+    }
 
 
 def board_parts(height: int, width: int) -> tuple:
@@ -52,16 +60,25 @@ def board_parts(height: int, width: int) -> tuple:
 
 def chat_spec(height: int, width: int, max_steps: int) -> ChatSpec:
     board = board_parts(height, width)
-    system = ("Sokoban: push every box onto a target. # wall, _ floor, O target, X box, * box on a target, P you, "
-              "S you on a target. Walking into a box pushes it if the cell beyond is free. Call move with up, down, "
-              f"left or right; {max_steps} moves at most.")
+    system = (
+        "Sokoban: push every box onto a target. # wall, _ floor, O target, X box, * box on a target, P you, "
+        "S you on a target. Walking into a box pushes it if the cell beyond is free. Call move with up, down, "
+        f"left or right; {max_steps} moves at most."
+    )
     return ChatSpec(
-        system=system, tools=(tool_schema(),),
+        system=system,
+        tools=(tool_schema(),),
         user=(("Room:\n", *board),),
-        tool=(board, ("You did not move.\n", *board), (*board, "\nSolved!"), (*board, "\nOut of moves."),
-              ("Invalid call.",)),
+        tool=(
+            board,
+            ("You did not move.\n", *board),
+            (*board, "\nSolved!"),
+            (*board, "\nOut of moves."),
+            ("Invalid call.",),
+        ),
         tool_continues=(True, True, False, False, False),
-        num_values=height * width)
+        num_values=height * width,
+    )
 
 
 def cell_values(walls: jax.Array, targets: jax.Array, boxes: jax.Array, player: jax.Array) -> jax.Array:
@@ -71,7 +88,9 @@ def cell_values(walls: jax.Array, targets: jax.Array, boxes: jax.Array, player: 
     walls, targets, boxes = walls.reshape(-1), targets.reshape(-1), boxes.reshape(-1)
     return jnp.select(
         [walls, is_player & targets, is_player, boxes & targets, boxes, targets],
-        [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET], FLOOR).astype(jnp.int32)
+        [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET],
+        FLOOR,
+    ).astype(jnp.int32)
 
 
 def room_text(walls, targets, boxes, player) -> str:
@@ -79,8 +98,11 @@ def room_text(walls, targets, boxes, player) -> str:
     shape = np.shape(walls)
     walls, targets, boxes = (np.asarray(a, bool).reshape(-1) for a in (walls, targets, boxes))
     is_player = np.arange(walls.size) == int(player)
-    values = np.select([walls, is_player & targets, is_player, boxes & targets, boxes, targets],
-                       [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET], FLOOR)
+    values = np.select(
+        [walls, is_player & targets, is_player, boxes & targets, boxes, targets],
+        [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET],
+        FLOOR,
+    )
     return "\n".join("".join(CELL_CHARS[v] for v in row) for row in values.reshape(shape))
 
 

@@ -82,7 +82,20 @@ def trained_side(env_config) -> int | None:
 
 def board_view(config) -> interface.BoardView:
     return interface.BoardView(
-        rows=3, cols=3, input="cell", chars=".xo", symbols=("", "X", "O"), colors=("", "#2f6fde", "#d35400"),
-        sides=("X", "O"), to_move=to_move, legal=legal, apply=apply, result=result, decision_start=decision_start,
-        decision_overrides={"task": "move"}, check=check, best_actions=optimal_squares,
-        trained_side=trained_side(config.env))
+        rows=3,
+        cols=3,
+        input="cell",
+        chars=".xo",
+        symbols=("", "X", "O"),
+        colors=("", "#2f6fde", "#d35400"),
+        sides=("X", "O"),
+        to_move=to_move,
+        legal=legal,
+        apply=apply,
+        result=result,
+        decision_start=decision_start,
+        decision_overrides={"task": "move"},
+        check=check,
+        best_actions=optimal_squares,
+        trained_side=trained_side(config.env),
+    )

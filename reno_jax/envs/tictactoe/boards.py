@@ -106,7 +106,9 @@ def _random_position(rng: np.random.Generator, max_random_moves: int, x_to_move:
 
 
 def generate_boards(
-    n: int = DEFAULT_COUNT, seed: int = ARENO_DEFAULT_SEED, max_random_moves: int = MAX_RANDOM_MOVES,
+    n: int = DEFAULT_COUNT,
+    seed: int = ARENO_DEFAULT_SEED,
+    max_random_moves: int = MAX_RANDOM_MOVES,
     sides: str = "x",
 ) -> np.ndarray:
     """``int8 [n, 9]`` unique non-terminal X-to-move positions, reproducible for ``seed``.
@@ -150,8 +152,9 @@ def generate_boards(
     return np.stack(out).astype(np.int8)
 
 
-def play_boards(n: int, seed: int, hero_epsilon: float = 0.1, opponent_epsilon: float = 0.5,
-                o_share: float = 0.5) -> np.ndarray:
+def play_boards(
+    n: int, seed: int, hero_epsilon: float = 0.1, opponent_epsilon: float = 0.5, o_share: float = 0.5
+) -> np.ndarray:
     """``int8 [n, 9]`` positions met in play, repeats kept: the positions' frequencies are how often games pass.
 
     Each game has a hero (O with probability ``o_share``, else X) against an opponent; a move is uniform among the
@@ -390,9 +393,7 @@ def load_jsonl(path: str | Path, require_x_to_move: bool = True) -> tuple[np.nda
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from e
             if require_x_to_move and not is_x_to_move_playable(board):
-                raise ValueError(
-                    f"{where}: board {board_to_string(board)!r} is not a non-terminal X-to-move position"
-                )
+                raise ValueError(f"{where}: board {board_to_string(board)!r} is not a non-terminal X-to-move position")
             boards.append(board)
             ids.append(str(rec.get("id", f"line-{lineno}")))
     if not boards:
@@ -408,12 +409,20 @@ def load_boards(env_config) -> tuple[np.ndarray, np.ndarray]:
     if env.get("boards_path", ""):
         boards, _ = load_jsonl(env.boards_path)
     elif env.get("board_source", "random") == "play":
-        boards = play_boards(env.num_boards, seed=env.board_seed, hero_epsilon=env.get("play_epsilon", 0.1),
-                             opponent_epsilon=env.get("opponent_epsilon", 0.5), o_share=env.get("o_share", 0.5))
+        boards = play_boards(
+            env.num_boards,
+            seed=env.board_seed,
+            hero_epsilon=env.get("play_epsilon", 0.1),
+            opponent_epsilon=env.get("opponent_epsilon", 0.5),
+            o_share=env.get("o_share", 0.5),
+        )
     else:
-        boards = generate_boards(env.num_boards, seed=env.board_seed,
-                                 max_random_moves=env.get("max_random_moves", MAX_RANDOM_MOVES),
-                                 sides=env.get("board_sides", "x"))
+        boards = generate_boards(
+            env.num_boards,
+            seed=env.board_seed,
+            max_random_moves=env.get("max_random_moves", MAX_RANDOM_MOVES),
+            sides=env.get("board_sides", "x"),
+        )
     boards = np.asarray(boards, np.int8)
     if env.get("heldout_fraction", 0.0):
         return train_heldout_split(boards, env.heldout_fraction, env.board_seed)

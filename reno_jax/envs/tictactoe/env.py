@@ -54,9 +54,13 @@ def move_starts(boards) -> Starts:
         raise ValueError(f"boards must be [N, 9], got shape {boards.shape}")
     n = boards.shape[0]
     agent = jax.vmap(ttt.to_move_from_counts)(boards).astype(jnp.int8)
-    return Starts(boards=boards, agent_player=agent,
-                  opponent_kind=jnp.full((n,), tasks.OPPONENT_MINIMAX, jnp.int32),
-                  epsilon=jnp.zeros((n,), jnp.float32), opponent_key=jnp.zeros((n, 2), jnp.uint32))
+    return Starts(
+        boards=boards,
+        agent_player=agent,
+        opponent_kind=jnp.full((n,), tasks.OPPONENT_MINIMAX, jnp.int32),
+        epsilon=jnp.zeros((n,), jnp.float32),
+        opponent_key=jnp.zeros((n, 2), jnp.uint32),
+    )
 
 
 def game_starts(key: jax.Array, num_groups: int, agent_player=1, opponent="minimax", epsilon=0.0) -> Starts:
@@ -77,8 +81,12 @@ def game_starts(key: jax.Array, num_groups: int, agent_player=1, opponent="minim
 
 
 def _values(board, side_index, opponent_square) -> jax.Array:
-    return jnp.concatenate([board.astype(jnp.int32), jnp.stack([jnp.asarray(side_index, jnp.int32),
-                                                                  jnp.asarray(opponent_square, jnp.int32)])])
+    return jnp.concatenate(
+        [
+            board.astype(jnp.int32),
+            jnp.stack([jnp.asarray(side_index, jnp.int32), jnp.asarray(opponent_square, jnp.int32)]),
+        ]
+    )
 
 
 @flax.struct.dataclass
@@ -140,12 +148,23 @@ class TicTacToeEnv(interface.TextEnv):
             raise ValueError(f"suboptimal_penalty must be >= 0, got {self.suboptimal_penalty}")
 
     @classmethod
-    def create(cls, task: str = "move", table: minimax.MinimaxTable | None = None,
-               board_style: str = "grid", suboptimal_penalty: float = 0.0,
-               independent_opponents: bool = False, win_seeking: bool = False) -> "TicTacToeEnv":
-        return cls(table=minimax.load_table() if table is None else table, task=task, board_style=board_style,
-                   suboptimal_penalty=float(suboptimal_penalty), independent_opponents=bool(independent_opponents),
-                   win_seeking=bool(win_seeking))
+    def create(
+        cls,
+        task: str = "move",
+        table: minimax.MinimaxTable | None = None,
+        board_style: str = "grid",
+        suboptimal_penalty: float = 0.0,
+        independent_opponents: bool = False,
+        win_seeking: bool = False,
+    ) -> "TicTacToeEnv":
+        return cls(
+            table=minimax.load_table() if table is None else table,
+            task=task,
+            board_style=board_style,
+            suboptimal_penalty=float(suboptimal_penalty),
+            independent_opponents=bool(independent_opponents),
+            win_seeking=bool(win_seeking),
+        )
 
     def chat(self):
         return wording.chat_spec(self.board_style)
@@ -161,8 +180,13 @@ class TicTacToeEnv(interface.TextEnv):
             return MoveState(board=board), interface.Message(jnp.int32(0), _values(board, side, 0))
         key = jax.random.wrap_key_data(start.opponent_key.astype(jnp.uint32))
         game = tasks.game_reset(jax.random.fold_in(key, 0), agent, start.opponent_kind, start.epsilon, self.table)
-        state = GameState(game=game, opponent_key=start.opponent_key.astype(jnp.uint32), num_optimal=jnp.int32(0),
-                          num_seeking=jnp.int32(0), win_taken=jnp.bool_(False))
+        state = GameState(
+            game=game,
+            opponent_key=start.opponent_key.astype(jnp.uint32),
+            num_optimal=jnp.int32(0),
+            num_seeking=jnp.int32(0),
+            win_taken=jnp.bool_(False),
+        )
         return state, interface.Message(jnp.int32(1), _values(game.board, side, 0))
 
     def for_member(self, state, member):
@@ -173,31 +197,49 @@ class TicTacToeEnv(interface.TextEnv):
         return state.replace(opponent_key=jnp.where(member == 0, state.opponent_key, key))
 
     def _info(self, outcome, is_optimal, is_seeking, win_taken, num_optimal, board):
-        return dict(outcome=outcome.astype(jnp.int32), is_optimal=is_optimal, is_seeking=is_seeking,
-                    win_taken=win_taken,
-                    num_optimal_moves=num_optimal.astype(jnp.int32), final_board=board.astype(jnp.int8))
+        return dict(
+            outcome=outcome.astype(jnp.int32),
+            is_optimal=is_optimal,
+            is_seeking=is_seeking,
+            win_taken=win_taken,
+            num_optimal_moves=num_optimal.astype(jnp.int32),
+            final_board=board.astype(jnp.int8),
+        )
 
     def step(self, state, call: interface.ToolCall) -> interface.Step:
         kind = call.kind.astype(jnp.int32)
         square = jnp.where(call.ok, call.args[0], 0).astype(jnp.int32)
         if self.task == "move":
             r, info = tasks.move_reward(state.board, kind, square, self.table, win_seeking=self.win_seeking)
-            outcome = jnp.select([info["is_win_taken"], info["is_illegal"], ~info["is_valid_call"]],
-                                 [tasks.OUTCOME_WIN, tasks.OUTCOME_ILLEGAL, tasks.OUTCOME_INVALID],
-                                 tasks.OUTCOME_ONGOING)
+            outcome = jnp.select(
+                [info["is_win_taken"], info["is_illegal"], ~info["is_valid_call"]],
+                [tasks.OUTCOME_WIN, tasks.OUTCOME_ILLEGAL, tasks.OUTCOME_INVALID],
+                tasks.OUTCOME_ONGOING,
+            )
             # The episode ends here, so no rollout renders this message; it says what the move did (the board
             # after it and the game's status, as the game task would) for whoever asks the env (the play page).
-            after = jnp.where(info["is_legal"] & (jnp.arange(ttt.NUM_SQUARES) == square - 1),
-                              ttt.to_move_from_counts(state.board), state.board).astype(jnp.int8)
-            status = jnp.where(info["is_legal"] & ~info["is_win_taken"] & ttt.is_full(after), tasks.OUTCOME_DRAW,
-                               outcome)
+            after = jnp.where(
+                info["is_legal"] & (jnp.arange(ttt.NUM_SQUARES) == square - 1),
+                ttt.to_move_from_counts(state.board),
+                state.board,
+            ).astype(jnp.int8)
+            status = jnp.where(
+                info["is_legal"] & ~info["is_win_taken"] & ttt.is_full(after), tasks.OUTCOME_DRAW, outcome
+            )
             message = interface.Message(status.astype(jnp.int32), _values(after, 0, 0))
-            return interface.Step(state=state, message=message, reward=r, done=jnp.bool_(True),
-                                  info=self._info(outcome, info["is_optimal"], info["is_seeking"],
-                                                  info["is_win_taken"], jnp.int32(0), state.board))
+            return interface.Step(
+                state=state,
+                message=message,
+                reward=r,
+                done=jnp.bool_(True),
+                info=self._info(
+                    outcome, info["is_optimal"], info["is_seeking"], info["is_win_taken"], jnp.int32(0), state.board
+                ),
+            )
         key = jax.random.wrap_key_data(state.opponent_key)
-        game, r, done, info = tasks.game_step(jax.random.fold_in(key, state.game.turns + 1), state.game, kind,
-                                              square, self.table)
+        game, r, done, info = tasks.game_step(
+            jax.random.fold_in(key, state.game.turns + 1), state.game, kind, square, self.table
+        )
         num_optimal = state.num_optimal + info["agent_move_optimal"].astype(jnp.int32)
         num_seeking = state.num_seeking + info["agent_move_seeking"].astype(jnp.int32)
         win_taken = state.win_taken | info["agent_move_winning"]
@@ -205,13 +247,22 @@ class TicTacToeEnv(interface.TextEnv):
             good = num_seeking if self.win_seeking else num_optimal
             share = good.astype(jnp.float32) / jnp.maximum(game.turns, 1).astype(jnp.float32)
             r = r - jnp.where(done & ~state.game.done, self.suboptimal_penalty * (1.0 - share), 0.0)
-        new = GameState(game=game, opponent_key=state.opponent_key, num_optimal=num_optimal, num_seeking=num_seeking,
-                        win_taken=win_taken)
+        new = GameState(
+            game=game,
+            opponent_key=state.opponent_key,
+            num_optimal=num_optimal,
+            num_seeking=num_seeking,
+            win_taken=win_taken,
+        )
         status = jnp.clip(game.outcome, 0, wording.NUM_STATUSES - 1)
         message = interface.Message(status, _values(game.board, 0, game.opponent_square))
-        return interface.Step(state=new, message=message, reward=r, done=done,
-                              info=self._info(game.outcome, jnp.bool_(False), jnp.bool_(False), win_taken,
-                                              num_optimal, game.board))
+        return interface.Step(
+            state=new,
+            message=message,
+            reward=r,
+            done=done,
+            info=self._info(game.outcome, jnp.bool_(False), jnp.bool_(False), win_taken, num_optimal, game.board),
+        )
 
     def finish(self, state, info, truncated):
         info = dict(info)
@@ -228,12 +279,17 @@ class TicTacToeEnv(interface.TextEnv):
 
     def episode_metrics(self):
         if self.task == "move":
-            return {"optimal_move_rate": interface.rate("is_optimal", plot=True),
-                    "seeking_move_rate": interface.rate("is_seeking"),
-                    "illegal_rate": interface.rate("illegal", plot=True),
-                    "win_taken_rate": interface.rate("win_taken", plot=True)}
-        out = {f"{name}_rate": interface.rate(name, plot=name in ("win", "draw", "loss"))
-               for name in OUTCOME_NAMES if name != "ongoing"}
+            return {
+                "optimal_move_rate": interface.rate("is_optimal", plot=True),
+                "seeking_move_rate": interface.rate("is_seeking"),
+                "illegal_rate": interface.rate("illegal", plot=True),
+                "win_taken_rate": interface.rate("win_taken", plot=True),
+            }
+        out = {
+            f"{name}_rate": interface.rate(name, plot=name in ("win", "draw", "loss"))
+            for name in OUTCOME_NAMES
+            if name != "ongoing"
+        }
         out["optimal_move_rate"] = interface.rate("is_optimal")
         out["seeking_move_rate"] = interface.rate("is_seeking")
         out["win_taken_rate"] = interface.rate("win_taken")

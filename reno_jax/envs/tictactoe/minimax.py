@@ -136,8 +136,7 @@ def compute_tables_numpy() -> dict[str, np.ndarray]:
         random[rows] = np.where(legal[rows], after_random, 0.0).sum(-1) / legal[rows].sum(-1)
         # Mirror-image moves tie up to rounding; real differences are >= 1/192 in reachable positions.
         seeking_mask[rows] = optimal_mask[rows] & (after_seek >= best[:, None] - 1e-9)
-    return {"value": value, "optimal_mask": optimal_mask, "winning_mask": winning_mask,
-            "seeking_mask": seeking_mask}
+    return {"value": value, "optimal_mask": optimal_mask, "winning_mask": winning_mask, "seeking_mask": seeking_mask}
 
 
 def _default_cache_dir() -> Path:

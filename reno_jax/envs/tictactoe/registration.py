@@ -21,10 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.envs import interface, registry
-from reno_jax.envs.tictactoe import board_view
+from reno_jax.envs.tictactoe import board_view, minimax, tasks, wording
 from reno_jax.envs.tictactoe import boards as boards_lib
 from reno_jax.envs.tictactoe import env as ttt_env
-from reno_jax.envs.tictactoe import minimax, tasks, wording
 
 AGENT_PLAYERS = ("x", "o", "alternate")
 GAMES_PER_SUITE = 256
@@ -69,10 +68,12 @@ def make_env(env_config, **overrides) -> ttt_env.TicTacToeEnv:
     check_env_config(env_config)
     field = lambda name, default: overrides.get(name, env_config.get(name, default))  # noqa: E731
     return ttt_env.TicTacToeEnv.create(
-        task=str(field("task", "move")), board_style=str(field("board_style", "grid")),
+        task=str(field("task", "move")),
+        board_style=str(field("board_style", "grid")),
         suboptimal_penalty=float(field("suboptimal_penalty", 0.0)),
         independent_opponents=bool(field("independent_opponents", False)),
-        win_seeking=bool(field("win_seeking", False)))
+        win_seeking=bool(field("win_seeking", False)),
+    )
 
 
 def make_sampler(config):
@@ -85,12 +86,15 @@ def make_sampler(config):
         def sample_boards(key, num_groups):
             idx = jax.random.choice(key, len(train_boards), (num_groups,), replace=len(train_boards) < num_groups)
             return ttt_env.move_starts(train_boards[np.asarray(idx)])
+
         return sample_boards
 
     def sample_games(key, num_groups):
         agent = ttt_env.agent_players(env_config.agent_player, num_groups, float(env_config.get("o_share", 0.5)))
-        return ttt_env.game_starts(key, num_groups, agent_player=agent, opponent=env_config.opponent,
-                                   epsilon=env_config.opponent_epsilon)
+        return ttt_env.game_starts(
+            key, num_groups, agent_player=agent, opponent=env_config.opponent, epsilon=env_config.opponent_epsilon
+        )
+
     return sample_games
 
 
@@ -107,11 +111,11 @@ def random_legal_square(state, key):
 
 def make_teacher(config, env) -> interface.Teacher:
     del config, env
-    return interface.Teacher(random_legal_square,
-                             tuple((wording.TOOL_NAME, {"square": k}) for k in range(1, 10)))
+    return interface.Teacher(random_legal_square, tuple((wording.TOOL_NAME, {"square": k}) for k in range(1, 10)))
 
 
 # ---------------------------------------------------------------------------------------------- suites
+
 
 def _win_available(boards: np.ndarray) -> np.ndarray:
     """Boards on which the side to move has an immediate win."""
@@ -131,8 +135,13 @@ def _positions_suite(boards: np.ndarray, default: bool) -> interface.EvalSuite:
         available = _win_available(boards[np.asarray(ids) % len(boards)])
         return {"win_taken_rate": float(np.sum(np.asarray(info["win_taken"])) / max(int(available.sum()), 1))}
 
-    return interface.EvalSuite(num_episodes=len(boards), starts=starts, extra=extra, default=default,
-                               env_overrides={"task": "move", **_EVAL_OVERRIDES})
+    return interface.EvalSuite(
+        num_episodes=len(boards),
+        starts=starts,
+        extra=extra,
+        default=default,
+        env_overrides={"task": "move", **_EVAL_OVERRIDES},
+    )
 
 
 def _agent_of(ids: np.ndarray) -> np.ndarray:
@@ -142,8 +151,13 @@ def _agent_of(ids: np.ndarray) -> np.ndarray:
 def _game_suite(opponent: str, epsilon: float, default: bool) -> interface.EvalSuite:
     def starts(key, ids):
         ids = np.asarray(ids)
-        return ttt_env.game_starts(jax.random.fold_in(key, int(ids[0])), len(ids), agent_player=_agent_of(ids),
-                                   opponent=opponent, epsilon=epsilon)
+        return ttt_env.game_starts(
+            jax.random.fold_in(key, int(ids[0])),
+            len(ids),
+            agent_player=_agent_of(ids),
+            opponent=opponent,
+            epsilon=epsilon,
+        )
 
     def extra(info, ids):
         x_games = _agent_of(ids) == 1
@@ -156,8 +170,14 @@ def _game_suite(opponent: str, epsilon: float, default: bool) -> interface.EvalS
             out["epsilon"] = float(epsilon)
         return out
 
-    return interface.EvalSuite(num_episodes=GAMES_PER_SUITE, starts=starts, extra=extra, default=default,
-                               scalable=True, env_overrides={"task": "game", **_EVAL_OVERRIDES})
+    return interface.EvalSuite(
+        num_episodes=GAMES_PER_SUITE,
+        starts=starts,
+        extra=extra,
+        default=default,
+        scalable=True,
+        env_overrides={"task": "game", **_EVAL_OVERRIDES},
+    )
 
 
 def eval_suites(config) -> dict[str, interface.EvalSuite]:
@@ -177,5 +197,6 @@ def eval_suites(config) -> dict[str, interface.EvalSuite]:
     return suites
 
 
-ENTRY = registry.register("tictactoe", make_env, make_sampler, make_teacher, eval_suites=eval_suites,
-                          board_view=board_view.board_view)
+ENTRY = registry.register(
+    "tictactoe", make_env, make_sampler, make_teacher, eval_suites=eval_suites, board_view=board_view.board_view
+)

@@ -84,7 +84,10 @@ def _threat_squares(board: chex.Array, player: chex.Array) -> jax.Array:
 
 
 def move_reward(
-    board: chex.Array, parse_kind: chex.Array, square: chex.Array, table: minimax.MinimaxTable,
+    board: chex.Array,
+    parse_kind: chex.Array,
+    square: chex.Array,
+    table: minimax.MinimaxTable,
     win_seeking: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Reward of one tool call on one move-task board.

@@ -57,8 +57,13 @@ class _Grammar:
 def _grammar() -> _Grammar:
     g = toolcall.grammar(_spec())
     # One register: store code = value + 1 (0 = none), see toolcall._Stores.
-    return _Grammar(next=g.next, op=(g.code - 1).astype(np.int8), accept_state=int(np.nonzero(g.label == 2)[0][0]),
-                    bad_state=int(np.nonzero(g.label == 1)[0][0]), raw_states=g.raw_states)
+    return _Grammar(
+        next=g.next,
+        op=(g.code - 1).astype(np.int8),
+        accept_state=int(np.nonzero(g.label == 2)[0][0]),
+        bad_state=int(np.nonzero(g.label == 1)[0][0]),
+        raw_states=g.raw_states,
+    )
 
 
 def build_parser_tables(tokenizer, vocab_size: int | None = None) -> toolcall.ToolCallTables:
@@ -66,8 +71,9 @@ def build_parser_tables(tokenizer, vocab_size: int | None = None) -> toolcall.To
     return toolcall.compile_tool_calls(_spec(), tokenizer, vocab_size)
 
 
-def parse_tool_call(tables: toolcall.ToolCallTables, token_ids: jax.Array, length=None, *,
-                    max_bytes: int | None = None):
+def parse_tool_call(
+    tables: toolcall.ToolCallTables, token_ids: jax.Array, length=None, *, max_bytes: int | None = None
+):
     """``(kind int32 [], square int32 [])`` of the first tool call in ``token_ids[:length]`` (jit/vmap friendly;
     agrees with ``parse_tool_call_text`` on the decoded text). See ``toolcall.parse`` for ``max_bytes``."""
     kind, _, args = toolcall.parse(tables, token_ids, length, max_bytes=max_bytes)

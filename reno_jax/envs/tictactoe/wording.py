@@ -215,14 +215,18 @@ def prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Tr
 
 
 def tool_response_text(
-    tokenizer, board, opponent_square: int, status: int, add_turn_end: bool = False, chat_template=None,
+    tokenizer,
+    board,
+    opponent_square: int,
+    status: int,
+    add_turn_end: bool = False,
+    chat_template=None,
     style: str = "grid",
 ) -> str:
     """Host reference for ``render_tool_response``: the template text after an assistant message's content,
     minus the turn-end marker unless ``add_turn_end``."""
     message = _tool(board, opponent_square, status)
-    return chat.tool_text(tokenizer, chat_spec(style), message, add_turn_end=add_turn_end,
-                          chat_template=chat_template)
+    return chat.tool_text(tokenizer, chat_spec(style), message, add_turn_end=add_turn_end, chat_template=chat_template)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,8 +234,9 @@ def tool_response_text(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build_text_spec(tokenizer, chat_template: str | None = None, max_stencil_rows: int = 4096,
-                    style: str = "grid") -> TextSpec:
+def build_text_spec(
+    tokenizer, chat_template: str | None = None, max_stencil_rows: int = 4096, style: str = "grid"
+) -> TextSpec:
     """`chat.compile_chat` of `chat_spec(style)` (the shipped tokenizer needs 84 stencil rows for grid tool
     responses, 2 for prompts; ``max_stencil_rows=0`` forces the general path)."""
     return chat.compile_chat(tokenizer, chat_spec(style), chat_template, max_stencil_rows)

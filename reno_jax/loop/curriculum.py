@@ -6,26 +6,42 @@ the main config's. Stages run in the sorted order of their names, then the main 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any
+from typing import Mapping
 
 import ml_collections
 
+from reno_jax import run_config
 from reno_jax.errors import ConfigError
 
 # What a curriculum stage may not change: the model and where it lives, the warm start (it runs once, before the
 # first stage, with that stage's settings), the bookkeeping, and the optimiser's structure (one optimiser state
 # carries across the stages; each stage has its own learning-rate schedule).
-_STAGE_FIXED = ("seed", "model", "mesh", "checkpoint_every", "keep_checkpoints", "plot_every", "eval_every",
-                "curriculum", "rl.b1", "rl.b2", "rl.weight_decay", "rl.clip_norm", "rl.optimizer_state_dtype")
+_STAGE_FIXED = (
+    "seed",
+    "model",
+    "mesh",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "plot_every",
+    "eval_every",
+    "curriculum",
+    "rl.b1",
+    "rl.b2",
+    "rl.weight_decay",
+    "rl.clip_norm",
+    "rl.optimizer_state_dtype",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One stage of a run: `config` is the whole experiment config of the stage (no `curriculum` in it); its
-    steps are the run's global steps `first_step + 1 .. first_step + num_steps`."""
+    """One stage of a run: `config` is the whole experiment config of the stage (a `RunConfig`, no `curriculum` in
+    it); its steps are the run's global steps `first_step + 1 .. first_step + num_steps`."""
+
     name: str
-    config: Any
+    config: run_config.RunConfig
     first_step: int
     num_steps: int
 
@@ -34,20 +50,29 @@ class Stage:
         return self.first_step + self.num_steps
 
 
-def _apply_overrides(target, overrides, stage: str, path: str = "") -> None:
+def _apply_overrides(target: dict, overrides: Mapping, stage: str, path: str = "") -> None:
+    """`overrides` written into `target` (plain dicts), field by field; a field the config lacks is an error."""
     for key, value in overrides.items():
         name = f"{path}{key}"
         if key not in target:
             raise ConfigError(f"--config.curriculum.{stage}.{name}: the config has no field {name!r}")
-        if isinstance(target[key], ml_collections.ConfigDict):
-            if not isinstance(value, (dict, ml_collections.ConfigDict)):
+        if isinstance(target[key], dict):
+            if not isinstance(value, (Mapping, ml_collections.ConfigDict)):
                 raise ConfigError(f"--config.curriculum.{stage}.{name} must be a section like the config's {name}")
             _apply_overrides(target[key], value, stage, name + ".")
         else:
-            try:
-                target[key] = value
-            except TypeError as error:  # ml_collections keeps a field's type
-                raise ConfigError(f"--config.curriculum.{stage}.{name}: {error}") from None
+            target[key] = value
+
+
+def _stage_config(base: dict, overrides: Mapping, stage: str) -> run_config.RunConfig:
+    """The run config with a stage's overrides (types and checks as any config's, errors named by the stage)."""
+    values = copy.deepcopy(base)
+    _apply_overrides(values, {k: v for k, v in overrides.items() if k != "num_steps"}, stage)
+    values["num_steps"] = overrides["num_steps"]
+    try:
+        return run_config.load(values)
+    except ConfigError as error:
+        raise ConfigError(f"curriculum stage {stage!r} (--config.curriculum.{stage}): {error}") from None
 
 
 def curriculum_stages(config) -> list[Stage]:
@@ -59,15 +84,16 @@ def curriculum_stages(config) -> list[Stage]:
     of their names (a `ConfigDict` keeps no other order): name several `a_move`, `b_...`. Raises `ConfigError`
     (naming the flag) for unknown fields or fields a stage may not change.
     """
-    curriculum = config.get("curriculum", None) or {}
-    base = ml_collections.ConfigDict(config.to_dict())
-    if "curriculum" in base:
-        del base["curriculum"]
+    config = run_config.load(config)
+    curriculum = config.curriculum
+    base = dataclasses.replace(config, curriculum={})
+    base_values = base.to_dict()
     stages, first = [], 0
     for name, overrides in sorted(curriculum.items()):
         if not isinstance(overrides, (dict, ml_collections.ConfigDict)) or "num_steps" not in overrides:
-            raise ConfigError(f"--config.curriculum.{name} must be a section with num_steps and the fields the "
-                              "stage changes")
+            raise ConfigError(
+                f"--config.curriculum.{name} must be a section with num_steps and the fields the stage changes"
+            )
         steps = overrides["num_steps"]
         if not isinstance(steps, int) or steps < 1:
             raise ConfigError(f"--config.curriculum.{name}.num_steps must be an integer >= 1, got {steps!r}")
@@ -75,16 +101,17 @@ def curriculum_stages(config) -> list[Stage]:
         for fixed in _STAGE_FIXED:
             clash = [k for k in flat if k == fixed or k.startswith(fixed + ".")]
             if clash:
-                raise ConfigError(f"--config.curriculum.{name}.{clash[0]}: a curriculum stage cannot change "
-                                  f"{fixed} (one model, optimiser state and set of files for the whole run)")
+                raise ConfigError(
+                    f"--config.curriculum.{name}.{clash[0]}: a curriculum stage cannot change "
+                    f"{fixed} (one model, optimiser state and set of files for the whole run)"
+                )
         if any(k == "sft" or k.startswith("sft.") for k in flat) and stages:
-            raise ConfigError(f"--config.curriculum.{name}: only the first stage can set sft (the warm start "
-                              "runs once, before it)")
-        stage_config = ml_collections.ConfigDict(base.to_dict())
-        _apply_overrides(stage_config, overrides, str(name))
-        stages.append(Stage(str(name), stage_config, first, int(steps)))
+            raise ConfigError(
+                f"--config.curriculum.{name}: only the first stage can set sft (the warm start runs once, before it)"
+            )
+        stages.append(Stage(str(name), _stage_config(base_values, overrides, str(name)), first, int(steps)))
         first += int(steps)
-    stages.append(Stage("main", base, first, int(config.num_steps)))
+    stages.append(Stage("main", base, first, config.num_steps))
     return stages
 
 
