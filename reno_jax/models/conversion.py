@@ -209,6 +209,149 @@ def as_config(config: Any) -> Any:
         raise CheckpointError(f"invalid bailing_hybrid config: {exc}") from exc
 
 
+def _identity_entry(
+    hf: str, path: tuple[str, ...], shape: tuple[int, ...], axes: tuple[str, ...], float32: bool = False
+) -> Entry:
+    """A tensor stored the same way on both sides."""
+    return Entry(hf, path, shape, shape, IDENTITY, float32=float32, axes=axes)
+
+
+def _linear_entry(
+    hf: str, path: tuple[str, ...], out_dim: int, in_dim: int, axes: tuple[str, str], float32: bool = False
+) -> Entry:
+    """A linear layer's weight: HF `hf`.weight [out, in] <-> Flax `path`/kernel [in, out].
+
+    `axes` = (input axis, output axis) of the Flax kernel [in, out].
+    """
+    return Entry(
+        hf + ".weight",
+        path + ("kernel",),
+        (out_dim, in_dim),
+        (in_dim, out_dim),
+        TRANSPOSE,
+        float32=float32,
+        axes=axes,
+    )
+
+
+def _norm_entry(hf: str, path: tuple[str, ...], dim: int) -> Entry:
+    """An RMSNorm's weight [dim]: HF `hf`.weight <-> Flax `path`/scale."""
+    return _identity_entry(hf + ".weight", path + ("scale",), (dim,), ("norm",))
+
+
+def _kda_attention_entries(c: Any, ha: str, fa: tuple[str, ...]) -> list[Entry]:
+    """A KDA (linear attention) block's tensors; `ha` / `fa` are its HF name prefix and Flax path."""
+    H, Dk, W = c.num_attention_heads, c.head_dim, c.short_conv_kernel_size
+    D, P = c.hidden_size, H * Dk
+    table = [_linear_entry(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D, ("embed", "heads")) for name in "qkv"]
+    for name in "qkv":
+        table.append(
+            Entry(
+                ha + f"{name}_conv1d.weight",
+                fa + (f"{name}_conv1d", "kernel"),
+                (P, 1, W),
+                (W, P),
+                CONV,
+                float32=True,
+                axes=("conv", "heads"),
+            )
+        )
+    table.append(_identity_entry(ha + "A_log", fa + ("A_log",), (H,), ("heads",), float32=True))
+    table.append(_identity_entry(ha + "dt_bias", fa + ("dt_bias",), (P,), ("heads",), float32=True))
+    table.append(_linear_entry(ha + "b_proj", fa + ("b_proj",), H, D, ("embed", "heads")))
+    for name in ("f", "g"):
+        if c.no_kda_lora:
+            table.append(_linear_entry(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D, ("embed", "heads")))
+        else:
+            table.append(_linear_entry(ha + f"{name}_a_proj", fa + (f"{name}_a_proj",), Dk, D, ("embed", "lora")))
+            table.append(_linear_entry(ha + f"{name}_b_proj", fa + (f"{name}_b_proj",), P, Dk, ("lora", "heads")))
+    table.append(_norm_entry(ha + "o_norm", fa + ("o_norm",), Dk))
+    table.append(_linear_entry(ha + "o_proj", fa + ("o_proj",), D, P, ("heads", "embed")))
+    return table
+
+
+def _mla_attention_entries(c: Any, ha: str, fa: tuple[str, ...]) -> list[Entry]:
+    """An MLA (latent softmax attention) block's tensors; `ha` / `fa` are its HF name prefix and Flax path."""
+    D, H = c.hidden_size, c.num_attention_heads
+    dn, dr, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    if c.q_lora_rank is None:
+        table = [_linear_entry(ha + "q_proj", fa + ("q_proj",), H * (dn + dr), D, ("embed", "heads"))]
+    else:
+        table = [
+            _linear_entry(ha + "q_a_proj", fa + ("q_a_proj",), c.q_lora_rank, D, ("embed", "lora")),
+            _norm_entry(ha + "q_a_layernorm", fa + ("q_a_layernorm",), c.q_lora_rank),
+            _linear_entry(ha + "q_b_proj", fa + ("q_b_proj",), H * (dn + dr), c.q_lora_rank, ("lora", "heads")),
+        ]
+    element_wise = c.gated_attention_proj_granularity_type == "element_wise"
+    return table + [
+        # The latent and the rope key are shared by every head: kept whole on the head side.
+        _linear_entry(ha + "kv_a_proj_with_mqa", fa + ("kv_a_proj_with_mqa",), r + dr, D, ("embed", "lora")),
+        _norm_entry(ha + "kv_a_layernorm", fa + ("kv_a_layernorm",), r),
+        _linear_entry(ha + "kv_b_proj", fa + ("kv_b_proj",), H * (dn + dv), r, ("lora", "heads")),
+        _linear_entry(ha + "g_proj", fa + ("g_proj",), H * dv if element_wise else H, D, ("embed", "heads")),
+        _linear_entry(ha + "dense", fa + ("dense",), D, H * dv, ("heads", "embed")),
+    ]
+
+
+def _gated_mlp_entries(hm: str, fm: tuple[str, ...], D: int, I: int) -> list[Entry]:
+    """A dense SwiGLU MLP's gate / up / down projections (hidden size D, intermediate size I)."""
+    return [
+        _linear_entry(hm + "gate_proj", fm + ("gate_proj",), I, D, ("embed", "mlp")),
+        _linear_entry(hm + "up_proj", fm + ("up_proj",), I, D, ("embed", "mlp")),
+        _linear_entry(hm + "down_proj", fm + ("down_proj",), D, I, ("mlp", "embed")),
+    ]
+
+
+def _moe_entries(c: Any, hm: str, fm: tuple[str, ...]) -> list[Entry]:
+    """A MoE block's tensors: router, every expert's projections (one HF tensor each, stacked in Flax) and the
+    shared expert when there is one."""
+    D, E, Im = c.hidden_size, c.num_experts, c.moe_intermediate_size
+    table = [
+        _linear_entry(hm + "gate", fm + ("gate",), E, D, ("embed", "router"), float32=True),
+        _identity_entry(hm + "gate.expert_bias", fm + ("gate", "expert_bias"), (E,), ("router",), float32=True),
+    ]
+    for e in range(E):
+        for name, out_dim, in_dim, axes in (
+            ("gate_proj", Im, D, ("expert", "embed", "mlp")),
+            ("up_proj", Im, D, ("expert", "embed", "mlp")),
+            ("down_proj", D, Im, ("expert", "mlp", "embed")),
+        ):
+            table.append(
+                Entry(
+                    hm + f"experts.{e}.{name}.weight",
+                    fm + ("experts", name),
+                    (out_dim, in_dim),
+                    (E, in_dim, out_dim),
+                    EXPERT,
+                    expert=e,
+                    axes=axes,
+                )
+            )
+    if c.shared_intermediate_size:
+        table += _gated_mlp_entries(hm + "shared_experts.", fm + ("shared_experts",), D, c.shared_intermediate_size)
+    return table
+
+
+def _decoder_layer_entries(c: Any, i: int, kind: str) -> list[Entry]:
+    """Decoder layer `i`'s tensors: its two norms, its attention (`kind` "kda" or "mla") and its MLP."""
+    hp, fp = f"model.layers.{i}.", ("model", f"layers_{i}")
+    table = [
+        _norm_entry(hp + "input_layernorm", fp + ("input_layernorm",), c.hidden_size),
+        _norm_entry(hp + "post_attention_layernorm", fp + ("post_attention_layernorm",), c.hidden_size),
+    ]
+    if kind == "kda":
+        table += _kda_attention_entries(c, hp + "attention.", fp + ("attention",))
+    elif kind == "mla":
+        table += _mla_attention_entries(c, hp + "attention.", fp + ("attention",))
+    else:
+        raise CheckpointError(f"layer {i} has unknown attention kind {kind!r}")
+    if c.is_moe_layer(i):
+        table += _moe_entries(c, hp + "mlp.", fp + ("mlp",))
+    else:
+        table += _gated_mlp_entries(hp + "mlp.", fp + ("mlp",), c.hidden_size, c.intermediate_size)
+    return table
+
+
 def param_table(config: Any) -> list[Entry]:
     """Every tensor of the checkpoint, in file order: HF name, Flax path, both shapes, transform.
 
@@ -217,122 +360,20 @@ def param_table(config: Any) -> list[Entry]:
     E = num_experts, Im = moe_intermediate_size, Is = shared expert size.
     """
     c = as_config(config)
-    D, H, Dk, W = c.hidden_size, c.num_attention_heads, c.head_dim, c.short_conv_kernel_size
-    P = H * Dk
-    table: list[Entry] = []
-
-    def ident(
-        hf: str, path: tuple[str, ...], shape: tuple[int, ...], axes: tuple[str, ...], float32: bool = False
-    ) -> None:
-        table.append(Entry(hf, path, shape, shape, IDENTITY, float32=float32, axes=axes))
-
-    def linear(
-        hf: str, path: tuple[str, ...], out_dim: int, in_dim: int, axes: tuple[str, str], float32: bool = False
-    ) -> None:
-        """`axes` = (input axis, output axis) of the Flax kernel [in, out]."""
-        table.append(
-            Entry(
-                hf + ".weight",
-                path + ("kernel",),
-                (out_dim, in_dim),
-                (in_dim, out_dim),
-                TRANSPOSE,
-                float32=float32,
-                axes=axes,
-            )
+    D = c.hidden_size
+    table = [
+        _identity_entry(
+            "model.word_embeddings.weight",
+            ("model", "word_embeddings", "embedding"),
+            (c.vocab_size, D),
+            ("vocab", "embed"),
         )
-
-    def norm(hf: str, path: tuple[str, ...], dim: int) -> None:
-        ident(hf + ".weight", path + ("scale",), (dim,), ("norm",))
-
-    ident(
-        "model.word_embeddings.weight", ("model", "word_embeddings", "embedding"), (c.vocab_size, D), ("vocab", "embed")
-    )
+    ]
     for i, kind in enumerate(c.layer_kinds):
-        hp, fp = f"model.layers.{i}.", ("model", f"layers_{i}")
-        norm(hp + "input_layernorm", fp + ("input_layernorm",), D)
-        norm(hp + "post_attention_layernorm", fp + ("post_attention_layernorm",), D)
-
-        ha, fa = hp + "attention.", fp + ("attention",)
-        if kind == "kda":
-            for name in ("q", "k", "v"):
-                linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D, ("embed", "heads"))
-            for name in ("q", "k", "v"):
-                table.append(
-                    Entry(
-                        ha + f"{name}_conv1d.weight",
-                        fa + (f"{name}_conv1d", "kernel"),
-                        (P, 1, W),
-                        (W, P),
-                        CONV,
-                        float32=True,
-                        axes=("conv", "heads"),
-                    )
-                )
-            ident(ha + "A_log", fa + ("A_log",), (H,), ("heads",), float32=True)
-            ident(ha + "dt_bias", fa + ("dt_bias",), (P,), ("heads",), float32=True)
-            linear(ha + "b_proj", fa + ("b_proj",), H, D, ("embed", "heads"))
-            for name in ("f", "g"):
-                if c.no_kda_lora:
-                    linear(ha + f"{name}_proj", fa + (f"{name}_proj",), P, D, ("embed", "heads"))
-                else:
-                    linear(ha + f"{name}_a_proj", fa + (f"{name}_a_proj",), Dk, D, ("embed", "lora"))
-                    linear(ha + f"{name}_b_proj", fa + (f"{name}_b_proj",), P, Dk, ("lora", "heads"))
-            norm(ha + "o_norm", fa + ("o_norm",), Dk)
-            linear(ha + "o_proj", fa + ("o_proj",), D, P, ("heads", "embed"))
-        elif kind == "mla":
-            dn, dr, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-            if c.q_lora_rank is None:
-                linear(ha + "q_proj", fa + ("q_proj",), H * (dn + dr), D, ("embed", "heads"))
-            else:
-                linear(ha + "q_a_proj", fa + ("q_a_proj",), c.q_lora_rank, D, ("embed", "lora"))
-                norm(ha + "q_a_layernorm", fa + ("q_a_layernorm",), c.q_lora_rank)
-                linear(ha + "q_b_proj", fa + ("q_b_proj",), H * (dn + dr), c.q_lora_rank, ("lora", "heads"))
-            # The latent and the rope key are shared by every head: kept whole on the head side.
-            linear(ha + "kv_a_proj_with_mqa", fa + ("kv_a_proj_with_mqa",), r + dr, D, ("embed", "lora"))
-            norm(ha + "kv_a_layernorm", fa + ("kv_a_layernorm",), r)
-            linear(ha + "kv_b_proj", fa + ("kv_b_proj",), H * (dn + dv), r, ("lora", "heads"))
-            element_wise = c.gated_attention_proj_granularity_type == "element_wise"
-            linear(ha + "g_proj", fa + ("g_proj",), H * dv if element_wise else H, D, ("embed", "heads"))
-            linear(ha + "dense", fa + ("dense",), D, H * dv, ("heads", "embed"))
-        else:
-            raise CheckpointError(f"layer {i} has unknown attention kind {kind!r}")
-
-        hm, fm = hp + "mlp.", fp + ("mlp",)
-        if not c.is_moe_layer(i):
-            I = c.intermediate_size
-            linear(hm + "gate_proj", fm + ("gate_proj",), I, D, ("embed", "mlp"))
-            linear(hm + "up_proj", fm + ("up_proj",), I, D, ("embed", "mlp"))
-            linear(hm + "down_proj", fm + ("down_proj",), D, I, ("mlp", "embed"))
-        else:
-            E, Im = c.num_experts, c.moe_intermediate_size
-            linear(hm + "gate", fm + ("gate",), E, D, ("embed", "router"), float32=True)
-            ident(hm + "gate.expert_bias", fm + ("gate", "expert_bias"), (E,), ("router",), float32=True)
-            for e in range(E):
-                for name, out_dim, in_dim, axes in (
-                    ("gate_proj", Im, D, ("expert", "embed", "mlp")),
-                    ("up_proj", Im, D, ("expert", "embed", "mlp")),
-                    ("down_proj", D, Im, ("expert", "mlp", "embed")),
-                ):
-                    table.append(
-                        Entry(
-                            hm + f"experts.{e}.{name}.weight",
-                            fm + ("experts", name),
-                            (out_dim, in_dim),
-                            (E, in_dim, out_dim),
-                            EXPERT,
-                            expert=e,
-                            axes=axes,
-                        )
-                    )
-            Is = c.shared_intermediate_size
-            if Is:
-                linear(hm + "shared_experts.gate_proj", fm + ("shared_experts", "gate_proj"), Is, D, ("embed", "mlp"))
-                linear(hm + "shared_experts.up_proj", fm + ("shared_experts", "up_proj"), Is, D, ("embed", "mlp"))
-                linear(hm + "shared_experts.down_proj", fm + ("shared_experts", "down_proj"), D, Is, ("mlp", "embed"))
-    norm("model.norm", ("model", "norm"), D)
+        table += _decoder_layer_entries(c, i, kind)
+    table.append(_norm_entry("model.norm", ("model", "norm"), D))
     if not c.tie_word_embeddings:
-        linear("lm_head", ("lm_head",), c.vocab_size, D, ("embed", "vocab"))
+        table.append(_linear_entry("lm_head", ("lm_head",), c.vocab_size, D, ("embed", "vocab")))
     return table
 
 

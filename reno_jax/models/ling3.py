@@ -474,6 +474,78 @@ def _decoder_layer(
     return x + y, lc, routing
 
 
+def _checked_replay(replay_experts, b: int, t: int, n_moe: int, k: int):
+    """replay_experts as given, after checking it is [B, T, n_moe, K] (None passes)."""
+    if replay_experts is not None and replay_experts.shape != (b, t, n_moe, k):
+        raise ValueError(f"replay_experts must be [B={b}, T={t}, n_moe={n_moe}, K={k}], got {replay_experts.shape}")
+    return replay_experts
+
+
+def _token_positions(b: int, t: int, length: jax.Array | None) -> jax.Array:
+    """int32 [B, T]: 0..T-1 without a cache, else row b's tokens start at its cache length `length[b]`."""
+    positions = jnp.arange(t, dtype=jnp.int32)[None, :] + (0 if length is None else length[:, None])
+    return jnp.broadcast_to(positions, (b, t))
+
+
+def _activation_layout(t: int):
+    """The sharding hint applied to activations between layers and to the logits, for a chunk of `t` tokens.
+
+    On a mesh, chunks of more than one token (training, prefill) keep their rows split over the batch axes and
+    every other dimension whole between layers and in the logits, so GSPMD gathers each layer's (fsdp-split)
+    weights instead of splitting the matmuls along the hidden size and reducing activations as large as the
+    [B, T, V] logits. A decode step (T = 1) is left to propagation: there the weights stay where they are and
+    the few rows' partial products are reduced, far less traffic than gathering every weight at every step.
+    Without a mesh: the identity.
+    """
+    return hints.constrain_rows if t > 1 else (lambda v: v)
+
+
+def _run_decoder_layers(
+    m: dict, config: Ling3Config, x, cache, valid, positions, length, rows, *, remat, replay_experts, return_routing
+):
+    """The decoder stack over embeddings x [B, T, D].
+
+    Returns (x after the last layer, hidden: [embeddings, then each layer's output], the layers' new caches,
+    used, own: per MoE layer the expert ids [B, T, K] when return_routing, else empty lists).
+    """
+    moe_layers = moe_layer_indices(config)
+    hidden, new_layers, used, own = [x], [], [], []
+    for i in range(config.num_hidden_layers):
+        layer = functools.partial(_decoder_layer, config=config, index=i, return_routing=return_routing)
+        if remat:  # keep only each layer's input for the backward pass; recompute the rest
+            layer = jax.checkpoint(layer)
+        lc = None if cache is None else cache["layers"][i]
+        replay = None
+        if replay_experts is not None and config.is_moe_layer(i):
+            replay = replay_experts[:, :, moe_layers.index(i)]
+        x, lc, routing = layer(m[f"layers_{i}"], x, lc, valid, positions, length, replay)
+        x = rows(x)
+        if routing is not None:
+            used.append(routing[0])
+            own.append(routing[1])
+        new_layers.append(lc)
+        hidden.append(x)
+    return x, hidden, new_layers, used, own
+
+
+def _final_norm_and_head(params: dict, config: Ling3Config, x, rows, apply_head: bool):
+    """The final norm of x [B, T, D], then with apply_head the logits [B, T, V] float32, else the normed x."""
+    xn = rms_norm(x, params["model"]["norm"]["scale"], config.rms_norm_eps)
+    if not apply_head:
+        return xn
+    head = lm_head(params, config)
+    if _tree_bytes(head) >= TIE_WEIGHTS_MIN_BYTES:  # as in `_decoder_layer`
+        head = jax.lax.optimization_barrier((head, xn))[0]
+    return rows(head_logits(xn, head))
+
+
+def _stack_routing(ids: list, valid, b: int, t: int, k: int) -> jax.Array:
+    """n_moe x [B, T, K] -> [B, T, n_moe, K], -1 on invalid tokens."""
+    if not ids:
+        return jnp.zeros((b, t, 0, k), jnp.int32)
+    return jnp.where(valid[:, :, None, None], jnp.stack(ids, axis=2), -1)
+
+
 def forward(
     params: dict,
     config: Ling3Config,
@@ -510,55 +582,29 @@ def forward(
     input_ids = jnp.asarray(input_ids)
     _check_inputs(params, config, input_ids, cache, valid)
     b, t = input_ids.shape
-    moe_layers = moe_layer_indices(config)
     k = config.num_experts_per_tok
-    if replay_experts is not None and replay_experts.shape != (b, t, len(moe_layers), k):
-        raise ValueError(
-            f"replay_experts must be [B={b}, T={t}, n_moe={len(moe_layers)}, K={k}], got {replay_experts.shape}"
-        )
+    replay_experts = _checked_replay(replay_experts, b, t, len(moe_layer_indices(config)), k)
     valid = jnp.ones((b, t), jnp.bool_) if valid is None else jnp.asarray(valid, jnp.bool_)
     length = None if cache is None else cache["length"].astype(jnp.int32)
-    positions = jnp.arange(t, dtype=jnp.int32)[None, :] + (0 if length is None else length[:, None])
-    positions = jnp.broadcast_to(positions, (b, t))
+    positions = _token_positions(b, t, length)
 
-    # On a mesh, chunks of more than one token (training, prefill) keep their rows split over the batch axes and
-    # every other dimension whole between layers and in the logits, so GSPMD gathers each layer's (fsdp-split)
-    # weights instead of splitting the matmuls along the hidden size and reducing activations as large as the
-    # [B, T, V] logits. A decode step (T = 1) is left to propagation: there the weights stay where they are and
-    # the few rows' partial products are reduced, far less traffic than gathering every weight at every step.
-    # Without a mesh: the identity.
-    rows = hints.constrain_rows if t > 1 else (lambda v: v)
-    m = params["model"]
-    x = embed(m["word_embeddings"]["embedding"], input_ids)
+    rows = _activation_layout(t)
+    x = embed(params["model"]["word_embeddings"]["embedding"], input_ids)
     x = rows(hints.after_lookup(x, ("model", "word_embeddings", "embedding")))
-    eps = config.rms_norm_eps
-    hidden = [x]
-    new_layers = []
-    used, own = [], []
-    for i in range(config.num_hidden_layers):
-        layer = functools.partial(_decoder_layer, config=config, index=i, return_routing=return_routing)
-        if remat:  # keep only each layer's input for the backward pass; recompute the rest
-            layer = jax.checkpoint(layer)
-        lc = None if cache is None else cache["layers"][i]
-        replay = None
-        if replay_experts is not None and config.is_moe_layer(i):
-            replay = replay_experts[:, :, moe_layers.index(i)]
-        x, lc, routing = layer(m[f"layers_{i}"], x, lc, valid, positions, length, replay)
-        x = rows(x)
-        if routing is not None:
-            used.append(routing[0])
-            own.append(routing[1])
-        new_layers.append(lc)
-        hidden.append(x)
-
-    xn = rms_norm(x, m["norm"]["scale"], eps)
-    if apply_head:
-        head = lm_head(params, config)
-        if _tree_bytes(head) >= TIE_WEIGHTS_MIN_BYTES:  # as in `_decoder_layer`
-            head = jax.lax.optimization_barrier((head, xn))[0]
-        logits = rows(head_logits(xn, head))
-    else:
-        logits = xn
+    x, hidden, new_layers, used, own = _run_decoder_layers(
+        params["model"],
+        config,
+        x,
+        cache,
+        valid,
+        positions,
+        length,
+        rows,
+        remat=remat,
+        replay_experts=replay_experts,
+        return_routing=return_routing,
+    )
+    logits = _final_norm_and_head(params, config, x, rows, apply_head)
 
     new_cache = None
     if cache is not None:
@@ -567,13 +613,7 @@ def forward(
     if return_hidden:
         out += (jnp.stack(hidden),)
     if return_routing:
-
-        def stack(ids):  # n_moe x [B, T, K] -> [B, T, n_moe, K], -1 on invalid tokens
-            if not ids:
-                return jnp.zeros((b, t, 0, k), jnp.int32)
-            return jnp.where(valid[:, :, None, None], jnp.stack(ids, axis=2), -1)
-
-        out += (Routing(experts=stack(used), own=stack(own)),)
+        out += (Routing(experts=_stack_routing(used, valid, b, t, k), own=_stack_routing(own, valid, b, t, k)),)
     return out
 
 
