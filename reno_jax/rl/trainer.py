@@ -465,7 +465,7 @@ def make_train_step(
       max_logp_shift: > 0: a backtracking guard on each update (`_guarded_params` says why and how): an update
         moving the probe's policy tokens by more than this (mean |new logp - ``old_logp``|) is halved, up to
         ``shift_backtracks`` times, then not applied. Metrics ``logp_shift`` and ``update_scale``.
-      shift_probe_rows: rows of the probe (see `_guarded_params`).
+      shift_probe_rows: the probe: the minibatch's first rows, rescored after each update (`_guarded_params`).
       metric_reductions: how each of ``loss_fn``'s metrics combines over micro-batches and minibatches
         ("mean", "min", "max", "sum", "count"; see ``losses.METRIC_REDUCTIONS``, the default, which declares the
         metrics of ``reno_jax.rl.losses``); a metric not listed is a (normalizer-weighted) mean.
