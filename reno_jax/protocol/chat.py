@@ -729,69 +729,16 @@ def compile_chat(
     if not isinstance(spec, ChatSpec):
         raise TypeError(f"compile_chat needs a ChatSpec, got {type(spec).__name__}")
     table = _PieceTable(tokenizer)
-    system = {"role": "system", "content": spec.system}
-
-    prompt_programs = []
-    for parts in spec.user:
-        slots: list = []
-        content = _with_placeholders(_internal(parts), slots)
-        text = _apply(tokenizer, spec, [system, {"role": "user", "content": content}], True, chat_template)
-        prompt_programs.append(table.program(_split_rendered(text, slots)))
-
-    # Tool turns: render a whole exchange and keep what follows the assistant's content.
-    context = _context(spec)
-    turn_end_text = None
-    response_programs = []
-    response_span_segments: list[list[tuple[int, int]]] = []
-    for parts, continues in zip(spec.tool, spec.tool_continues):
-        slots = []
-        content = _with_placeholders(_internal(parts), slots)
-        tool = {"role": "tool", "name": spec.tool_name, "content": content}
-        after = _after_assistant(_apply(tokenizer, spec, [*context, tool], continues, chat_template))
-        if turn_end_text is None:
-            turn_end_text, turn_end_id = _find_turn_end(tokenizer, after)
-        if not after.startswith(turn_end_text):
-            raise ValueError(f"tool-turn text {after[:40]!r} does not start with turn end {turn_end_text!r}")
-        turn_end_slot = Slot(spec.num_values + 1, ("", turn_end_text))
-        response_programs.append(table.program([turn_end_slot, *_split_rendered(after[len(turn_end_text) :], slots)]))
-        response_span_segments.append(list(table.spans))
-
-    def stack(programs):
-        k = max(len(p[0]) for p in programs)
-        base = np.zeros((len(programs), k), np.int32)  # padding segments read the empty piece 0
-        src = np.zeros((len(programs), k), np.int32)
-        for r, (b, s, _, _) in enumerate(programs):
-            base[r, : len(b)] = b
-            src[r, : len(s)] = s
-        return base, src, max(p[2] for p in programs)
-
-    prompt_base, prompt_src, prompt_len = stack(prompt_programs)
-    response_base, response_src, response_len = stack(response_programs)
-
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else turn_end_id
-    pad_id = turn_end_id if pad_id is None else int(pad_id)
-    lpiece = max(1, max(len(ids) for ids in table.ids))
-    piece_ids = np.full((len(table.ids), lpiece), pad_id, np.int32)
-    for i, ids in enumerate(table.ids):
-        piece_ids[i, : len(ids)] = ids
-    piece_len = np.array([len(ids) for ids in table.ids], np.int32)
-    stop = [turn_end_id] + ([int(eos_id)] if int(eos_id) != turn_end_id else [])
+    # Prompts first, then responses: the programs' rows of `table.ids` are numbered in that order.
+    prompt_programs = _prompt_programs(tokenizer, spec, table, chat_template)
+    response_programs, response_span_segments, turn_end_id = _response_programs(tokenizer, spec, table, chat_template)
+    prompt_base, prompt_src, prompt_len = _stack_programs(prompt_programs)
+    response_base, response_src, response_len = _stack_programs(response_programs)
+    pad_id, eos_id, stop = _special_ids(tokenizer, turn_end_id)
+    piece_ids, piece_len = _piece_matrix(table.ids, pad_id)
     span_tokens = spec.span_tokens()
-    response_spans = None
-    if span_tokens:
-        segs = np.full((len(spec.tool), len(span_tokens)), -1, np.int32)
-        for r, pairs in enumerate(response_span_segments):
-            for k, j in pairs:
-                segs[r, j] = k
-        response_spans = jnp.asarray(segs)
-    digits = [table.encode(str(d)) for d in range(10)]
-    # number_span writes one token per digit: only when the tokenizer spells numbers digit by digit.
-    digit_ids = (
-        tuple(d[0] for d in digits)
-        if all(len(d) == 1 for d in digits) and (table.encode("9876543210") == [d[0] for d in digits[::-1]])
-        else ()
-    )
+    response_spans = _response_span_table(spec, span_tokens, response_span_segments)
+    digit_ids = _digit_ids(table)
 
     tables = ChatTables(
         piece_ids=jnp.asarray(piece_ids),
@@ -816,6 +763,96 @@ def compile_chat(
     )
     _self_check(tables, tokenizer, spec, chat_template)
     return tables
+
+
+def _prompt_programs(tokenizer, spec: ChatSpec, table: _PieceTable, chat_template) -> list:
+    """One program (`_PieceTable.program`) per user template: the system message and that user turn, rendered
+    with the generation prompt."""
+    system = {"role": "system", "content": spec.system}
+    programs = []
+    for parts in spec.user:
+        slots: list = []
+        content = _with_placeholders(_internal(parts), slots)
+        text = _apply(tokenizer, spec, [system, {"role": "user", "content": content}], True, chat_template)
+        programs.append(table.program(_split_rendered(text, slots)))
+    return programs
+
+
+def _response_programs(tokenizer, spec: ChatSpec, table: _PieceTable, chat_template):
+    """``(programs, span segments, turn_end_id)``: one program per tool template, and for each the
+    ``(segment, span)`` pairs of its span slots; ``turn_end_id`` is the assistant's turn-end token.
+
+    Tool turns: render a whole exchange and keep what follows the assistant's content. That text starts with
+    the assistant's turn end (found on the first template), which each program renders as its first slot.
+    """
+    context = _context(spec)
+    turn_end_text = None
+    programs = []
+    span_segments: list[list[tuple[int, int]]] = []
+    for parts, continues in zip(spec.tool, spec.tool_continues):
+        slots = []
+        content = _with_placeholders(_internal(parts), slots)
+        tool = {"role": "tool", "name": spec.tool_name, "content": content}
+        after = _after_assistant(_apply(tokenizer, spec, [*context, tool], continues, chat_template))
+        if turn_end_text is None:
+            turn_end_text, turn_end_id = _find_turn_end(tokenizer, after)
+        if not after.startswith(turn_end_text):
+            raise ValueError(f"tool-turn text {after[:40]!r} does not start with turn end {turn_end_text!r}")
+        turn_end_slot = Slot(spec.num_values + 1, ("", turn_end_text))
+        programs.append(table.program([turn_end_slot, *_split_rendered(after[len(turn_end_text) :], slots)]))
+        span_segments.append(list(table.spans))
+    return programs, span_segments, turn_end_id
+
+
+def _stack_programs(programs) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(base int32 [P, K], src int32 [P, K], max tokens of any program)`` with K the most segments of any."""
+    k = max(len(p[0]) for p in programs)
+    base = np.zeros((len(programs), k), np.int32)  # padding segments read the empty piece 0
+    src = np.zeros((len(programs), k), np.int32)
+    for r, (b, s, _, _) in enumerate(programs):
+        base[r, : len(b)] = b
+        src[r, : len(s)] = s
+    return base, src, max(p[2] for p in programs)
+
+
+def _special_ids(tokenizer, turn_end_id: int) -> tuple[int, int, list[int]]:
+    """``(pad_id, eos_id, stop ids)``: the tokenizer's pad and eos, the turn end standing in for either one
+    missing; a rollout stops at the turn end or at eos."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else turn_end_id
+    pad_id = turn_end_id if pad_id is None else int(pad_id)
+    stop = [turn_end_id] + ([int(eos_id)] if int(eos_id) != turn_end_id else [])
+    return pad_id, eos_id, stop
+
+
+def _piece_matrix(pieces: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(piece_ids int32 [N, Lpiece] padded with pad_id, piece_len int32 [N])`` of the N pieces' ids."""
+    lpiece = max(1, max(len(ids) for ids in pieces))
+    piece_ids = np.full((len(pieces), lpiece), pad_id, np.int32)
+    for i, ids in enumerate(pieces):
+        piece_ids[i, : len(ids)] = ids
+    return piece_ids, np.array([len(ids) for ids in pieces], np.int32)
+
+
+def _response_span_table(spec: ChatSpec, span_tokens, span_segments) -> jax.Array | None:
+    """``int32 [n_tool, n_spans]``: the segment of each tool template that holds each span (-1: none); None
+    when the spec has no span slots."""
+    if not span_tokens:
+        return None
+    segs = np.full((len(spec.tool), len(span_tokens)), -1, np.int32)
+    for r, pairs in enumerate(span_segments):
+        for k, j in pairs:
+            segs[r, j] = k
+    return jnp.asarray(segs)
+
+
+def _digit_ids(table: _PieceTable) -> tuple[int, ...]:
+    """The ids of the digits 0-9, or () unless the tokenizer spells numbers digit by digit (number_span
+    writes one token per digit)."""
+    digits = [table.encode(str(d)) for d in range(10)]
+    if all(len(d) == 1 for d in digits) and (table.encode("9876543210") == [d[0] for d in digits[::-1]]):
+        return tuple(d[0] for d in digits)
+    return ()
 
 
 _CHECK_VECTORS = 3  # host template renders per program in the self-check

@@ -110,6 +110,78 @@ def chunked_position_terms(hidden: jax.Array, head, targets: jax.Array, chunk: i
     return join(logp), join(entropy)
 
 
+def _shared_prefix_forward(
+    params,
+    model_config: Ling3Config,
+    batch: TrainBatch,
+    group_size: int | None,
+    remat: bool,
+    replay: bool,
+    apply_head: bool,
+):
+    """The forward of a shared-prefix batch (see `reno_jax.rl.shared_prefix`), each group's prompt encoded once.
+
+    Returns `(logits, routing, full_recorded, targets, pad)`: `logits [B, T, V]` (the final hidden states
+    `[B, T, D]` when not `apply_head`) already aligned with `targets = tokens [B, T]` (the continuations), so
+    `pad` = 0; `routing` (the forward's own, when the batch records the rollout's) and `full_recorded`, the
+    rollout's routing over common tokens, prefix and continuation, are None when the batch records none.
+    """
+    if batch.soft_target_weights is not None:
+        raise ValueError("soft targets are not supported with a shared-prefix batch")
+    if group_size is None:
+        raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
+    recorded = batch.routing is not None
+    parts = dict(prefix_replay=batch.prefix_routing, replay=batch.routing) if replay else {}
+    if batch.common_tokens is not None:
+        parts["common_tokens"] = batch.common_tokens
+        if replay:
+            parts["common_replay"] = batch.common_routing
+    out = shared_prefix.shared_prefix_logits(
+        params,
+        model_config,
+        batch.prefix_tokens,
+        batch.tokens,
+        batch.valid,
+        group_size,
+        remat=remat,
+        return_routing=recorded,
+        apply_head=apply_head,
+        **parts,
+    )
+    logits, routing = out if recorded else (out, None)
+    full_recorded = None
+    if recorded:
+        full_recorded = jnp.concatenate(
+            ([batch.common_routing] if batch.common_tokens is not None else []) + [batch.prefix_routing, batch.routing],
+            axis=1,
+        )
+    return logits, routing, full_recorded, batch.tokens, 0
+
+
+def _full_sequence_forward(
+    params, model_config: Ling3Config, batch: TrainBatch, remat: bool, replay: bool, apply_head: bool
+):
+    """The forward of an ordinary batch: `tokens [B, L]` scored as one sequence per row.
+
+    Returns `(logits, routing, full_recorded, targets, pad)` as `_shared_prefix_forward` does, with `logits
+    [B, L-1, V]` predicting `targets = tokens[:, 1:]`, hence `pad` = 1 (the first token has no log-prob).
+    """
+    recorded = batch.routing is not None
+    out = ling3.forward(
+        params,
+        model_config,
+        batch.tokens,
+        valid=batch.valid,
+        remat=remat,
+        return_routing=recorded,
+        replay_experts=batch.routing if replay else None,
+        apply_head=apply_head,
+    )
+    logits = out[0][:, :-1]
+    routing, full_recorded = (out[-1], batch.routing) if recorded else (None, None)
+    return logits, routing, full_recorded, batch.tokens[:, 1:], 1
+
+
 def make_logp_fn(
     model_config: Ling3Config,
     with_entropy: bool = True,
@@ -152,55 +224,15 @@ def make_logp_fn(
         raise ValueError(f"logits_chunk must be >= 0, got {logits_chunk}")
 
     def logp_fn(params, batch: TrainBatch) -> trainer.PolicyOutput:
-        tokens, valid = batch.tokens, batch.valid
         recorded = batch.routing is not None
         replay = recorded and routing_replay
-        routing = None
         if batch.shared_prefix:
-            if batch.soft_target_weights is not None:
-                raise ValueError("soft targets are not supported with a shared-prefix batch")
-            if group_size is None:
-                raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
-            parts = dict(prefix_replay=batch.prefix_routing, replay=batch.routing) if replay else {}
-            if batch.common_tokens is not None:
-                parts["common_tokens"] = batch.common_tokens
-                if replay:
-                    parts["common_replay"] = batch.common_routing
-            out = shared_prefix.shared_prefix_logits(
-                params,
-                model_config,
-                batch.prefix_tokens,
-                tokens,
-                valid,
-                group_size,
-                remat=remat,
-                return_routing=recorded,
-                apply_head=not logits_chunk,
-                **parts,
+            forward = _shared_prefix_forward(
+                params, model_config, batch, group_size, remat, replay, apply_head=not logits_chunk
             )
-            logits, routing = out if recorded else (out, None)
-            if recorded:
-                full_recorded = jnp.concatenate(
-                    ([batch.common_routing] if batch.common_tokens is not None else [])
-                    + [batch.prefix_routing, batch.routing],
-                    axis=1,
-                )
-            targets, pad = tokens, 0
         else:
-            out = ling3.forward(
-                params,
-                model_config,
-                tokens,
-                valid=valid,
-                remat=remat,
-                return_routing=recorded,
-                replay_experts=batch.routing if replay else None,
-                apply_head=not logits_chunk,
-            )
-            logits = out[0][:, :-1]
-            if recorded:
-                routing, full_recorded = out[-1], batch.routing
-            targets, pad = tokens[:, 1:], 1
+            forward = _full_sequence_forward(params, model_config, batch, remat, replay, apply_head=not logits_chunk)
+        logits, routing, full_recorded, targets, pad = forward
         kw = dict(with_entropy=with_entropy, entropy_top_k=entropy_top_k, temperature=temperature)
         if batch.soft_target_weights is not None:
             kw.update(

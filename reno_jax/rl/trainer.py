@@ -461,18 +461,11 @@ def make_train_step(
         ``old_logp`` taken as the behaviour log-probs: ``rollout_logp_abs_diff_mean`` / ``_max`` (|logp -
         old_logp| over policy tokens), ``rollout_k3_kl`` (k3 estimate of KL(behaviour || train)),
         ``rollout_ratio_max`` (max token ratio) and, when ``logp_fn`` returns ``RoutingStats``,
-        ``routing_agreement``. They come from the FIRST minibatch only, whose micro-batches all run before any
-        update (later minibatches mix in the policy's own change); no extra forward: they reuse the logp the
-        loss sees.
-      max_logp_shift: > 0: a backtracking guard on each update. A normal-sized Adam step can flip a token the
-        policy was sure of (a format token at p = 0.9999 -> 0.0001 in one step, measured) and no gradient
-        opposes it before the damage is sampled. After each update the first ``shift_probe_rows`` rows of the
-        minibatch are scored with the new params; while the mean over their policy tokens of |new logp -
-        ``old_logp``| exceeds ``max_logp_shift``, the update is halved (up to ``shift_backtracks`` times, then
-        not applied; the optimizer moments keep the gradient either way). Costs one probe forward per update
-        (plus one per halving). Metrics ``logp_shift`` (of the whole, unhalved update) and ``update_scale`` (applied).
-      shift_probe_rows: rows of the probe, a whole number of groups for a shared-prefix batch (its first rows
-        are then whole groups); at most a micro-batch's rows (a ValueError at trace time otherwise).
+        ``routing_agreement``. From the FIRST minibatch only (`_reduce_minibatch_metrics`); no extra forward.
+      max_logp_shift: > 0: a backtracking guard on each update (`_guarded_params` says why and how): an update
+        moving the probe's policy tokens by more than this (mean |new logp - ``old_logp``|) is halved, up to
+        ``shift_backtracks`` times, then not applied. Metrics ``logp_shift`` and ``update_scale``.
+      shift_probe_rows: the probe: the minibatch's first rows, rescored after each update (`_guarded_params`).
       metric_reductions: how each of ``loss_fn``'s metrics combines over micro-batches and minibatches
         ("mean", "min", "max", "sum", "count"; see ``losses.METRIC_REDUCTIONS``, the default, which declares the
         metrics of ``reno_jax.rl.losses``); a metric not listed is a (normalizer-weighted) mean.
@@ -488,6 +481,36 @@ def make_train_step(
     """
     num_minibatches, num_microbatches = int(num_minibatches), int(num_microbatches)
     reductions = dict(losses.METRIC_REDUCTIONS if metric_reductions is None else metric_reductions)
+    _check_step_options(
+        reductions, num_minibatches, num_microbatches, max_logp_shift, shift_probe_rows, shift_backtracks
+    )
+    spec = _StepSpec(
+        logp_fn=logp_fn,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        num_minibatches=num_minibatches,
+        num_microbatches=num_microbatches,
+        shuffle=bool(shuffle),
+        loss_batch_keys=tuple(loss_batch_keys),
+        rollout_metrics=bool(rollout_metrics),
+        max_logp_shift=float(max_logp_shift),
+        shift_probe_rows=int(shift_probe_rows),
+        shift_backtracks=int(shift_backtracks),
+        reductions=reductions,
+        combine=combine,
+    )
+    return jax.jit(functools.partial(_train_step, spec), donate_argnums=(0,) if donate else ())
+
+
+def _check_step_options(
+    reductions: Mapping[str, str],
+    num_minibatches: int,
+    num_microbatches: int,
+    max_logp_shift,
+    shift_probe_rows,
+    shift_backtracks,
+) -> None:
+    """Raises ValueError on options of `make_train_step` that no train step can honour."""
     bad = {k: v for k, v in reductions.items() if v not in METRIC_REDUCTION_KINDS}
     if bad:
         raise ValueError(f"metric_reductions must be among {METRIC_REDUCTION_KINDS}, got {bad}")
@@ -501,22 +524,6 @@ def make_train_step(
             f"max_logp_shift needs shift_probe_rows >= 1 and shift_backtracks >= 0, got "
             f"{shift_probe_rows}, {shift_backtracks}"
         )
-    spec = _StepSpec(
-        logp_fn=logp_fn,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        num_minibatches=num_minibatches,
-        num_microbatches=num_microbatches,
-        shuffle=bool(shuffle),
-        loss_batch_keys=tuple(loss_batch_keys),
-        rollout_metrics=bool(rollout_metrics),
-        max_logp_shift=max_logp_shift,
-        shift_probe_rows=int(shift_probe_rows),
-        shift_backtracks=int(shift_backtracks),
-        reductions=reductions,
-        combine=combine,
-    )
-    return jax.jit(functools.partial(_train_step, spec), donate_argnums=(0,) if donate else ())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: it holds a dict
@@ -625,7 +632,19 @@ def _logp_shift(spec: _StepSpec, params, frozen, probe: TrainBatch) -> Array:
 
 def _guarded_params(spec: _StepSpec, params, frozen, updates, micro: TrainBatch):
     """(new params, applied scale, shift of the whole update): the update halved until the shift of the probe
-    (the first ``shift_probe_rows`` rows of the minibatch's first micro-batch) is within bounds."""
+    (the first ``shift_probe_rows`` rows of the minibatch's first micro-batch) is within bounds.
+
+    Why: a normal-sized Adam step can flip a token the policy was sure of (a format token at p = 0.9999 ->
+    0.0001 in one step, measured) and no gradient opposes it before the damage is sampled. After the update the
+    probe rows are scored with the new params; while the mean over their policy tokens of |new logp -
+    ``old_logp``| exceeds ``spec.max_logp_shift``, the update is halved (up to ``spec.shift_backtracks`` times,
+    then not applied; the optimizer moments keep the gradient either way). Costs one probe forward per update
+    (plus one per halving). The shift returned (metric ``logp_shift``) is that of the whole, unhalved update;
+    the scale (``update_scale``) is the one applied.
+
+    ``shift_probe_rows``: a whole number of groups for a shared-prefix batch (its first rows are then whole
+    groups); at most a micro-batch's rows (a ValueError at trace time otherwise).
+    """
     rows = spec.shift_probe_rows
     if rows > micro.tokens.shape[1]:
         raise ValueError(f"shift_probe_rows={rows} exceeds the micro-batch ({micro.tokens.shape[1]} rows)")
@@ -714,7 +733,10 @@ def _reduce_minibatch_metrics(spec: _StepSpec, mets: dict, extras: dict) -> dict
         reduce = {"min": jnp.min, "max": jnp.max, "count": jnp.sum}.get(spec.reduction(k), jnp.mean)
         metrics[k] = reduce(v)
     metrics["grad_norm_max"] = jnp.max(mets["grad_norm"])
-    if spec.rollout_metrics:  # minibatch 0: scored with the params that generated the rollout
+    # Rollout metrics of minibatch 0 alone: its micro-batches all run before any update, so it is scored with
+    # the params that generated the rollout (later minibatches mix in the policy's own change). They reuse the
+    # logp the loss saw: no extra forward.
+    if spec.rollout_metrics:
         first = jax.tree.map(lambda v: v[0], extras)
         metrics.update(mismatch_metrics(first, first.pop("routing", None)))
     return metrics
