@@ -46,10 +46,10 @@ import numpy as np
 from configs import guess_number_tiny
 from reno_jax.envs import guess_number as gn
 from reno_jax.envs import guess_number_host as gh
-from reno_jax.loop import build
+from reno_jax.loop import build, recipe
 from reno_jax.models import ling3
 from reno_jax.rl import learner as learner_lib
-from reno_jax.rl import policy, recipe, trainer
+from reno_jax.rl import policy, trainer
 from reno_jax.rollout import host_rollout as H
 from reno_jax.rollout import rollout as R
 

@@ -83,6 +83,8 @@ SLOW = {
     "tests/test_play.py::test_api_board_less_environment_shows_transcripts": "a guess_number run for the page (~45 s)",
     "tests/test_gpu_check.py::test_runs_every_phase_on_the_tiny_model":
         "benchmarks/gpu_check.py's three phases: three XLA compilations (~50 CPU-s; the fast tier runs its rollout)",
+    "tests/test_host_rollout_cost.py::test_host_rollout_cost_tiny":
+        "benchmarks/host_rollout_cost.py at a tiny size: three rollouts and three train steps compiled (~100 CPU-s)",
     # another framework
     "tests/test_conversion.py::test_export_logits_equal_transformers_native_class":
         "transformers' PyTorch BailingHybridForCausalLM: needs torch, which .ci/run installs for this tier only",
