@@ -83,6 +83,13 @@ SLOW = {
     "tests/test_play.py::test_api_board_less_environment_shows_transcripts": "a guess_number run for the page (~45 s)",
     "tests/test_gpu_check.py::test_runs_every_phase_on_the_tiny_model":
         "benchmarks/gpu_check.py's three phases: three XLA compilations (~50 CPU-s; the fast tier runs its rollout)",
+    # one-off studies (studies/): their scripts' tests compile the Connect Four model and its forward
+    "tests/test_teacher_agreement.py::test_agreement_reads_the_prediction_of_each_choice_token":
+        "studies/teacher_agreement.py on the Connect Four model (~40 CPU-s per case)",
+    "tests/test_teacher_agreement.py::test_an_untrained_model_agrees_sometimes_and_the_cli_checks_its_flags":
+        "studies/teacher_agreement.py's CLI on the Connect Four model",
+    "tests/test_connect4_decisions.py::test_agreement_per_kind":
+        "studies/connect4_decisions.py on the Connect Four model",
     "tests/test_host_rollout_cost.py::test_host_rollout_cost_tiny":
         "benchmarks/host_rollout_cost.py at a tiny size: three rollouts and three train steps compiled (~100 CPU-s)",
     # another framework
