@@ -47,6 +47,20 @@ class Solution:
     distance: dict
 
 
+def _moves_to_goal(goals, parents) -> dict:
+    """Breadth-first over the reversed move graph (`parents[position]`: the positions one move before it): every
+    position that reaches a goal, with its fewest moves to one."""
+    distance = {p: 0 for p in goals}
+    frontier = collections.deque(goals)
+    while frontier:
+        position = frontier.popleft()
+        for before in parents[position]:
+            if before not in distance:
+                distance[before] = distance[position] + 1
+                frontier.append(before)
+    return distance
+
+
 def solve(walls: np.ndarray, targets: np.ndarray, boxes: np.ndarray, player: int) -> Solution:
     """Breadth-first solver. ``walls``, ``targets``, ``boxes``: ``bool [H, W]``; ``player``: flat cell."""
     walls = np.asarray(walls, bool)
@@ -63,14 +77,7 @@ def solve(walls: np.ndarray, targets: np.ndarray, boxes: np.ndarray, player: int
                 seen.add(after)
                 frontier.append(after)
     goals = [p for p in seen if set(p[0]) <= target_cells]
-    distance = {p: 0 for p in goals}
-    frontier = collections.deque(goals)
-    while frontier:
-        position = frontier.popleft()
-        for before in parents[position]:
-            if before not in distance:
-                distance[before] = distance[position] + 1
-                frontier.append(before)
+    distance = _moves_to_goal(goals, parents)
     if start not in distance:
         return Solution(moves=None, pushes=0, distance=distance)
     moves, pushes, position = [], 0, start
@@ -146,14 +153,7 @@ def layout_distances(walls: np.ndarray, targets: np.ndarray, num_boxes: int) -> 
                 after_boxes, after_player, _ = mover(boxes, player, direction)
                 if after_player != player:
                     parents[(after_boxes, after_player)].append(position)
-    distance = {p: 0 for p in goals}
-    frontier = collections.deque(goals)
-    while frontier:
-        position = frontier.popleft()
-        for before in parents[position]:
-            if before not in distance:
-                distance[before] = distance[position] + 1
-                frontier.append(before)
+    distance = _moves_to_goal(goals, parents)
     return distance
 
 
