@@ -20,6 +20,7 @@ from reno_jax.rollout import rollout as R
 
 sys.path.insert(0, str(Path(__file__).parent))
 import echo_env as ee  # noqa: E402
+from test_rollout import _numpy_params  # noqa: E402
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
@@ -125,7 +126,7 @@ def test_rollout_echoes_the_argument(tok, chat_tables):
     forced[0, 1, : len(calls[1])] = calls[1]
     forced[1, 0, : len(calls[1])] = calls[1]
     forced[2, 0, : len(bad)] = bad
-    params = _random_params(mc)
+    params = _numpy_params(mc)
     fn = jax.jit(functools.partial(R.rollout, model_config=mc, rollout_config=rc), compiler_options=FAST_COMPILE)
     traj = jax.device_get(
         fn(params, jax.random.key(0), jnp.zeros((3,), jnp.int32), env=env, forced_tokens=jnp.asarray(forced))
@@ -144,24 +145,3 @@ def test_rollout_echoes_the_argument(tok, chat_tables):
 
 def _contains(seq, sub):
     return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
-
-
-def _random_params(config, seed=0):
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for path, (shape, kind) in ling3.param_shapes(config).items():
-        if kind == "ones":
-            x = np.ones(shape)
-        elif kind == "zeros32":
-            x = np.zeros(shape)
-        elif kind == "conv":
-            x = rng.uniform(-0.5, 0.5, shape)
-        elif kind == "A_log":
-            x = np.log(rng.uniform(1.0, 16.0, shape))
-        elif kind == "dt_bias":
-            dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
-            x = dt + np.log(-np.expm1(-dt))
-        else:
-            x = rng.normal(0.0, 0.02, shape)
-        flat[path] = jnp.asarray(x, jnp.float32)
-    return ling3._unflatten(flat)
