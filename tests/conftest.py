@@ -83,6 +83,20 @@ SLOW = {
     "tests/test_play.py::test_api_board_less_environment_shows_transcripts": "a guess_number run for the page (~45 s)",
     "tests/test_gpu_check.py::test_runs_every_phase_on_the_tiny_model":
         "benchmarks/gpu_check.py's three phases: three XLA compilations (~50 CPU-s; the fast tier runs its rollout)",
+    # heavy equivalence checks of alternative layouts (each tens of CPU-seconds: a second program compiled and
+    # compared with the plain one); the fast tier keeps the plain paths and the cheaper equivalences
+    "tests/test_policy.py::test_chunked_logits_match_and_never_hold_the_full_logits":
+        "compiles chunked and full logits programs with and without a shared prefix and compares them",
+    "tests/test_shared_prefix.py::test_train_step_matches_rowwise":
+        "two train steps (shared prefix vs row-wise) compiled and compared, twice",
+    "tests/test_envs_generic.py::test_warm_start_from_a_length_sorted_pool":
+        "a Connect Four warm start over a length-sorted pool, compiled per width",
+    "tests/test_envs_generic.py::test_warm_start_trimmed_to_the_longest_transcript_trains_the_same":
+        "two Connect Four warm starts (trimmed and full width) compared",
+    "tests/test_routing_replay.py::test_train_step_with_replay_microbatches_and_remat_match":
+        "three train steps (plain, microbatched, remat) with routing replay compiled and compared",
+    "tests/test_lora.py::test_int8_base_backward_keeps_no_dequantized_weight_with_remat":
+        "compiles the int8 LoRA backward with remat and reads its HLO",
     # one-off studies (studies/): their scripts' tests compile the Connect Four model and its forward
     "tests/test_teacher_agreement.py::test_agreement_reads_the_prediction_of_each_choice_token":
         "studies/teacher_agreement.py on the Connect Four model (~40 CPU-s per case)",
