@@ -229,6 +229,8 @@ def test_reasoning_gym_env_says_what_is_missing():
         _configured(rge.ReasoningGymEnv, dataset="leg_counting", dataset_options="[1]").eval_tasks(1)
     with pytest.raises(ValueError, match="did you mean"):
         rge.reasoning_gym_env("leg_countin").eval_tasks(1)
+    with pytest.raises(ValueError, match="env.dataset_options: .*min_legs"):
+        rge.reasoning_gym_env("leg_counting", min_legs=3).eval_tasks(1)
 
 
 # ------------------------------------------------------------------------------------------------- host_rollout

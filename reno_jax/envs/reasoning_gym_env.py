@@ -23,8 +23,10 @@ distinct questions cannot hold any out: `sample_task` then fails saying so).
 Reasoning Gym is the optional `tasks` extra: this module imports without it; the first task drawn imports it
 (`reno_jax.tasks.reasoning_gym`).
 
-Options (`options`, settable as `--config.env.NAME`) are class attributes; `tools` and `system_prompt` are computed
-from them on the (configured) class, so a configured subclass offers the tools its options ask for.
+Options (`options`, settable as `--config.env.NAME`) are class attributes; `tools`, `system_prompt` and `max_turns`
+are computed from them on the (configured) class, so a configured subclass offers the tools its options ask for. A
+value the dataset rejects is a ValueError whose message starts with the option ("env.dataset_options: ..."), which
+the loop's config check reports as a config error.
 """
 
 from __future__ import annotations
@@ -74,8 +76,12 @@ class per_class:  # noqa: N801 (used like `property`)
 
 @functools.lru_cache(maxsize=32)
 def _tasks(dataset: str, options_json: str, seed: int, size: int) -> rg_tasks.ReasoningGymTasks:
-    """The dataset, built once per process per (name, options, seed, size)."""
-    return rg_tasks.create_tasks(dataset, size=size, seed=seed, **json.loads(options_json))
+    """The dataset, built once per process per (name, options, seed, size); an option it does not have is a
+    ValueError naming `env.dataset_options` (what the loop reports as a config error)."""
+    try:
+        return rg_tasks.create_tasks(dataset, size=size, seed=seed, **json.loads(options_json))
+    except TypeError as error:
+        raise ValueError(f"env.dataset_options: {error}") from None
 
 
 @functools.lru_cache(maxsize=32)
@@ -120,14 +126,14 @@ class ReasoningGymEnv(host.HostEnv):
         except ValueError:
             kwargs = None
         if not isinstance(kwargs, dict):
-            raise ValueError(f"--config.env.dataset_options must be a JSON object, got {cls.dataset_options!r}")
+            raise ValueError(f"env.dataset_options must be a JSON object, got {cls.dataset_options!r}")
         return kwargs
 
     @classmethod
     def tasks(cls, split: str) -> rg_tasks.ReasoningGymTasks:
         """The training ("train") or evaluation ("eval") entries (built once per process)."""
         if not cls.dataset:
-            raise ValueError("name the Reasoning Gym dataset: --config.env.dataset=NAME")
+            raise ValueError("env.dataset: name the Reasoning Gym dataset (--config.env.dataset=NAME)")
         seed, size = (TRAIN_SEED, TRAIN_SIZE) if split == "train" else (EVAL_SEED, int(cls.eval_size))
         return _tasks(cls.dataset, json.dumps(cls.dataset_kwargs(), sort_keys=True), seed, size)
 
@@ -143,8 +149,8 @@ class ReasoningGymEnv(host.HostEnv):
             if item.question not in held_out:
                 return item.entry
         raise ValueError(
-            f"{MAX_TRAIN_DRAWS} training entries of {cls.dataset!r} in a row were held-out questions: the dataset has "
-            f"too few distinct questions to hold {cls.eval_size} out (lower --config.env.eval_size)"
+            f"env.eval_size: {MAX_TRAIN_DRAWS} training entries of {cls.dataset!r} in a row were held-out questions: "
+            f"the dataset has too few distinct questions to hold {cls.eval_size} out"
         )
 
     @classmethod
