@@ -108,9 +108,9 @@ SLOW = {
     "tests/test_host_tasks.py::test_any_reasoning_gym_dataset_trains_the_same_way": "the tasks extra (reasoning-gym)",
     "tests/test_host_tasks.py::test_reasoning_gym_env_says_what_is_missing": "the tasks extra (reasoning-gym)",
     "tests/test_host_tasks.py::test_arithmetic_plays_through_host_rollout":
-        "the tasks extra (reasoning-gym), and host_rollout's programs compiled for 56-token turns (~15 s)",
+        "the tasks extra (reasoning-gym), and host_rollout's programs compiled for 64-token turns (~15 s)",
     "tests/test_host_tasks.py::test_two_hop_plays_through_host_rollout":
-        "host_rollout's programs compiled for 56-token turns, three turns played (~20 s)",
+        "host_rollout's programs compiled for 64-token turns, three turns played (~20 s)",
 }
 # fmt: on
 

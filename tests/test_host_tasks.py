@@ -235,9 +235,9 @@ def test_reasoning_gym_env_says_what_is_missing():
 
 # ------------------------------------------------------------------------------------------------- host_rollout
 
-# One tiny random model and one `HostPrograms` (B = 4 rows, 3 turns of 56 tokens: the longest teacher call is 52)
+# One tiny random model and one `HostPrograms` (B = 4 rows, 3 turns of 64 tokens: the longest teacher call is 64)
 # for every environment: the first group's turns are forced to the teacher's calls, the second group samples.
-B, M, TURNS = 4, 56, 3
+B, M, TURNS = 4, 64, 3
 RC = R.RolloutConfig(group_size=2, max_new_tokens=M, max_turns=TURNS, max_length=448, prefill_chunk=64)
 HC = H.HostConfig(max_prompt_tokens=64, max_response_tokens=48, tool_timeout_s=5.0)
 
