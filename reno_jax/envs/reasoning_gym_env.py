@@ -45,8 +45,10 @@ TRAIN_SEED = 0
 TRAIN_SIZE = 1_000_000  # training indices 0..TRAIN_SIZE-1 of TRAIN_SEED (seeds TRAIN_SEED + i)
 EVAL_SEED = 1_000_000_007  # far above TRAIN_SEED + TRAIN_SIZE: no dataset seed is shared with training
 MAX_TRAIN_DRAWS = 64  # draws of `sample_task` before it gives up on finding a question that is not held out
-ANSWER_MAX_TOKENS = 24  # the free-text arguments' bounds (the jitted parser's span registers; docs for the policy)
-EXPRESSION_MAX_TOKENS = 32
+# The free-text arguments' bounds, as the tools show them to the policy (a jitted parser would enforce them; the host
+# parser does not): answers of basic_arithmetic and two_hop_lookup are <= 19 tokens.
+ANSWER_MAX_TOKENS = 24
+EXPRESSION_MAX_TOKENS = 48  # basic_arithmetic expressions of up to 3 six-digit operands are <= 39 tokens
 
 
 def tool_schema(name: str, argument: str, max_tokens: int) -> dict:
