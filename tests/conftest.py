@@ -116,6 +116,15 @@ SLOW = {
         "needs the tasks extra",
     "tests/test_reasoning_gym_tasks.py::test_a_second_dataset_works_the_same_way": "needs the tasks extra",
     "tests/test_reasoning_gym_tasks.py::test_unknown_names_and_options_say_what_is_wrong": "needs the tasks extra",
+    "tests/test_host_tasks.py::test_arithmetic_teacher_and_the_no_tool_control": "the tasks extra (reasoning-gym)",
+    "tests/test_host_tasks.py::test_arithmetic_questions_are_large_held_out_and_invalid_calls_end_the_episode":
+        "the tasks extra (reasoning-gym)",
+    "tests/test_host_tasks.py::test_any_reasoning_gym_dataset_trains_the_same_way": "the tasks extra (reasoning-gym)",
+    "tests/test_host_tasks.py::test_reasoning_gym_env_says_what_is_missing": "the tasks extra (reasoning-gym)",
+    "tests/test_host_tasks.py::test_arithmetic_plays_through_host_rollout":
+        "the tasks extra (reasoning-gym), and host_rollout's programs compiled for 64-token turns (~15 s)",
+    "tests/test_host_tasks.py::test_two_hop_plays_through_host_rollout":
+        "host_rollout's programs compiled for 64-token turns, three turns played (~20 s)",
 }
 # fmt: on
 

@@ -150,6 +150,7 @@ def test_the_task_libraries_are_an_optional_extra_and_the_package_imports_withou
     out = _python(
         "import reno_jax, reno_jax.tools, reno_jax.tools.calculator, reno_jax.tools.knowledge_base\n"
         "import reno_jax.tasks, reno_jax.tasks.reasoning_gym\n"
+        "import reno_jax.envs.reasoning_gym_env, reno_jax.envs.arithmetic_calculator, reno_jax.envs.two_hop_lookup\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {TASK_LIBRARIES!r}))\n"
     )
     assert out.returncode == 0, out.stderr[-3000:]

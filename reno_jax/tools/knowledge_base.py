@@ -273,15 +273,21 @@ class TwoHopQuestion:
 def generate_two_hop_questions(kb: KnowledgeBase, num_questions: int, seed: int) -> list[TwoHopQuestion]:
     """`num_questions` distinct two-hop questions drawn from `seed` over every (template, subject) pair whose answer
     is not the subject itself (e.g. a founder who works for their own organisation)."""
-    candidates = [
+    candidates = all_two_hop_questions(kb)
+    if num_questions > len(candidates):
+        raise ValueError(f"{num_questions} two-hop questions asked, this world has {len(candidates)}")
+    return random.Random(seed).sample(candidates, num_questions)
+
+
+def all_two_hop_questions(kb: KnowledgeBase) -> list[TwoHopQuestion]:
+    """Every two-hop question of the world: each (template, subject) pair whose answer is not the subject itself,
+    in template order, then the subjects' generation order."""
+    return [
         question
         for template in TWO_HOP_TEMPLATES
         for subject in kb.entities(RELATIONS[template.first].subject_kind)
         if (question := _two_hop(kb, template, subject)).answer != subject
     ]
-    if num_questions > len(candidates):
-        raise ValueError(f"{num_questions} two-hop questions asked, this world has {len(candidates)}")
-    return random.Random(seed).sample(candidates, num_questions)
 
 
 def _two_hop(kb: KnowledgeBase, template: TwoHopTemplate, subject: str) -> TwoHopQuestion:

@@ -1,0 +1,52 @@
+"""Arithmetic with a calculator (`reno_jax.envs.arithmetic_calculator`): Reasoning Gym's basic_arithmetic on 4-6 digit
+operands, `calculate(expression)` then `answer(value)`, scored by the dataset's own `score_answer`.
+
+  python -m experiments.train --config=configs/arithmetic_calculator_tiny.py --workdir=workdir/arith
+  python -m experiments.train --config=configs/arithmetic_calculator_tiny.py --workdir=workdir/arith_no_tool \
+      --config.env.tool_enabled=False                                   # the no-tool control, the same budget
+  python -m experiments.evaluate --workdir=workdir/arith --config.rollout.host_eval_episodes=512
+
+Needs the `tasks` extra (`pip install -e ".[tasks]"`). The warm start imitates a teacher that uses the calculator on
+half of the questions and answers the rest itself with a plausible wrong number, so RL has the tool's worth to
+discover. Texts with the shipped tokenizer: the prompt is at most 115 tokens (76 fixed: system turn with both tools,
+headers), a teacher's call at most 64 with its turn end, a calculator result at most 19; a teacher episode ~180
+tokens.
+"""
+
+import ml_collections
+
+from configs import tictactoe_tiny
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = tictactoe_tiny.get_config()
+    c.num_steps = 150  # GSPO steps; not tuned (see the warm start below)
+
+    # --- task: every option of the environment at its default, so the command line can set each ---------------
+    c.env = ml_collections.ConfigDict()
+    c.env.name = "arithmetic_calculator"
+    c.env.module = "reno_jax.envs.arithmetic_calculator"
+    c.env.min_digits = 4  # digits per operand
+    c.env.max_digits = 6
+    c.env.min_terms = 2  # operands per question (+ - *, exact integer results)
+    c.env.max_terms = 3
+    c.env.teacher_tool_rate = 0.5  # warm start: share of the teacher's episodes that use the calculator
+    c.env.tool_enabled = True  # False: the no-tool control (answer only)
+    c.env.eval_size = 512  # held-out questions (another dataset seed)
+
+    # --- supervised warm start on the teacher's conversations (format, the tool on half the questions) -------
+    # Not tuned: sized for a run of <= 20 min on 2 cores (a step of 64 transcripts took ~4 s on 2 busy cores).
+    c.sft.num_steps = 150
+    c.sft.batch_size = 32
+
+    # --- rollout ----------------------------------------------------------------------------------------------
+    c.rollout.boards_per_step = 16  # questions per step
+    c.rollout.group_size = 8
+    # A call is at most 64 tokens with its turn end ('<tool_call>{"name": "calculate", "arguments": {"expression":
+    # "..."}}</tool_call>' with an expression of up to 39 tokens); the turn ends at '</tool_call>'.
+    c.rollout.max_new_tokens = 64
+    c.rollout.max_turns = 2  # calculate, answer
+    # Prompt (<= 115) + two turns (128) + one tool turn (10 fixed + a response of up to 67 tokens): a longer
+    # response (a calculator error message) ends the episode as truncated.
+    c.rollout.max_length = 320
+    return c

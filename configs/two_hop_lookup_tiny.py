@@ -1,0 +1,49 @@
+"""Two-hop lookup over an invented knowledge base (`reno_jax.envs.two_hop_lookup`): "In which country was the
+employer of Alda Voren founded?" needs `lookup("Alda Voren: works_for")`, then a lookup of the organisation it
+names, then `answer(value)`.
+
+  python -m experiments.train --config=configs/two_hop_lookup_tiny.py --workdir=workdir/two_hop
+  python -m experiments.train --config=configs/two_hop_lookup_tiny.py --workdir=workdir/two_hop_random \
+      --config.env.random_tool=True                      # the control: lookups answer at random, their rate must fall
+  python -m experiments.evaluate --workdir=workdir/two_hop --config.rollout.host_eval_episodes=100
+
+The warm start imitates a teacher that always makes the first lookup and makes the second one on half of the
+questions (guessing an entity of the right kind on the rest). The held-out suite asks about subjects no training
+question asks about (100 questions with the default world). Texts with the shipped tokenizer: the prompt is at most
+114 tokens (67 fixed), a teacher's call at most 48, a lookup's fact at most 39; a teacher episode ~280 tokens.
+"""
+
+import ml_collections
+
+from configs import tictactoe_tiny
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = tictactoe_tiny.get_config()
+    c.num_steps = 150  # GSPO steps; not tuned (see the warm start below)
+
+    # --- task: every option of the environment at its default, so the command line can set each ---------------
+    c.env = ml_collections.ConfigDict()
+    c.env.name = "two_hop_lookup"
+    c.env.module = "reno_jax.envs.two_hop_lookup"
+    c.env.world_seed = 0
+    c.env.heldout_fraction = 0.2  # of each kind's entities: their questions are the held-out suite
+    c.env.teacher_second_lookup_rate = 0.5  # warm start: share of the teacher's episodes with the second lookup
+    c.env.random_tool = False  # True: the control (lookups answer a random entity of the right kind)
+
+    # --- supervised warm start on the teacher's conversations -------------------------------------------------
+    # Not tuned: sized for a run of <= 20 min on 2 cores (a step of 64 transcripts took ~4 s on 2 busy cores).
+    c.sft.num_steps = 150
+    c.sft.batch_size = 32
+
+    # --- rollout ----------------------------------------------------------------------------------------------
+    c.rollout.boards_per_step = 16  # questions per step
+    c.rollout.group_size = 8
+    # A call is at most 48 tokens ('<tool_call>{"name": "lookup", "arguments": {"query": "..."}}' with a query of
+    # up to ~30 tokens); the turn ends at '</tool_call>'.
+    c.rollout.max_new_tokens = 52
+    c.rollout.max_turns = 3  # lookup, lookup, answer
+    # Prompt (<= 114) + three turns (156) + two tool turns (10 fixed + a response of up to 55 tokens each): a longer
+    # response (an error listing an entity's relations) ends the episode as truncated.
+    c.rollout.max_length = 400
+    return c
