@@ -16,6 +16,7 @@ from test_rollout import FAST_COMPILE, MC, _numpy_params
 from reno_jax.envs import guess_number as gn
 from reno_jax.envs import guess_number_host as gh
 from reno_jax.envs import host
+from reno_jax.errors import ConfigError
 from reno_jax.models import ling3
 from reno_jax.protocol import chat as chat_lib
 from reno_jax.protocol.tokenizer import decode as decode_text
@@ -184,6 +185,53 @@ def test_guess_number_host_speaks_like_the_jitted_env():
     envs, tasks = host.sample_episodes(gh.GuessNumberHostEnv, 0, num_groups=3, group_size=2)
     assert len(envs) == 6 and tasks[0] == tasks[1] and all(1 <= t <= gn.MAX_NUMBER for t in tasks)
     assert host.sample_episodes(gh.GuessNumberHostEnv, 0, 3, 2)[1] == tasks
+
+
+class OptionEnv(EchoEnv):
+    """Two options: the number of digits and a word."""
+
+    name = "option_env"
+    options = ("digits", "word", "scale")
+    digits = 5
+    word = "hi"
+    scale = 1.0
+
+    @classmethod
+    def sample_task(cls, rng):
+        return int(rng.integers(10**cls.digits))
+
+
+def test_options_configure_a_subclass_and_errors_name_the_flag():
+    seven = host.configured(OptionEnv, {"digits": 7, "scale": 2})
+    assert issubclass(seven, OptionEnv) and seven.digits == 7 and seven.scale == 2.0 and OptionEnv.digits == 5
+    assert seven().digits == 7 and seven.name == "option_env" and host.configured(OptionEnv, {}) is OptionEnv
+    assert seven.eval_tasks(3) == seven.eval_tasks(3) and len(seven.eval_tasks(3)) == 3  # fixed suite (EVAL_SEED)
+    with pytest.raises(ConfigError, match=r"^--config.env.colour: unknown option of environment 'option_env' "):
+        host.configured(OptionEnv, {"colour": 1})
+    with pytest.raises(ConfigError, match=r"^--config.env.digits must be int, got str"):
+        host.configured(OptionEnv, {"digits": "7"})
+    with pytest.raises(ConfigError, match=r"^--config.env.digits must be int, got bool"):
+        host.configured(OptionEnv, {"digits": True})
+    with pytest.raises(NotImplementedError, match=r"OptionEnv \(name 'option_env'\) has no teacher"):
+        OptionEnv().teacher(np.random.default_rng(0))
+
+
+def test_guess_number_host_teachers():
+    """ "binary" finds every secret by binary search (3.375 guesses on average); "uniform" stays in the range."""
+    rng, guesses = np.random.default_rng(0), []
+    for env_class in (gh.GuessNumberHostEnv, host.configured(gh.GuessNumberHostEnv, {"teacher_strategy": "uniform"})):
+        for secret in gh.GuessNumberHostEnv.eval_tasks(gn.MAX_NUMBER):
+            env = env_class()
+            env.reset(secret)
+            done = False
+            while not done:
+                call = env.teacher(rng)
+                assert env.low <= call.arguments["number"] <= env.high
+                _, reward, done = env.step(call)
+            assert env.found or env_class.teacher_strategy == "uniform"
+            guesses.append(env.guesses)
+    assert np.mean(guesses[: gn.MAX_NUMBER]) == 3.375
+    assert gh.GuessNumberHostEnv.eval_tasks(17) == [*range(1, 17), 1]
 
 
 # ---------------------------------------------------------------------------------------------- rollout

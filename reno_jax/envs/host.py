@@ -11,10 +11,16 @@ the tool responses cross between host and device.
         tools = ({"type": "function", "function": {"name": "calc", "parameters": {...}}},)
         max_turns = 4
 
-        @staticmethod
-        def sample_task(rng: np.random.Generator): return {"a": int(rng.integers(100))}
+        @classmethod
+        def sample_task(cls, rng: np.random.Generator): return {"a": int(rng.integers(100))}
         def reset(self, task) -> str: ...                      # the first user message
         def step(self, call: ToolCall) -> HostStep: ...        # (response text, reward, done)
+
+Optional: `eval_tasks(num)` (the held-out evaluation tasks; default: `sample_task` from `EVAL_SEED`), `teacher(rng)`
+(the scripted next call of the warm start, in the episode's current state), `episode_info(truncated)` (figures the
+loop logs as means) and `options`: names of class attributes a user may set from the command line
+(`--config.env.digits=7` with ``options = ("digits",)`` and ``digits: ClassVar[int] = 5``); the loop plays the
+subclass `configured(env_class, {"digits": 7})`, so every method just reads `self.digits` / `cls.digits`.
 
 Why one Python object per episode (gym / SkyRL style) rather than a stateless class with explicit state: a host
 environment exists to hold what JAX cannot (open handles, processes, Python objects), and that state has no
@@ -32,18 +38,23 @@ gives them: free strings allowed) and calls `step`; a turn without a well-formed
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import numbers
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple
 
 import numpy as np
 
+from reno_jax.errors import ConfigError
 from reno_jax.protocol import toolcall
 
 # Parse kinds (the same codes as the jitted parser's `reno_jax.protocol.toolcall.KIND_*`).
 KIND_OK = toolcall.KIND_OK
 KIND_NO_CALL = toolcall.KIND_NO_CALL
 KIND_BAD_CALL = toolcall.KIND_BAD_CALL
+
+# Seed of the default held-out tasks (`HostEnv.eval_tasks`): fixed, so every evaluation plays the same suite.
+EVAL_SEED = 20_240_917
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +97,8 @@ class HostEnv:
       tool_error_reward: reward of a turn whose `step` raised or ran past the rollout's `tool_timeout_s` (the
         episode ends there with an error response).
       truncation_reward: reward of an episode that ran out of turns or conversation length before it was done.
+      options: names of the class attributes a user may set (`--config.env.NAME=value`, see `configured`); each
+        has its default as a plain class attribute, whose type the value must have.
     """
 
     name: ClassVar[str] = "host_env"
@@ -95,11 +108,25 @@ class HostEnv:
     invalid_call_reward: ClassVar[float] = -1.0
     tool_error_reward: ClassVar[float] = -1.0
     truncation_reward: ClassVar[float] = 0.0
+    options: ClassVar[tuple[str, ...]] = ()
 
-    @staticmethod
-    def sample_task(rng: np.random.Generator) -> Any:
-        """One task (anything `reset` accepts), drawn with `rng`."""
+    @classmethod
+    def sample_task(cls, rng: np.random.Generator) -> Any:
+        """One training task (anything `reset` accepts), drawn with `rng`."""
         raise NotImplementedError
+
+    @classmethod
+    def eval_tasks(cls, num: int) -> list:
+        """The first `num` tasks of the fixed held-out suite (default: `sample_task` from `EVAL_SEED`; override to
+        keep them apart from the training tasks)."""
+        rng = np.random.default_rng(EVAL_SEED)
+        return [cls.sample_task(rng) for _ in range(num)]
+
+    def teacher(self, rng: np.random.Generator) -> ToolCall:
+        """The scripted policy of the warm start: the next call in the episode's current state (called after `reset`
+        and after each `step` that did not end the episode)."""
+        del rng
+        raise NotImplementedError(f"{type(self).__name__} (name {self.name!r}) has no teacher")
 
     def reset(self, task: Any) -> str:
         """Starts the episode on `task`; returns the first user message's text."""
@@ -197,6 +224,49 @@ def checked_info(env: HostEnv, truncated: bool) -> dict:
     return info
 
 
+# ---------------------------------------------------------------------------------------------- options
+
+
+def _option_value(env_class: type[HostEnv], name: str, value: Any) -> Any:
+    """`value` checked against the type of option `name`'s default (an int is a float too; a list a tuple)."""
+    default = getattr(env_class, name)
+    if isinstance(default, bool):
+        ok = isinstance(value, (bool, np.bool_))
+    elif isinstance(default, numbers.Integral):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    elif isinstance(default, float):
+        ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+        value = float(value) if ok else value
+    elif isinstance(default, tuple):
+        ok = isinstance(value, (tuple, list))
+        value = tuple(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(f"--config.env.{name} must be {type(default).__name__}, got {type(value).__name__}")
+    return value
+
+
+def configured(env_class: type[HostEnv], values: Mapping[str, Any]) -> type[HostEnv]:
+    """`env_class`, or (with `values`) a subclass of the same name with those options' class attributes set.
+
+    Raises one `ConfigError` naming `--config.env.NAME` for a name not in `env_class.options` or a value whose type
+    is not the default's."""
+    for name in env_class.options:
+        if not hasattr(env_class, name):
+            raise TypeError(f"{env_class.__name__}.options names {name!r}, which has no default class attribute")
+    unknown = [name for name in values if name not in env_class.options]
+    if unknown:
+        raise ConfigError(
+            f"--config.env.{unknown[0]}: unknown option of environment {env_class.name!r} "
+            f"(options: {', '.join(env_class.options) or 'none'})"
+        )
+    if not values:
+        return env_class
+    attrs = {name: _option_value(env_class, name, value) for name, value in values.items()}
+    return type(env_class.__name__, (env_class,), {**attrs, "__module__": env_class.__module__})
+
+
 # ---------------------------------------------------------------------------------------------- registry
 
 
@@ -209,6 +279,8 @@ class HostEntry:
 
 
 _HOST_ENTRIES: dict[str, HostEntry] = {}  # the registry, as `reno_jax.envs.registry` keeps the jitted ones
+# Built-in host environments, imported (and so registered) when first asked for by name.
+_BUILTIN = {"guess_number_host": "reno_jax.envs.guess_number_host"}
 
 
 def register(env_class: type[HostEnv]) -> type[HostEnv]:
@@ -217,7 +289,18 @@ def register(env_class: type[HostEnv]) -> type[HostEnv]:
     return env_class
 
 
+def is_host_env(name: str) -> bool:
+    """Whether `name` is a registered (or built-in) host environment."""
+    return name in _HOST_ENTRIES or name in _BUILTIN
+
+
+def host_names() -> list[str]:
+    return sorted(set(_HOST_ENTRIES) | set(_BUILTIN))
+
+
 def host_entry(name: str) -> HostEntry:
+    if name not in _HOST_ENTRIES and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])  # registers itself
     if name not in _HOST_ENTRIES:
         raise KeyError(f"no host environment {name!r}; registered: {sorted(_HOST_ENTRIES)}")
     return _HOST_ENTRIES[name]
