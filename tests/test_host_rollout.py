@@ -398,3 +398,44 @@ def test_resend_history_plays_the_same_episodes(world, echo_run):
         np.testing.assert_array_equal(getattr(traj, name), getattr(ref, name), err_msg=name)
     np.testing.assert_allclose(traj.behaviour_logp, ref.behaviour_logp, atol=1e-5)
     assert ref.info["num_turns"].min() >= 2 and programs.traces == traces  # several turns resent, nothing recompiled
+
+
+def test_warm_start_transcripts_are_the_host_rollouts_ids(world):
+    """The host warm start's teacher conversations (`host_warmstart.play_teacher`) hold exactly the ids a host
+    rollout forced to the same calls holds; their loss covers the calls (and each call's turn end, which the
+    rollout writes itself when the turn stops at the completed "</tool_call>")."""
+    from reno_jax.loop import host_warmstart
+
+    chat, rng = world["guess"], np.random.default_rng(0)
+    tasks = [10, 10, 3, 16]
+    episodes = [
+        host_warmstart.play_teacher(
+            gh.GuessNumberHostEnv, t, rng, chat, turns=TURNS, length=240, max_new_tokens=M, cut=HC.max_response_tokens
+        )
+        for t in tasks
+    ]
+    forced = np.full((B, TURNS, M), -1, np.int32)
+    end = len(chat.turn_end)
+    for b, ep in enumerate(episodes):
+        ids, loss = np.asarray(ep.ids), np.asarray(ep.loss)
+        starts = np.flatnonzero(loss & ~np.r_[False, loss[:-1]])  # each call's first id
+        for turn, s in enumerate(starts):
+            n = int(np.argmax(~loss[s:])) if not loss[s:].all() else len(loss) - s
+            forced[b, turn, : n - end] = ids[s : s + n - end]
+    traj, envs = _run(world, gh.GuessNumberHostEnv, tasks, chat="guess", forced=forced)
+    turn_end_ids = np.isin(traj.tokens, chat.turn_end)
+    for b, ep in enumerate(episodes):
+        n = int(traj.valid[b].sum())
+        ids, loss = np.asarray(ep.ids), np.asarray(ep.loss)
+        np.testing.assert_array_equal(traj.tokens[b, :n], ids[:n])
+        assert list(ids[n:]) in ([], list(chat.turn_end))  # the last call's turn end, never sampled by the rollout
+        np.testing.assert_array_equal(traj.loss_mask[b, :n], loss[:n] & ~turn_end_ids[b, :n])
+        assert float(traj.reward[b]) == ep.reward and envs[b].episode_info(False) == ep.info
+    assert episodes[0].info["found"] and episodes[0].info["guesses"] == 3  # 8, 12, 10: cut by TURNS = 3 otherwise
+    with pytest.raises(TypeError, match=r"NoCallTeacher \(name 'guess_number_host'\)\.teacher must return"):
+
+        class NoCallTeacher(gh.GuessNumberHostEnv):
+            def teacher(self, rng):
+                return 8
+
+        host_warmstart.play_teacher(NoCallTeacher, 3, rng, chat, turns=1, length=240, max_new_tokens=M, cut=8)

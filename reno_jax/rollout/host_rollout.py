@@ -321,7 +321,7 @@ def conversation_length(chat: HostChat, programs: HostPrograms, turns: int) -> i
 # ---------------------------------------------------------------------------------------------- the rollout
 
 
-def _run_call(env: host.HostEnv, call) -> tuple[str, Any]:
+def run_call(env: host.HostEnv, call) -> tuple[str, Any]:
     """Worker: `(method name, what it returned)` of the environment's answer to `call`."""
     if isinstance(call, host.InvalidCall):
         return "invalid_call", env.invalid_call(call)
@@ -332,7 +332,7 @@ def _step_all(pool, envs, calls: dict, timeout_s: float) -> dict:
     """Steps the episodes of `calls` ({row: call}) together; {row: (HostStep, fault)} with fault None, "error" or
     "timeout". A wrong return type raises at once (a bug of the environment, not a tool fault)."""
     deadline = time.monotonic() + timeout_s
-    futures = {b: pool.submit(_run_call, envs[b], call) for b, call in calls.items()}
+    futures = {b: pool.submit(run_call, envs[b], call) for b, call in calls.items()}
     out = {}
     for b, fut in futures.items():
         env = envs[b]
