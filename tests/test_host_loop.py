@@ -88,6 +88,21 @@ def test_step_tasks_are_a_function_of_the_step_key():
     assert typed == host_envs.numpy_rng(key).integers(1 << 30)
 
 
+def test_play_page_opens_a_host_env_run_as_transcripts(tmp_path):
+    """A host-env run dir (its config only: no model call) opens on the transcript view with its held-out suite."""
+    from reno_jax.loop import training
+    from reno_jax.play import service as service_lib
+
+    training.write_run_config(validate_config(tiny_config()), str(tmp_path))
+    service = service_lib.PlayService(str(tmp_path))
+    info = service.info()
+    assert info["env"] == "guess_number_host" and info["view"] == "transcript" and info["board"] is None
+    assert info["suites"] == [{"name": "sampler", "num_episodes": None}, {"name": "heldout", "num_episodes": 4}]
+    assert service.eval_suites["heldout"].starts(None, np.array([2, 0])) == [3, 1]  # every secret, in order
+    with pytest.raises(service_lib.PlayError, match="no checkpoint yet"):
+        service.episode(suite="heldout")
+
+
 # ---------------------------------------------------------------------------------------------- slow tier
 
 
@@ -122,8 +137,11 @@ def test_short_host_run_evaluates_warm_starts_and_shows_transcripts(tmp_path):
 
     service = service_lib.PlayService(workdir)
     assert service.board_info() is None
-    episode = service.episode(step=2, suite="heldout", index=0)
-    assert "I picked a number" in json.dumps(episode)
+    episode = service.episode(step=2, suite="heldout", episode=3)
+    roles = [m["role"] for m in episode["messages"]]
+    assert roles[:3] == ["system", "user", "assistant"] and episode["messages"][1]["content"].startswith("I picked")
+    assert episode["num_turns"] >= 1 and set(episode["info"]) >= {"found", "guesses"}
+    assert service.episode(step=0, suite="sampler", seed=1)["step"] == 0  # the warm start, on a training task
 
 
 def _train_cli(workdir, num_steps, **popen):

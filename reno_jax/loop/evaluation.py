@@ -38,8 +38,9 @@ class SuiteResult:
 def suites_of(config) -> dict[str, interface.EvalSuite]:
     """The evaluation suites the config's environment declares (none: an empty dict)."""
     config = run_config.load(config)
-    if host_envs.is_host(config):
-        return host_envs.heldout_suite(config)
+    env_class = host_envs.host_env_class(config)
+    if env_class is not None:
+        return host_envs.heldout_suite(config, env_class)
     entry = build.env_entry(config)
     return dict(entry.eval_suites(config)) if entry.eval_suites is not None else {}
 

@@ -143,10 +143,27 @@ def host_stats_summary(traj, prefix: str = "rollout/") -> dict:
 # ---------------------------------------------------------------------------------------------- evaluation
 
 
-def heldout_suite(config) -> dict[str, interface.EvalSuite]:
-    """A host environment's one suite, "heldout" (its `eval_tasks`; the suite's `starts` are the task indices)."""
+def heldout_suite(config, env_class: type[host.HostEnv]) -> dict[str, interface.EvalSuite]:
+    """A host environment's one suite, "heldout": its `eval_tasks` (the suite's `starts(key, ids)` are those tasks)."""
     count = run_config.load(config).rollout.host_eval_episodes
-    return {HELDOUT: interface.EvalSuite(num_episodes=count, starts=lambda key, ids: ids, scalable=True)}
+
+    def starts(key, ids):
+        del key
+        tasks = env_class.eval_tasks(int(np.max(ids)) + 1)
+        return [tasks[int(i)] for i in ids]
+
+    return {HELDOUT: interface.EvalSuite(num_episodes=count, starts=starts, scalable=True)}
+
+
+def play_entry(env_class: type[host.HostEnv]) -> registry.Entry:
+    """A `registry.Entry` standing for a host environment where the play page reads one: its name, its suite and
+    a sampler of training tasks (a list of tasks where a jitted entry gives start records); no board view."""
+    return registry.Entry(
+        name=env_class.name,
+        make_env=lambda env_config, **overrides: HostStageEnv(env_class),
+        make_sampler=lambda config: lambda key, num: [env_class.sample_task(numpy_rng(key)) for _ in range(num)],
+        eval_suites=lambda config: heldout_suite(config, env_class),
+    )
 
 
 def play_tasks(params, key, tasks, env_class, *, chat, programs, batch_size: int) -> rollout_lib.Trajectory:

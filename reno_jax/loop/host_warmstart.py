@@ -165,9 +165,8 @@ def check_teacher(config, tokenizer, env_class) -> None:
 
 def warm_start(config, model_config, params, tokenizer, key: jax.Array, env_class, *, layout=None, log=None):
     """`sft.num_steps` supervised steps on the host teacher's conversations (`warmstart.warm_start` for a host
-    environment); returns `warmstart.WarmStartResult` with the student's and the teacher's held-out figures."""
-    from reno_jax.loop import warmstart  # the result type (warmstart calls into this module)
-
+    environment); returns the fields of its `warmstart.WarmStartResult`, the student's and the teacher's held-out
+    figures among them."""
     run = run_config.load(config)
     s = run.sft
     play = _play(run, tokenizer, model_config.vocab_size, env_class)
@@ -210,9 +209,8 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, env_clas
     if log is not None and s.num_steps:
         log(int(s.num_steps), {"sft/nll": nll, **student, **{f"teacher/heldout/{k}": v for k, v in teacher.items()}})
     _say_side_by_side(student, teacher)
-    return warmstart.WarmStartResult(
+    return dict(
         params=state.params,
-        cached=False,
         final_nll=nll,
         seconds=time.time() - t0 - eval_seconds,
         teacher={**{f"heldout/{k}": v for k, v in teacher.items()}, **_prefixed(teacher_figures(seen), "train/")},

@@ -207,9 +207,8 @@ def warm_start(
     not the warm start's `sft.env`).
     """
     run = run_config.load(config)
-    host_class = host_envs.host_env_class(env_config_for_warm_start(run))
-    if host_class is not None:
-        return host_warmstart.warm_start(run, model_config, params, tokenizer, key, host_class, layout=layout, log=log)
+    if (host_result := _host_warm_start(run, model_config, params, tokenizer, key, layout, log)) is not None:
+        return host_result
     s = run.sft
     suite_names = evaluation.in_run_suite_names(run)
     eval_key = jax.random.PRNGKey(run.seed + 1)  # the RL loop's eval key: comparable figures
@@ -290,6 +289,15 @@ def warm_start(
         teacher=teacher_figures,
         evaluated=dict(evaluated, **({"eval_seconds": eval_seconds} if s.eval_every else {})),
     )
+
+
+def _host_warm_start(run, model_config, params, tokenizer, key, layout, log) -> WarmStartResult | None:
+    """`warm_start` for a host environment (`host_warmstart`), or None for a jitted one."""
+    host_class = host_envs.host_env_class(env_config_for_warm_start(run))
+    if host_class is None:
+        return None
+    figures = host_warmstart.warm_start(run, model_config, params, tokenizer, key, host_class, layout=layout, log=log)
+    return WarmStartResult(cached=False, **figures)
 
 
 def cached_warm_start(
