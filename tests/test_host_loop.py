@@ -142,6 +142,17 @@ def test_short_host_run_evaluates_warm_starts_and_shows_transcripts(tmp_path):
     assert roles[:3] == ["system", "user", "assistant"] and episode["messages"][1]["content"].startswith("I picked")
     assert episode["num_turns"] >= 1 and set(episode["info"]) >= {"found", "guesses"}
     assert service.episode(step=0, suite="sampler", seed=1)["step"] == 0  # the warm start, on a training task
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", "--num_episodes=3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["checkpoint_step"] == 2 and last["heldout/num_episodes"] == 3 and "heldout/found" in last
+    assert "I picked a number" in open(os.path.join(workdir, "eval_transcripts.txt")).read()
 
 
 def _train_cli(workdir, num_steps, **popen):
@@ -160,6 +171,7 @@ def _train_cli(workdir, num_steps, **popen):
         "--config.rollout.host_eval_episodes=4",
         "--config.checkpoint_every=1",
         "--config.plot_every=0",
+        "--config.rollout.temperature=0.05",  # near greedy: the two warm-start steps' valid calls, on each task
     ]
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
 
@@ -183,3 +195,41 @@ def test_host_run_resumes_exactly_after_kill_9(tmp_path):
     expected = [strip_perf(r) for r in read_rows(tmp_path / "whole")]
     assert [r["step"] for r in expected] == list(range(1, steps + 1))
     assert [strip_perf(r) for r in read_rows(killed_dir)] == expected
+
+
+class MagicWord:
+    """A SkyRL-gym-style text environment: say "please" (reward 1, done), else told to ask nicely (twice at most)."""
+
+    def init(self, prompt):
+        self.asked = 0
+        return prompt, {}
+
+    def step(self, action: str):
+        self.asked += 1
+        if "please" in action:
+            return {"observations": [{"role": "user", "content": "Granted."}], "reward": 1.0, "done": True}
+        return [{"role": "user", "content": "Ask nicely."}], 0, self.asked >= 2, {}
+
+
+def test_text_gym_adapter_hands_the_raw_turn_text_to_step():
+    from reno_jax.envs import text_gym
+    from reno_jax.protocol import toolcall
+
+    env_class = text_gym.host_env(MagicWord, name="magic_word", prompts=["Open the door.", "Pass the salt."])
+    assert env_class.eval_tasks(3) == ["Open the door.", "Pass the salt.", "Open the door."]
+    env = env_class()
+    assert host.checked_reset(env, env_class.sample_task(np.random.default_rng(0))) in env_class.eval_tasks(2)
+    turn = "Give it to me." + toolcall.OPEN_TAG  # no tool call: the raw text still reaches step
+    call = host.parse_call(env_class.tools, turn)
+    assert host.checked_step(env, "invalid_call", env.invalid_call(call)) == ("Ask nicely.", 0.0, False)
+    assert host.checked_step(env, "invalid_call", env.invalid_call(host.parse_call((), "please?"))) == (
+        "Granted.",
+        1.0,
+        True,
+    )
+    assert env.episode_info(False) == {"steps": 2, "truncated": False}
+    tooled = text_gym.host_env(MagicWord, name="tooled", prompts=["x"], tools=gh.GuessNumberHostEnv.tools)
+    env = tooled()
+    env.reset("x")
+    text = 'please <tool_call>{"name": "guess", "arguments": {"number": 3}}</tool_call>'
+    assert env.step(host.parse_call(tooled.tools, text)).reward == 1.0  # a parsed call carries its turn's text

@@ -59,10 +59,12 @@ EVAL_SEED = 20_240_917
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """A well-formed call of one of the environment's tools: ``name`` and ``arguments`` as JSON gave them."""
+    """A well-formed call of one of the environment's tools: ``name`` and ``arguments`` as JSON gave them; ``text``:
+    the whole turn it was parsed from (empty for a call made in code, e.g. a teacher's; not compared)."""
 
     name: str
     arguments: dict
+    text: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +183,7 @@ def parse_call(tools, text: str) -> ToolCall | InvalidCall:
     missing = [k for k in required if k not in obj["arguments"]]
     if missing:
         return InvalidCall(KIND_BAD_CALL, text, f"missing arguments {missing}")
-    return ToolCall(obj["name"], obj["arguments"])
+    return ToolCall(obj["name"], obj["arguments"], text)
 
 
 # ---------------------------------------------------------------------------------------------- type checks
