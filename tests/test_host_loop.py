@@ -72,6 +72,9 @@ def test_host_env_config_errors_name_the_flag():
     c.sft.num_steps = 0
     c.env.secret_offset = 1
     assert host_envs.host_env_class(validate_config(c)).secret_offset == 1
+    c.mesh.data = 2
+    with pytest.raises(ConfigError, match=r"^--config.mesh: env.name='no_teacher_host' is a host environment"):
+        validate_config(c)
     c.env.module = "no_such_pkg.envs"
     with pytest.raises(ConfigError, match=r"^--config.env.module='no_such_pkg.envs' cannot be imported"):
         validate_config(c)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from reno_jax import parallel, run_config
 from reno_jax.errors import ConfigError, as_config_error
 from reno_jax.loop import build, curriculum, evaluation, host_envs, recipe, warmstart
@@ -89,4 +91,10 @@ def _check_host_env(config: run_config.RunConfig) -> bool:
         raise as_config_error(error) from None
     if env_class is not None:
         host_envs.check_host_env(env_class)
+        sizes = config.mesh.sizes()
+        if jax.process_count() > 1 or any(v != 1 for v in sizes.values()):
+            raise ConfigError(
+                f"--config.mesh: env.name={env_class.name!r} is a host environment, which runs on one device "
+                f"(one process) for now; got {sizes} over {jax.process_count()} process(es)"
+            )
     return env_class is not None
