@@ -37,6 +37,14 @@ class NoTeacherEnv(gh.GuessNumberHostEnv):
         return host.HostEnv.teacher(self, rng)
 
 
+@host.register
+class IntResetEnv(gh.GuessNumberHostEnv):
+    name = "int_reset_host"
+
+    def reset(self, task):
+        return 7
+
+
 def tiny_config(num_steps: int = 2):
     """guess_number_host_tiny cut to seconds of work per step: 2 secrets x 2 samples, two warm-start steps."""
     c = guess_number_host_tiny.get_config()
@@ -75,6 +83,10 @@ def test_host_env_config_errors_name_the_flag():
     c.mesh.data = 2
     with pytest.raises(ConfigError, match=r"^--config.mesh: env.name='no_teacher_host' is a host environment"):
         validate_config(c)
+    c.env = ml_collections.ConfigDict(dict(name="int_reset_host", module=""))
+    with pytest.raises(host.HostEnvError, match=r"^IntResetEnv \(name 'int_reset_host'\)\.reset must return"):
+        validate_config(c)  # a wrong type fails at once, before anything is written (the CLIs: one line)
+    c = tiny_config()
     c.env.module = "no_such_pkg.envs"
     with pytest.raises(ConfigError, match=r"^--config.env.module='no_such_pkg.envs' cannot be imported"):
         validate_config(c)

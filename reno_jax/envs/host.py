@@ -77,6 +77,11 @@ class InvalidCall:
     reason: str
 
 
+class HostEnvError(TypeError):
+    """A host environment's method returned a wrong type (a bug of the environment, found at its first call): the
+    message names the class, the method and the type (the CLIs print it as one line)."""
+
+
 class HostStep(NamedTuple):
     """What `HostEnv.step` returns: the tool response's text, the turn's reward, whether the episode is over."""
 
@@ -197,7 +202,9 @@ def checked_reset(env: HostEnv, task: Any) -> str:
     """`env.reset(task)`, failing with one TypeError naming the environment if it does not return a string."""
     text = env.reset(task)
     if not isinstance(text, str):
-        raise TypeError(f"{_where(env, 'reset')} must return the first user message as str, got {type(text).__name__}")
+        raise HostEnvError(
+            f"{_where(env, 'reset')} must return the first user message as str, got {type(text).__name__}"
+        )
     return text
 
 
@@ -205,24 +212,26 @@ def checked_step(env: HostEnv, method: str, out: Any) -> HostStep:
     """`out` (what `env.<method>` returned) as a `HostStep`, or one TypeError naming the environment, the method and
     the wrong type."""
     if not isinstance(out, tuple) or len(out) != 3:
-        raise TypeError(
+        raise HostEnvError(
             f"{_where(env, method)} must return (text: str, reward: float, done: bool), "
             f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple) else "")
         )
     text, reward, done = out
     if not isinstance(text, str):
-        raise TypeError(f"{_where(env, method)} returned a response text of type {type(text).__name__}, expected str")
+        raise HostEnvError(
+            f"{_where(env, method)} returned a response text of type {type(text).__name__}, expected str"
+        )
     if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
-        raise TypeError(f"{_where(env, method)} returned a reward of type {type(reward).__name__}, expected float")
+        raise HostEnvError(f"{_where(env, method)} returned a reward of type {type(reward).__name__}, expected float")
     if not isinstance(done, (bool, np.bool_)):
-        raise TypeError(f"{_where(env, method)} returned done of type {type(done).__name__}, expected bool")
+        raise HostEnvError(f"{_where(env, method)} returned done of type {type(done).__name__}, expected bool")
     return HostStep(text, float(reward), bool(done))
 
 
 def checked_info(env: HostEnv, truncated: bool) -> dict:
     info = env.episode_info(truncated)
     if not isinstance(info, dict) or not all(isinstance(v, (numbers.Number, np.bool_)) for v in info.values()):
-        raise TypeError(f"{_where(env, 'episode_info')} must return a dict of numbers, got {info!r:.80}")
+        raise HostEnvError(f"{_where(env, 'episode_info')} must return a dict of numbers, got {info!r:.80}")
     return info
 
 
@@ -256,7 +265,7 @@ def configured(env_class: type[HostEnv], values: Mapping[str, Any]) -> type[Host
     is not the default's."""
     for name in env_class.options:
         if not hasattr(env_class, name):
-            raise TypeError(f"{env_class.__name__}.options names {name!r}, which has no default class attribute")
+            raise HostEnvError(f"{env_class.__name__}.options names {name!r}, which has no default class attribute")
     unknown = [name for name in values if name not in env_class.options]
     if unknown:
         raise ConfigError(

@@ -43,11 +43,11 @@ def _step_output(where: str, out) -> host.HostStep:
     if isinstance(out, dict):
         missing = [k for k in ("observations", "reward", "done") if k not in out]
         if missing:
-            raise TypeError(f"{where} returned a dict without {missing}")
+            raise host.HostEnvError(f"{where} returned a dict without {missing}")
         return host.HostStep(_observation_text(out["observations"]), out["reward"], out["done"])
     if isinstance(out, tuple) and len(out) in (3, 4):
         return host.HostStep(_observation_text(out[0]), out[1], out[2])
-    raise TypeError(
+    raise host.HostEnvError(
         f"{where} must return {{'observations', 'reward', 'done'}} or (observations, reward, done), "
         f"got {type(out).__name__}"
     )
@@ -75,7 +75,7 @@ def host_env(
             messages, _ = self.gym.init(_as_messages(task))
             users = [m["content"] for m in messages if m.get("role") == "user"]
             if not users:
-                raise TypeError(f"{text_env_class.__name__}.init returned no user message")
+                raise host.HostEnvError(f"{text_env_class.__name__}.init returned no user message")
             return str(users[-1])
 
         def step(self, call: host.ToolCall) -> host.HostStep:

@@ -54,7 +54,7 @@ class TeacherEpisode:
 def _teacher_call(env: host.HostEnv, rng: np.random.Generator) -> host.ToolCall:
     call = env.teacher(rng)
     if not isinstance(call, host.ToolCall):
-        raise TypeError(
+        raise host.HostEnvError(
             f"{type(env).__name__} (name {env.name!r}).teacher must return a host.ToolCall, got {type(call).__name__}"
         )
     return call
