@@ -87,6 +87,11 @@ def test_host_env_config_errors_name_the_flag():
     with pytest.raises(host.HostEnvError, match=r"^IntResetEnv \(name 'int_reset_host'\)\.reset must return"):
         validate_config(c)  # a wrong type fails at once, before anything is written (the CLIs: one line)
     c = tiny_config()
+    c.env.name = "guess_number_hots"
+    with pytest.raises(
+        ConfigError, match=r"^--config.env.name: unknown environment .*host environments: \[.*'guess_number_host'"
+    ):
+        validate_config(c)
     c.env.module = "no_such_pkg.envs"
     with pytest.raises(ConfigError, match=r"^--config.env.module='no_such_pkg.envs' cannot be imported"):
         validate_config(c)

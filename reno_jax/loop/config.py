@@ -14,6 +14,7 @@ import os
 import jax
 
 from reno_jax import parallel, run_config
+from reno_jax.envs import host
 from reno_jax.errors import ConfigError, as_config_error
 from reno_jax.loop import build, curriculum, evaluation, host_envs, recipe, warmstart
 
@@ -72,7 +73,9 @@ def check_env(config) -> None:
     try:
         entry = build.env_entry(config)
     except ValueError as error:
-        message = str(error)
+        message = str(error) + (
+            f"; host environments: {host.host_names()}" if "unknown environment" in str(error) else ""
+        )
         raise ConfigError(
             f"--config.{message}" if message.startswith("env.") else f"--config.env.name: {message}"
         ) from None
