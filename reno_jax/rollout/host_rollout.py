@@ -46,7 +46,7 @@ Trajectory: as in `reno_jax.rollout.rollout`; `turn_key` is -1 (host environment
 `HostRolloutStats`, the `RolloutStats` fields plus `responses_cut`, `tool_errors` and `tool_timeouts` (`[B]`
 int32); `env_info` is the environments' `episode_info` stacked to `[B]` arrays.
 
-How the training loop will call it (not wired yet): build `chat = compile_host_chat(env_class, tokenizer,
+How the training loop calls it (`reno_jax.loop.host_envs`): build `chat = compile_host_chat(env_class, tokenizer,
 vocab_size)` and `programs = make_host_programs(model_config, rollout_config, host_config)` once; per step draw
 `envs, tasks = host.sample_episodes(env_class, rng, num_groups, group_size)` and call
 `host_rollout(params, key, envs, tasks, chat=chat, programs=programs)` in place of the jitted rollout function
