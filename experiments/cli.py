@@ -13,6 +13,7 @@ from absl import app, flags
 
 from reno_jax import parallel
 from reno_jax.checkpoint.orbax import RestoreError
+from reno_jax.envs.host import HostEnvError
 from reno_jax.errors import ConfigError, RunError
 from reno_jax.models.conversion import CheckpointError
 
@@ -63,14 +64,15 @@ def use_compilation_cache(path: str) -> str | None:
 
 def run(main: Callable) -> None:
     """`absl.app.run(main)` with `--compilation_cache` on, and with `UserError`, `ConfigError`, `RunError` (a
-    workdir without the run or checkpoint asked for), `CheckpointError` (a bad model directory) and `RestoreError`
-    (a checkpoint of another model: its leaf and both shapes) printed as one line, exit status 2."""
+    workdir without the run or checkpoint asked for), `CheckpointError` (a bad model directory), `RestoreError`
+    (a checkpoint of another model: its leaf and both shapes) and `HostEnvError` (a host environment's method
+    returned a wrong type) printed as one line, exit status 2."""
 
     def guarded(argv):
         try:
             use_compilation_cache(_CACHE.value)
             return main(argv)
-        except (UserError, ConfigError, RunError, CheckpointError, RestoreError) as error:
+        except (UserError, ConfigError, RunError, CheckpointError, RestoreError, HostEnvError) as error:
             print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
             sys.exit(2)
 

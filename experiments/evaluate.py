@@ -8,8 +8,9 @@ r"""Evaluates a training run's checkpoint on its environment's evaluation suites
 Each environment declares its suites (`registry.register(eval_suites=...)`; `--list_suites` prints them):
 tic-tac-toe `positions` (every X-to-move position), `positions_o`, `positions_both`, `heldout`, and games against
 `minimax`, `random`, `epsilon`; Connect Four games against `random`, `greedy`, `negamax`; guess-the-number every
-secret (`secrets`). A suite prints its figures as a JSON line; the last line holds every suite's as
-`<suite>/<figure>` with the checkpoint step. `--transcripts` rendered episodes go to workdir/eval_transcripts.txt.
+secret (`secrets`); a host environment (`reno_jax.envs.host`) its held-out tasks (`heldout`). A suite prints its
+figures as a JSON line; the last line holds every suite's as `<suite>/<figure>` with the checkpoint step.
+`--transcripts` rendered episodes go to workdir/eval_transcripts.txt.
 
 Any mesh (`--mesh`, the fields of a training config's `mesh` section): the checkpoint, whatever mesh and
 number of processes wrote it, is restored straight onto this mesh with the preset's parameter shardings, and

@@ -6,6 +6,8 @@ r"""GSPO training of a Ling-3.0-architecture policy on any registered tool-calli
       --config.num_steps=5 --config.rl.learning_rate=3e-4
   python -m experiments.train --config=configs/guess_number_tiny.py --workdir=/tmp/g \
       --config.env.module=my_pkg.my_env --config.env.name=my_env       # an environment of your own package
+  python -m experiments.train --config=configs/guess_number_host_tiny.py --workdir=/tmp/h \
+      --config.env.teacher_strategy=binary                             # a host environment and one of its options
 
 A thin layer over `reno_jax.loop.train` (see there for what the workdir holds): flags, the multi-process set-up
 (`--coordinator_address --num_processes --process_id`, or a detected cluster; `experiments.distributed`), one-line

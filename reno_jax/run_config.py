@@ -171,6 +171,13 @@ class RolloutSettings:
         0, "bytes of a turn the tool-call parser scans", _at_least(0), "an integer >= 0 (0: no cap)"
     )
     share_prompt_prefill: bool = _field(_ROLLOUT.share_prompt_prefill, "prefill each group's prompt once")
+    # Host environments (`reno_jax.envs.host`, played by `reno_jax.rollout.host_rollout`) only:
+    host_max_prompt_tokens: int = _field(256, "host env: cap on a first user message's own tokens", *_INT_GE1)
+    host_max_response_tokens: int = _field(128, "host env: a tool response's own tokens beyond this are cut", *_INT_GE1)
+    host_tool_timeout_s: float = _field(
+        30.0, "host env: seconds one turn's tool calls may take", lambda v: v > 0, "a number > 0"
+    )
+    host_eval_episodes: int = _field(64, "host env: episodes of the held-out suite (`eval_tasks`)", *_INT_GE1)
 
     def rollout_config(
         self, *, greedy: bool = False, group_size: int | None = None, record_routing: bool = False

@@ -106,6 +106,10 @@ SLOW = {
         "studies/connect4_decisions.py on the Connect Four model",
     "tests/test_host_rollout_cost.py::test_host_rollout_cost_tiny":
         "benchmarks/host_rollout_cost.py at a tiny size: three rollouts and three train steps compiled (~100 CPU-s)",
+    "tests/test_host_loop.py::test_short_host_run_evaluates_warm_starts_and_shows_transcripts":
+        "a two-step host-env run with warm start, in-run evaluation and the play page (~150 CPU-s)",
+    "tests/test_host_loop.py::test_host_run_resumes_exactly_after_kill_9":
+        "three host-env training runs of the CLI in subprocesses, one killed with SIGKILL",
     # another framework
     "tests/test_conversion.py::test_export_logits_equal_transformers_native_class":
         "transformers' PyTorch BailingHybridForCausalLM: needs torch, which .ci/run installs for this tier only",

@@ -16,6 +16,7 @@ from test_rollout import FAST_COMPILE, MC, _numpy_params
 from reno_jax.envs import guess_number as gn
 from reno_jax.envs import guess_number_host as gh
 from reno_jax.envs import host
+from reno_jax.errors import ConfigError
 from reno_jax.models import ling3
 from reno_jax.protocol import chat as chat_lib
 from reno_jax.protocol.tokenizer import decode as decode_text
@@ -186,6 +187,53 @@ def test_guess_number_host_speaks_like_the_jitted_env():
     assert host.sample_episodes(gh.GuessNumberHostEnv, 0, 3, 2)[1] == tasks
 
 
+class OptionEnv(EchoEnv):
+    """Two options: the number of digits and a word."""
+
+    name = "option_env"
+    options = ("digits", "word", "scale")
+    digits = 5
+    word = "hi"
+    scale = 1.0
+
+    @classmethod
+    def sample_task(cls, rng):
+        return int(rng.integers(10**cls.digits))
+
+
+def test_options_configure_a_subclass_and_errors_name_the_flag():
+    seven = host.configured(OptionEnv, {"digits": 7, "scale": 2})
+    assert issubclass(seven, OptionEnv) and seven.digits == 7 and seven.scale == 2.0 and OptionEnv.digits == 5
+    assert seven().digits == 7 and seven.name == "option_env" and host.configured(OptionEnv, {}) is OptionEnv
+    assert seven.eval_tasks(3) == seven.eval_tasks(3) and len(seven.eval_tasks(3)) == 3  # fixed suite (EVAL_SEED)
+    with pytest.raises(ConfigError, match=r"^--config.env.colour: unknown option of environment 'option_env' "):
+        host.configured(OptionEnv, {"colour": 1})
+    with pytest.raises(ConfigError, match=r"^--config.env.digits must be int, got str"):
+        host.configured(OptionEnv, {"digits": "7"})
+    with pytest.raises(ConfigError, match=r"^--config.env.digits must be int, got bool"):
+        host.configured(OptionEnv, {"digits": True})
+    with pytest.raises(NotImplementedError, match=r"OptionEnv \(name 'option_env'\) has no teacher"):
+        OptionEnv().teacher(np.random.default_rng(0))
+
+
+def test_guess_number_host_teachers():
+    """ "binary" finds every secret by binary search (3.375 guesses on average); "uniform" stays in the range."""
+    rng, guesses = np.random.default_rng(0), []
+    for env_class in (gh.GuessNumberHostEnv, host.configured(gh.GuessNumberHostEnv, {"teacher_strategy": "uniform"})):
+        for secret in gh.GuessNumberHostEnv.eval_tasks(gn.MAX_NUMBER):
+            env = env_class()
+            env.reset(secret)
+            done = False
+            while not done:
+                call = env.teacher(rng)
+                assert env.low <= call.arguments["number"] <= env.high
+                _, reward, done = env.step(call)
+            assert env.found or env_class.teacher_strategy == "uniform"
+            guesses.append(env.guesses)
+    assert np.mean(guesses[: gn.MAX_NUMBER]) == 3.375
+    assert gh.GuessNumberHostEnv.eval_tasks(17) == [*range(1, 17), 1]
+
+
 # ---------------------------------------------------------------------------------------------- rollout
 
 
@@ -350,3 +398,44 @@ def test_resend_history_plays_the_same_episodes(world, echo_run):
         np.testing.assert_array_equal(getattr(traj, name), getattr(ref, name), err_msg=name)
     np.testing.assert_allclose(traj.behaviour_logp, ref.behaviour_logp, atol=1e-5)
     assert ref.info["num_turns"].min() >= 2 and programs.traces == traces  # several turns resent, nothing recompiled
+
+
+def test_warm_start_transcripts_are_the_host_rollouts_ids(world):
+    """The host warm start's teacher conversations (`host_warmstart.play_teacher`) hold exactly the ids a host
+    rollout forced to the same calls holds; their loss covers the calls (and each call's turn end, which the
+    rollout writes itself when the turn stops at the completed "</tool_call>")."""
+    from reno_jax.loop import host_warmstart
+
+    chat, rng = world["guess"], np.random.default_rng(0)
+    tasks = [10, 10, 3, 16]
+    episodes = [
+        host_warmstart.play_teacher(
+            gh.GuessNumberHostEnv, t, rng, chat, turns=TURNS, length=240, max_new_tokens=M, cut=HC.max_response_tokens
+        )
+        for t in tasks
+    ]
+    forced = np.full((B, TURNS, M), -1, np.int32)
+    end = len(chat.turn_end)
+    for b, ep in enumerate(episodes):
+        ids, loss = np.asarray(ep.ids), np.asarray(ep.loss)
+        starts = np.flatnonzero(loss & ~np.r_[False, loss[:-1]])  # each call's first id
+        for turn, s in enumerate(starts):
+            n = int(np.argmax(~loss[s:])) if not loss[s:].all() else len(loss) - s
+            forced[b, turn, : n - end] = ids[s : s + n - end]
+    traj, envs = _run(world, gh.GuessNumberHostEnv, tasks, chat="guess", forced=forced)
+    turn_end_ids = np.isin(traj.tokens, chat.turn_end)
+    for b, ep in enumerate(episodes):
+        n = int(traj.valid[b].sum())
+        ids, loss = np.asarray(ep.ids), np.asarray(ep.loss)
+        np.testing.assert_array_equal(traj.tokens[b, :n], ids[:n])
+        assert list(ids[n:]) in ([], list(chat.turn_end))  # the last call's turn end, never sampled by the rollout
+        np.testing.assert_array_equal(traj.loss_mask[b, :n], loss[:n] & ~turn_end_ids[b, :n])
+        assert float(traj.reward[b]) == ep.reward and envs[b].episode_info(False) == ep.info
+    assert episodes[0].info["found"] and episodes[0].info["guesses"] == 3  # 8, 12, 10: cut by TURNS = 3 otherwise
+    with pytest.raises(TypeError, match=r"NoCallTeacher \(name 'guess_number_host'\)\.teacher must return"):
+
+        class NoCallTeacher(gh.GuessNumberHostEnv):
+            def teacher(self, rng):
+                return 8
+
+        host_warmstart.play_teacher(NoCallTeacher, 3, rng, chat, turns=1, length=240, max_new_tokens=M, cut=8)

@@ -3,9 +3,15 @@
 The same game as the jitted environment, said in the same words (its `CHAT` templates resolved to text), so a
 policy cannot tell the two apart; it exists to test `reno_jax.rollout.host_rollout` and as the smallest example
 of a host environment.
+
+Its warm-start teacher (`teacher`, option `teacher_strategy`): "binary" guesses the middle of the numbers the answers
+allow (binary search: always found, in 3.375 guesses on average), "uniform" a uniformly random one of them (the
+jitted environment's teacher, `guess_number.consistent_guess`). The held-out suite is every secret, in order.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import numpy as np
 
@@ -23,10 +29,26 @@ class GuessNumberHostEnv(host.HostEnv):
     max_turns = gn.MAX_GUESSES
     invalid_call_reward = gn.INVALID_REWARD
     truncation_reward = 0.0
+    options = ("teacher_strategy",)
+    teacher_strategy: ClassVar[str] = "binary"  # the warm start's teacher: "binary" or "uniform" (module docstring)
 
-    @staticmethod
-    def sample_task(rng: np.random.Generator) -> int:
+    @classmethod
+    def sample_task(cls, rng: np.random.Generator) -> int:
         return int(rng.integers(1, gn.MAX_NUMBER + 1))
+
+    @classmethod
+    def eval_tasks(cls, num: int) -> list:
+        """Every secret in turn (the jitted environment's `secrets` suite), repeated past MAX_NUMBER."""
+        return [k % gn.MAX_NUMBER + 1 for k in range(num)]
+
+    def teacher(self, rng: np.random.Generator) -> host.ToolCall:
+        if self.teacher_strategy == "binary":
+            number = (self.low + self.high) // 2
+        elif self.teacher_strategy == "uniform":
+            number = int(rng.integers(self.low, self.high + 1))
+        else:
+            raise ValueError(f"env.teacher_strategy={self.teacher_strategy!r}: expected 'binary' or 'uniform'")
+        return host.ToolCall("guess", {"number": number})
 
     def reset(self, task: int) -> str:
         self.secret, self.guesses, self.low, self.high = int(task), 0, 1, gn.MAX_NUMBER

@@ -11,10 +11,16 @@ the tool responses cross between host and device.
         tools = ({"type": "function", "function": {"name": "calc", "parameters": {...}}},)
         max_turns = 4
 
-        @staticmethod
-        def sample_task(rng: np.random.Generator): return {"a": int(rng.integers(100))}
+        @classmethod
+        def sample_task(cls, rng: np.random.Generator): return {"a": int(rng.integers(100))}
         def reset(self, task) -> str: ...                      # the first user message
         def step(self, call: ToolCall) -> HostStep: ...        # (response text, reward, done)
+
+Optional: `eval_tasks(num)` (the held-out evaluation tasks; default: `sample_task` from `EVAL_SEED`), `teacher(rng)`
+(the scripted next call of the warm start, in the episode's current state), `episode_info(truncated)` (figures the
+loop logs as means) and `options`: names of class attributes a user may set from the command line
+(`--config.env.digits=7` with ``options = ("digits",)`` and ``digits: ClassVar[int] = 5``); the loop plays the
+subclass `configured(env_class, {"digits": 7})`, so every method just reads `self.digits` / `cls.digits`.
 
 Why one Python object per episode (gym / SkyRL style) rather than a stateless class with explicit state: a host
 environment exists to hold what JAX cannot (open handles, processes, Python objects), and that state has no
@@ -32,12 +38,14 @@ gives them: free strings allowed) and calls `step`; a turn without a well-formed
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import numbers
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple
 
 import numpy as np
 
+from reno_jax.errors import ConfigError
 from reno_jax.protocol import toolcall
 
 # Parse kinds (the same codes as the jitted parser's `reno_jax.protocol.toolcall.KIND_*`).
@@ -45,13 +53,18 @@ KIND_OK = toolcall.KIND_OK
 KIND_NO_CALL = toolcall.KIND_NO_CALL
 KIND_BAD_CALL = toolcall.KIND_BAD_CALL
 
+# Seed of the default held-out tasks (`HostEnv.eval_tasks`): fixed, so every evaluation plays the same suite.
+EVAL_SEED = 20_240_917
+
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """A well-formed call of one of the environment's tools: ``name`` and ``arguments`` as JSON gave them."""
+    """A well-formed call of one of the environment's tools: ``name`` and ``arguments`` as JSON gave them; ``text``:
+    the whole turn it was parsed from (empty for a call made in code, e.g. a teacher's; not compared)."""
 
     name: str
     arguments: dict
+    text: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +75,11 @@ class InvalidCall:
     kind: int
     text: str
     reason: str
+
+
+class HostEnvError(TypeError):
+    """A host environment's method returned a wrong type (a bug of the environment, found at its first call): the
+    message names the class, the method and the type (the CLIs print it as one line)."""
 
 
 class HostStep(NamedTuple):
@@ -86,6 +104,8 @@ class HostEnv:
       tool_error_reward: reward of a turn whose `step` raised or ran past the rollout's `tool_timeout_s` (the
         episode ends there with an error response).
       truncation_reward: reward of an episode that ran out of turns or conversation length before it was done.
+      options: names of the class attributes a user may set (`--config.env.NAME=value`, see `configured`); each
+        has its default as a plain class attribute, whose type the value must have.
     """
 
     name: ClassVar[str] = "host_env"
@@ -95,11 +115,25 @@ class HostEnv:
     invalid_call_reward: ClassVar[float] = -1.0
     tool_error_reward: ClassVar[float] = -1.0
     truncation_reward: ClassVar[float] = 0.0
+    options: ClassVar[tuple[str, ...]] = ()
 
-    @staticmethod
-    def sample_task(rng: np.random.Generator) -> Any:
-        """One task (anything `reset` accepts), drawn with `rng`."""
+    @classmethod
+    def sample_task(cls, rng: np.random.Generator) -> Any:
+        """One training task (anything `reset` accepts), drawn with `rng`."""
         raise NotImplementedError
+
+    @classmethod
+    def eval_tasks(cls, num: int) -> list:
+        """The first `num` tasks of the fixed held-out suite (default: `sample_task` from `EVAL_SEED`; override to
+        keep them apart from the training tasks)."""
+        rng = np.random.default_rng(EVAL_SEED)
+        return [cls.sample_task(rng) for _ in range(num)]
+
+    def teacher(self, rng: np.random.Generator) -> ToolCall:
+        """The scripted policy of the warm start: the next call in the episode's current state (called after `reset`
+        and after each `step` that did not end the episode)."""
+        del rng
+        raise NotImplementedError(f"{type(self).__name__} (name {self.name!r}) has no teacher")
 
     def reset(self, task: Any) -> str:
         """Starts the episode on `task`; returns the first user message's text."""
@@ -154,7 +188,7 @@ def parse_call(tools, text: str) -> ToolCall | InvalidCall:
     missing = [k for k in required if k not in obj["arguments"]]
     if missing:
         return InvalidCall(KIND_BAD_CALL, text, f"missing arguments {missing}")
-    return ToolCall(obj["name"], obj["arguments"])
+    return ToolCall(obj["name"], obj["arguments"], text)
 
 
 # ---------------------------------------------------------------------------------------------- type checks
@@ -168,7 +202,9 @@ def checked_reset(env: HostEnv, task: Any) -> str:
     """`env.reset(task)`, failing with one TypeError naming the environment if it does not return a string."""
     text = env.reset(task)
     if not isinstance(text, str):
-        raise TypeError(f"{_where(env, 'reset')} must return the first user message as str, got {type(text).__name__}")
+        raise HostEnvError(
+            f"{_where(env, 'reset')} must return the first user message as str, got {type(text).__name__}"
+        )
     return text
 
 
@@ -176,25 +212,70 @@ def checked_step(env: HostEnv, method: str, out: Any) -> HostStep:
     """`out` (what `env.<method>` returned) as a `HostStep`, or one TypeError naming the environment, the method and
     the wrong type."""
     if not isinstance(out, tuple) or len(out) != 3:
-        raise TypeError(
+        raise HostEnvError(
             f"{_where(env, method)} must return (text: str, reward: float, done: bool), "
             f"got {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple) else "")
         )
     text, reward, done = out
     if not isinstance(text, str):
-        raise TypeError(f"{_where(env, method)} returned a response text of type {type(text).__name__}, expected str")
+        raise HostEnvError(
+            f"{_where(env, method)} returned a response text of type {type(text).__name__}, expected str"
+        )
     if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, numbers.Real):
-        raise TypeError(f"{_where(env, method)} returned a reward of type {type(reward).__name__}, expected float")
+        raise HostEnvError(f"{_where(env, method)} returned a reward of type {type(reward).__name__}, expected float")
     if not isinstance(done, (bool, np.bool_)):
-        raise TypeError(f"{_where(env, method)} returned done of type {type(done).__name__}, expected bool")
+        raise HostEnvError(f"{_where(env, method)} returned done of type {type(done).__name__}, expected bool")
     return HostStep(text, float(reward), bool(done))
 
 
 def checked_info(env: HostEnv, truncated: bool) -> dict:
     info = env.episode_info(truncated)
     if not isinstance(info, dict) or not all(isinstance(v, (numbers.Number, np.bool_)) for v in info.values()):
-        raise TypeError(f"{_where(env, 'episode_info')} must return a dict of numbers, got {info!r:.80}")
+        raise HostEnvError(f"{_where(env, 'episode_info')} must return a dict of numbers, got {info!r:.80}")
     return info
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+def _option_value(env_class: type[HostEnv], name: str, value: Any) -> Any:
+    """`value` checked against the type of option `name`'s default (an int is a float too; a list a tuple)."""
+    default = getattr(env_class, name)
+    if isinstance(default, bool):
+        ok = isinstance(value, (bool, np.bool_))
+    elif isinstance(default, numbers.Integral):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    elif isinstance(default, float):
+        ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+        value = float(value) if ok else value
+    elif isinstance(default, tuple):
+        ok = isinstance(value, (tuple, list))
+        value = tuple(value) if ok else value
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise ConfigError(f"--config.env.{name} must be {type(default).__name__}, got {type(value).__name__}")
+    return value
+
+
+def configured(env_class: type[HostEnv], values: Mapping[str, Any]) -> type[HostEnv]:
+    """`env_class`, or (with `values`) a subclass of the same name with those options' class attributes set.
+
+    Raises one `ConfigError` naming `--config.env.NAME` for a name not in `env_class.options` or a value whose type
+    is not the default's."""
+    for name in env_class.options:
+        if not hasattr(env_class, name):
+            raise HostEnvError(f"{env_class.__name__}.options names {name!r}, which has no default class attribute")
+    unknown = [name for name in values if name not in env_class.options]
+    if unknown:
+        raise ConfigError(
+            f"--config.env.{unknown[0]}: unknown option of environment {env_class.name!r} "
+            f"(options: {', '.join(env_class.options) or 'none'})"
+        )
+    if not values:
+        return env_class
+    attrs = {name: _option_value(env_class, name, value) for name, value in values.items()}
+    return type(env_class.__name__, (env_class,), {**attrs, "__module__": env_class.__module__})
 
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -209,6 +290,8 @@ class HostEntry:
 
 
 _HOST_ENTRIES: dict[str, HostEntry] = {}  # the registry, as `reno_jax.envs.registry` keeps the jitted ones
+# Built-in host environments, imported (and so registered) when first asked for by name.
+_BUILTIN = {"guess_number_host": "reno_jax.envs.guess_number_host"}
 
 
 def register(env_class: type[HostEnv]) -> type[HostEnv]:
@@ -217,7 +300,18 @@ def register(env_class: type[HostEnv]) -> type[HostEnv]:
     return env_class
 
 
+def is_host_env(name: str) -> bool:
+    """Whether `name` is a registered (or built-in) host environment."""
+    return name in _HOST_ENTRIES or name in _BUILTIN
+
+
+def host_names() -> list[str]:
+    return sorted(set(_HOST_ENTRIES) | set(_BUILTIN))
+
+
 def host_entry(name: str) -> HostEntry:
+    if name not in _HOST_ENTRIES and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])  # registers itself
     if name not in _HOST_ENTRIES:
         raise KeyError(f"no host environment {name!r}; registered: {sorted(_HOST_ENTRIES)}")
     return _HOST_ENTRIES[name]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from reno_jax import parallel, run_config
+from reno_jax.envs import host
 from reno_jax.errors import ConfigError, as_config_error
-from reno_jax.loop import build, curriculum, evaluation, recipe, warmstart
+from reno_jax.loop import build, curriculum, evaluation, host_envs, recipe, warmstart
 
 
 def validate_config(config) -> run_config.RunConfig:
@@ -65,10 +68,14 @@ def check_env(config) -> None:
     """Builds the config's environment and its step sampler once (`env.module` imported first): an unknown
     environment or a setting its `make_env` / `make_sampler` rejects ends in a `ConfigError` naming the field."""
     config = run_config.load(config)
+    if _check_host_env(config):
+        return
     try:
         entry = build.env_entry(config)
     except ValueError as error:
-        message = str(error)
+        message = str(error) + (
+            f"; host environments: {host.host_names()}" if "unknown environment" in str(error) else ""
+        )
         raise ConfigError(
             f"--config.{message}" if message.startswith("env.") else f"--config.env.name: {message}"
         ) from None
@@ -77,3 +84,20 @@ def check_env(config) -> None:
         entry.make_sampler(config)
     except (ValueError, KeyError, TypeError) as error:
         raise as_config_error(error) from None
+
+
+def _check_host_env(config: run_config.RunConfig) -> bool:
+    """Whether the config names a host environment (`reno_jax.loop.host_envs`), checked: its options and a reset."""
+    try:
+        env_class = host_envs.host_env_class(config)
+    except ValueError as error:  # env.module that cannot be imported (a ConfigError passes as it is)
+        raise as_config_error(error) from None
+    if env_class is not None:
+        host_envs.check_host_env(env_class)
+        sizes = config.mesh.sizes()
+        if jax.process_count() > 1 or any(v != 1 for v in sizes.values()):
+            raise ConfigError(
+                f"--config.mesh: env.name={env_class.name!r} is a host environment, which runs on one device "
+                f"(one process) for now; got {sizes} over {jax.process_count()} process(es)"
+            )
+    return env_class is not None

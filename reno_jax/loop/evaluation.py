@@ -20,7 +20,7 @@ import numpy as np
 from reno_jax import parallel, run_config
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError
-from reno_jax.loop import build, hosts
+from reno_jax.loop import build, host_envs, hosts
 from reno_jax.rollout import rollout as rollout_lib
 
 UNBOUNDED_TURNS = 1 << 30  # `TextEnv.max_turns`' default: the environment sets no bound
@@ -38,6 +38,9 @@ class SuiteResult:
 def suites_of(config) -> dict[str, interface.EvalSuite]:
     """The evaluation suites the config's environment declares (none: an empty dict)."""
     config = run_config.load(config)
+    env_class = host_envs.host_env_class(config)
+    if env_class is not None:
+        return host_envs.heldout_suite(config, env_class)
     entry = build.env_entry(config)
     return dict(entry.eval_suites(config)) if entry.eval_suites is not None else {}
 
@@ -65,7 +68,7 @@ def resolve_suites(config, names: Sequence[str] | None) -> dict[str, interface.E
     unknown = [name for name in names if name not in available]
     if unknown:
         raise ConfigError(
-            f"unknown evaluation suite(s) {unknown}; {build.env_entry(config).name} offers {sorted(available)}"
+            f"unknown evaluation suite(s) {unknown}; {run_config.load(config).env.name} offers {sorted(available)}"
         )
     return {name: available[name] for name in names}
 
@@ -102,8 +105,24 @@ def run_suite(
 
     num_episodes: None: the suite's; a scalable suite (random games) plays this many, a fixed set (every position)
       is cut to at most this many. max_length: the conversation length; -1: the run's, 0: whatever the longest
-      episode needs (no truncation). Episodes get every turn the suite's environment allows.
+      episode needs (no truncation). Episodes get every turn the suite's environment allows. A host environment's
+      one suite (`host_envs.run_heldout`) plays its `eval_tasks`.
     """
+    env_class = host_envs.host_env_class(config)
+    if env_class is not None:
+        figures, traj = host_envs.run_heldout(
+            params,
+            model_config,
+            tokenizer,
+            config,
+            env_class,
+            key=key,
+            greedy=greedy,
+            batch_size=batch_size,
+            num_episodes=num_episodes,
+            max_length=max_length,
+        )
+        return SuiteResult(name=name, figures=figures, trajectory=traj)
     env = build.make_compiled_env(config, tokenizer, model_config, **dict(suite.env_overrides))
     rc = build.rollout_config(config, greedy=greedy, group_size=1)
     if env.env.max_turns() < UNBOUNDED_TURNS:  # every turn the suite's environment allows (a game on a move run)

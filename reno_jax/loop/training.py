@@ -39,7 +39,7 @@ from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.checkpoint.orbax import to_jsonable
 from reno_jax.envs import registry
 from reno_jax.errors import ConfigError
-from reno_jax.loop import adapters, build, curriculum, evaluation, hosts, recipe, warmstart
+from reno_jax.loop import adapters, build, curriculum, evaluation, host_envs, hosts, recipe, warmstart
 from reno_jax.loop.config import validate_config
 from reno_jax.rl import learner as learner_lib
 from reno_jax.rl import policy, trainer
@@ -281,6 +281,7 @@ def _step_row(traj, metrics, runner: StageRunner, t0: float, t_rollout: float, s
     """A step's metrics row: the rollout's summary, the learner's figures and the timings (one host sync)."""
     host_traj = hosts.to_host(traj)
     row = summary_lib.rollout_summary(host_traj, runner.env.env)
+    row.update(host_envs.host_stats_summary(host_traj))
     row.update({k: float(v) for k, v in hosts.to_host(metrics).items()})
     if "train/ratio_mean" not in row and "train/seq_ratio_mean" in row:
         row["train/ratio_mean"] = row["train/seq_ratio_mean"]
@@ -314,10 +315,9 @@ def stage_runner(
     frozen base of a LoRA run (the state then trains its adapters)."""
     config = stage.config
     r = config.rl
-    env = build.make_compiled_env(config, tokenizer, model_config)
     rc = config.rollout_config()
     num_groups = config.rollout.boards_per_step
-    rollout_fn = rollout_lib.make_rollout_fn(model_config, rc)
+    env, rollout_fn, starts_fn = _stage_rollout(config, tokenizer, model_config, layout)
     ref_logp_fn = None
     if r.forking_kl_coef:  # the forking KL's reference: the warm start, scored on every train batch
         ref_logp_fn = policy.make_logp_fn(model_config, with_entropy=False, group_size=rc.group_size)
@@ -338,16 +338,27 @@ def stage_runner(
         optimizer,
         ref_logp_fn=ref_logp_fn,
         ref_params=ref_params if ref_logp_fn is not None else None,
-        rollout_fn=functools.partial(rollout_fn, env=env),
+        rollout_fn=rollout_fn,
         num_groups=num_groups,
         rollout_metrics=True,
         combine=adapters.combine(config),
         frozen=base,
     )
+    return StageRunner(stage=stage, env=env, learner=learner, starts_fn=starts_fn)
+
+
+def _stage_rollout(config: run_config.RunConfig, tokenizer, model_config, layout: parallel.Layout):
+    """(env, rollout_fn(params, key, starts), starts_fn(key)) of a stage: the jitted rollout of a registered
+    environment, or the host rollout of a host one (`host_envs`); `env` is what the summaries read."""
+    env_class = host_envs.host_env_class(config)
+    if env_class is not None:
+        parts = host_envs.host_rollout_parts(config, tokenizer, model_config, env_class)
+        return parts.env, parts.rollout_fn, parts.starts_fn
+    env = build.make_compiled_env(config, tokenizer, model_config)
+    rollout_fn = rollout_lib.make_rollout_fn(model_config, config.rollout_config())
     sampler = build.env_entry(config).make_sampler(config)
-    return StageRunner(
-        stage=stage, env=env, learner=learner, starts_fn=lambda k: layout.place_batch(sampler(k, num_groups))
-    )
+    num_groups = config.rollout.boards_per_step
+    return env, functools.partial(rollout_fn, env=env), lambda k: layout.place_batch(sampler(k, num_groups))
 
 
 def curve_keys(env) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError, as_config_error
-from reno_jax.loop import build, curriculum, evaluation, hosts
+from reno_jax.loop import build, curriculum, evaluation, host_envs, host_warmstart, hosts
 from reno_jax.rl import policy, sft, trainer
 from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import rollout as rollout_lib
@@ -182,6 +182,10 @@ def teacher_batches(
 def check_warm_start(config) -> None:
     """`teacher_calls`' checks, with the run's tokenizer, before anything is built or written."""
     tokenizer = build.build_tokenizer(config)
+    env_class = host_envs.host_env_class(env_config_for_warm_start(config))
+    if env_class is not None:
+        host_warmstart.check_teacher(env_config_for_warm_start(config), tokenizer, env_class)
+        return
     teacher_calls(config, tokenizer, len(tokenizer))
 
 
@@ -203,6 +207,8 @@ def warm_start(
     not the warm start's `sft.env`).
     """
     run = run_config.load(config)
+    if (host_result := _host_warm_start(run, model_config, params, tokenizer, key, layout, log)) is not None:
+        return host_result
     s = run.sft
     suite_names = evaluation.in_run_suite_names(run)
     eval_key = jax.random.PRNGKey(run.seed + 1)  # the RL loop's eval key: comparable figures
@@ -285,6 +291,15 @@ def warm_start(
     )
 
 
+def _host_warm_start(run, model_config, params, tokenizer, key, layout, log) -> WarmStartResult | None:
+    """`warm_start` for a host environment (`host_warmstart`), or None for a jitted one."""
+    host_class = host_envs.host_env_class(env_config_for_warm_start(run))
+    if host_class is None:
+        return None
+    figures = host_warmstart.warm_start(run, model_config, params, tokenizer, key, host_class, layout=layout, log=log)
+    return WarmStartResult(cached=False, **figures)
+
+
 def cached_warm_start(
     workdir: str, config, model_config, params, tokenizer, key: jax.Array, *, layout=None
 ) -> WarmStartResult:
@@ -305,7 +320,9 @@ def cached_warm_start(
         if writer is not None:
             writer.close()
     if writer is not None and run_config.load(config).plot_every:
-        plot_warm_start(writer.path, build.make_env(config))
+        plot_warm_start(
+            writer.path, host_envs.HostStageEnv(None) if host_envs.is_host(config) else build.make_env(config)
+        )
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path, {"params": result.params})
     checkpointer.wait_until_finished()

@@ -21,7 +21,8 @@ import time
 import jax
 import numpy as np
 
-from reno_jax.loop import build, curriculum
+from reno_jax.loop import build, curriculum, host_envs
+from reno_jax.play import host_episodes
 from reno_jax.play import policy as policy_lib
 from reno_jax.play import run_dir as run_dir_lib
 from reno_jax.rollout import summary as summary_lib
@@ -46,9 +47,10 @@ class PlayService:
     def __init__(self, workdir: str, default_step: int | None = None, cache_size: int = 4, lock_timeout: float = 300.0):
         self.run = run_dir_lib.RunDir(workdir)
         config = self.run.config
-        self.entry = build.env_entry(config)
+        self.host_class = host_envs.host_env_class(config)  # None: a jitted environment
+        self.entry = build.env_entry(config) if self.host_class is None else host_envs.play_entry(self.host_class)
         self.view = self.entry.board_view(config) if self.entry.board_view is not None else None
-        self.default_curves = LEADING_CURVES + summary_lib.plotted_metrics(build.make_env(config))
+        self.default_curves = LEADING_CURVES + summary_lib.plotted_metrics(self.entry.make_env(config.env))
         self._decisions = None  # the jitted functions, built on the first model call (a run may have no checkpoint)
         self._episodes = None
         self._suites = None
@@ -74,6 +76,10 @@ class PlayService:
 
     @property
     def episodes(self) -> policy_lib.Episodes:
+        if self._episodes is None and self.host_class is not None:
+            self._episodes = host_episodes.HostEpisodes(
+                self.run.config, self.run.tokenizer, self.run.model_config, self.host_class
+            )
         if self._episodes is None:
             self._episodes = policy_lib.Episodes(self.run.config, self.run.tokenizer, self.run.model_config)
         return self._episodes

@@ -46,7 +46,7 @@ Trajectory: as in `reno_jax.rollout.rollout`; `turn_key` is -1 (host environment
 `HostRolloutStats`, the `RolloutStats` fields plus `responses_cut`, `tool_errors` and `tool_timeouts` (`[B]`
 int32); `env_info` is the environments' `episode_info` stacked to `[B]` arrays.
 
-How the training loop will call it (not wired yet): build `chat = compile_host_chat(env_class, tokenizer,
+How the training loop calls it (`reno_jax.loop.host_envs`): build `chat = compile_host_chat(env_class, tokenizer,
 vocab_size)` and `programs = make_host_programs(model_config, rollout_config, host_config)` once; per step draw
 `envs, tasks = host.sample_episodes(env_class, rng, num_groups, group_size)` and call
 `host_rollout(params, key, envs, tasks, chat=chat, programs=programs)` in place of the jitted rollout function
@@ -321,7 +321,7 @@ def conversation_length(chat: HostChat, programs: HostPrograms, turns: int) -> i
 # ---------------------------------------------------------------------------------------------- the rollout
 
 
-def _run_call(env: host.HostEnv, call) -> tuple[str, Any]:
+def run_call(env: host.HostEnv, call) -> tuple[str, Any]:
     """Worker: `(method name, what it returned)` of the environment's answer to `call`."""
     if isinstance(call, host.InvalidCall):
         return "invalid_call", env.invalid_call(call)
@@ -332,7 +332,7 @@ def _step_all(pool, envs, calls: dict, timeout_s: float) -> dict:
     """Steps the episodes of `calls` ({row: call}) together; {row: (HostStep, fault)} with fault None, "error" or
     "timeout". A wrong return type raises at once (a bug of the environment, not a tool fault)."""
     deadline = time.monotonic() + timeout_s
-    futures = {b: pool.submit(_run_call, envs[b], call) for b, call in calls.items()}
+    futures = {b: pool.submit(run_call, envs[b], call) for b, call in calls.items()}
     out = {}
     for b, fut in futures.items():
         env = envs[b]
