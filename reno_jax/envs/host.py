@@ -291,7 +291,12 @@ class HostEntry:
 
 _HOST_ENTRIES: dict[str, HostEntry] = {}  # the registry, as `reno_jax.envs.registry` keeps the jitted ones
 # Built-in host environments, imported (and so registered) when first asked for by name.
-_BUILTIN = {"guess_number_host": "reno_jax.envs.guess_number_host"}
+_BUILTIN = {
+    "guess_number_host": "reno_jax.envs.guess_number_host",
+    "arithmetic_calculator": "reno_jax.envs.arithmetic_calculator",
+    "two_hop_lookup": "reno_jax.envs.two_hop_lookup",
+    "reasoning_gym": "reno_jax.envs.reasoning_gym_env",
+}
 
 
 def register(env_class: type[HostEnv]) -> type[HostEnv]:
