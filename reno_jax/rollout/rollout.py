@@ -61,6 +61,7 @@ import numpy as np
 from reno_jax.envs import interface
 from reno_jax.models import ling3
 from reno_jax.protocol import bind
+from reno_jax.protocol import chat as chat_lib
 from reno_jax.rollout import generate as gen
 from reno_jax.rollout import sampling
 
@@ -89,6 +90,11 @@ class RolloutConfig:
         group's episodes. Rows are computed independently, so this only saves work.
       record_routing: record the top-k expert ids of every fed token in every MoE layer (`Trajectory.routing`,
         for routing replay and the routing-agreement metric). Off: the rollout program is the plain one.
+      history: None: each episode is one growing conversation (one row). k >= 0: bounded history, each turn is
+        its own row (turn sample) whose prompt is the system prompt, the episode's last k exchanges and the
+        environment's current observation (`reno_jax.rollout.window`); `max_length` is then unused.
+      turn_length: with `history`, the width of a turn sample; 0 means `window.required_turn_length`, the
+        smallest that always fits (a smaller one is an error).
     """
 
     group_size: int = 1
@@ -105,6 +111,8 @@ class RolloutConfig:
     parse_max_bytes: int | None = None
     share_prompt_prefill: bool = True
     record_routing: bool = False
+    history: int | None = None
+    turn_length: int = 0
 
     def __post_init__(self):
         for name in ("group_size", "max_new_tokens", "max_turns", "prefill_chunk"):
@@ -112,6 +120,10 @@ class RolloutConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_length < 0:
             raise ValueError(f"max_length must be >= 0 (0: required_length), got {self.max_length}")
+        if self.history is not None and (isinstance(self.history, bool) or int(self.history) < 0):
+            raise ValueError(f"history must be None (whole conversation) or an int k >= 0, got {self.history!r}")
+        if self.turn_length < 0:
+            raise ValueError(f"turn_length must be >= 0 (0: the required one), got {self.turn_length}")
         if self.cache_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"cache_dtype must be 'float32' or 'bfloat16', got {self.cache_dtype!r}")
         sampling.validate_sampling_args(self.temperature, self.top_k, self.top_p, self.greedy)
@@ -150,12 +162,15 @@ class CompiledEnv:
       chat: compiled chat tables (`reno_jax.protocol.chat.compile_chat`): in-jit rendering of its messages.
       parser: compiled tool-call tables (`reno_jax.protocol.toolcall.compile_tool_calls`) of its tool schemas.
       stop: `generate.StopTables` (turn-end/eos tokens and the "</tool_call>" matcher).
+      history: `HistoryTables` for bounded history (`RolloutConfig.history`), None when the template's prompt
+        does not split into system prefix, user turn and assistant header.
     """
 
     env: Any
     chat: Any
     parser: Any
     stop: Any
+    history: Any = None  # `HistoryTables`, or None when the chat template does not split (no bounded history)
 
     @property
     def prompt_len(self) -> int:
@@ -199,10 +214,53 @@ def compile_env(
         decode to nothing. Must not be smaller than the tokenizer's vocabulary.
       chat_template: override of the tokenizer's chat template.
     """
-    chat, parser, pieces = bind.compile(env.chat(), tokenizer, vocab_size, chat_template)
+    spec = env.chat()
+    chat, parser, pieces = bind.compile(spec, tokenizer, vocab_size, chat_template)
     stop_ids = [int(i) for i in np.asarray(chat.stop_ids)]
     stop = gen.build_stop_tables(pieces, stop_ids, bind.CLOSE_TAG.encode())
-    return CompiledEnv(env=env, chat=chat, parser=parser, stop=stop)
+    history = history_tables(spec, chat, tokenizer, chat_template)
+    return CompiledEnv(env=env, chat=chat, parser=parser, stop=stop, history=history)
+
+
+@flax.struct.dataclass
+class HistoryTables:
+    """The token pieces a bounded-history turn prompt is assembled from (`reno_jax.rollout.window`).
+
+    Attributes:
+      system_ids: ``int32 [S]`` the system message (with the tools) as every rendered prompt starts with it.
+      header_ids: ``int32 [H]`` the assistant header every rendered prompt ends with (the generation prompt).
+      tool_continues: ``bool [len(spec.tool)]`` tool template k's render ends with that header.
+    """
+
+    system_ids: jax.Array
+    header_ids: jax.Array
+    tool_continues: jax.Array
+
+
+def history_tables(spec, chat_tables, tokenizer, chat_template: str | None = None) -> HistoryTables | None:
+    """Host, once: the system prefix and the assistant header of `spec`'s prompts as token ids, checked against
+    every user template's rendered prompt; None when a rendered prompt is not system + user turn + header (then
+    bounded history is unavailable)."""
+    system = [{"role": "system", "content": spec.system}]
+    user = system + [{"role": "user", "content": "x"}]
+    with_header = chat_lib.chat_text(tokenizer, spec, user, True, chat_template)
+    without = chat_lib.chat_text(tokenizer, spec, user, False, chat_template)
+    system_text = chat_lib.chat_text(tokenizer, spec, system, False, chat_template)
+    if not with_header.startswith(without) or not without.startswith(system_text):
+        return None
+    system_ids = tokenizer.encode(system_text, add_special_tokens=False)
+    header_ids = tokenizer.encode(with_header[len(without) :], add_special_tokens=False)
+    for template in range(len(spec.user)):
+        ids, n = chat_lib.render_user(chat_tables, (template, [0] * spec.num_values))
+        ids = [int(i) for i in np.asarray(ids)[: int(n)]]
+        s, h = len(system_ids), len(header_ids)
+        if len(ids) < s + h or ids[:s] != system_ids or ids[len(ids) - h :] != header_ids:
+            return None
+    return HistoryTables(
+        system_ids=jnp.asarray(system_ids, jnp.int32),
+        header_ids=jnp.asarray(header_ids, jnp.int32),
+        tool_continues=jnp.asarray(spec.tool_continues, jnp.bool_),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -245,6 +303,8 @@ class Trajectory:
     routing: Any = None
     turn_reward: Any = None
     turn_key: Any = None
+    episode_id: Any = None  # bounded history only: int32 [B * T] the episode of each turn sample (else None)
+    turn_index: Any = None  # bounded history only: int32 [B * T] the turn of each turn sample (else None)
 
     @property
     def info(self) -> dict:
@@ -353,6 +413,19 @@ def rollout(
       before the environment said done) get the environment's `truncation_reward` and `env.finish(...,
       truncated=True)`.
     """
+    if rollout_config.history is not None:
+        from reno_jax.rollout import window  # bounded history; it builds on this module's phases
+
+        return window.rollout(
+            params,
+            key,
+            starts,
+            model_config=model_config,
+            rollout_config=rollout_config,
+            env=env,
+            forced_tokens=forced_tokens,
+            return_cache=return_cache,
+        )
     setup = _make_setup(params, key, starts, model_config, rollout_config, env, forced_tokens)
     env_state, prompt_ids, prompt_len = _reset(setup, starts)
     cache, last, routing = _prefill_prompts(setup, prompt_ids, prompt_len)
@@ -651,15 +724,32 @@ def _feed_tool_response(setup: _Setup, turn, d: _Decode, message, tokens, cont, 
 # ---- finalisation
 
 
-def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
-    """The `Trajectory` of the finished turn loop: episodes still running after the last turn are truncated too
-    (the environment's `truncation_reward`, on their last turn), masks and turn ids from the turn bounds."""
-    t_max, big_l, tenv = setup.turns, setup.length, setup.env.env
+def _episode_results(setup: _Setup, carry):
+    """`(reward [B], turn_reward [B, T], env_info, stats)` of a finished turn loop (`_Episodes` or the bounded
+    history's loop state): episodes still running after the last turn are truncated too (the environment's
+    `truncation_reward`, on their last turn)."""
+    tenv = setup.env.env
     truncated = carry.truncated | carry.live
     reward = jnp.where(truncated, jnp.float32(tenv.truncation_reward), carry.reward).astype(jnp.float32)
-    last_turn = jnp.arange(t_max)[None, :] == jnp.maximum(carry.num_turns - 1, 0)[:, None]
+    last_turn = jnp.arange(setup.turns)[None, :] == jnp.maximum(carry.num_turns - 1, 0)[:, None]
     turn_reward = jnp.where(truncated[:, None], jnp.where(last_turn, reward[:, None], 0.0), carry.turn_reward)
     env_info = jax.vmap(tenv.finish)(carry.env_state, carry.env_info, truncated)
+    stats = RolloutStats(
+        parse_kind=carry.parse_kind,
+        valid_call=carry.valid_call,
+        num_turns=carry.num_turns,
+        generated_tokens=carry.gen_tokens,
+        budget_stops=carry.budget_stops,
+        truncated=truncated,
+    )
+    return reward, turn_reward, env_info, stats
+
+
+def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
+    """The `Trajectory` of the finished turn loop (`_episode_results`), masks and turn ids from the turn
+    bounds."""
+    t_max, big_l = setup.turns, setup.length
+    reward, turn_reward, env_info, stats = _episode_results(setup, carry)
     length = carry.cache["length"]
     pos = jnp.arange(big_l, dtype=jnp.int32)[None, :]
     valid = pos < length[:, None]
@@ -669,14 +759,6 @@ def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
     turn_id = jnp.sum(pos[:, None, :] >= ge[:, :-1], axis=1).astype(jnp.int32) if t_max > 1 else jnp.zeros_like(pos)
     turn_id = jnp.where(valid, turn_id, -1)
     logp = jnp.where(loss_mask, carry.logp, 0.0)
-    stats = RolloutStats(
-        parse_kind=carry.parse_kind,
-        valid_call=carry.valid_call,
-        num_turns=carry.num_turns,
-        generated_tokens=carry.gen_tokens,
-        budget_stops=carry.budget_stops,
-        truncated=truncated,
-    )
     group_id = jnp.arange(setup.batch, dtype=jnp.int32) // setup.rollout_config.group_size
     return Trajectory(
         tokens=jnp.where(valid, carry.tokens, setup.env.pad_id),
