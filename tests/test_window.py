@@ -1,4 +1,4 @@
-"""Tests for bounded history (`RolloutConfig.history`, reno_jax.rollout.window): each turn is a row of the system
+"""Tests for bounded history (`RolloutConfig.history`, reno_jax.rollout.rollout): each turn is a row of the system
 prompt, the last k exchanges and the environment's current observation, plus the sampled turn.
 
 The fast tests share ONE compiled guess_number rollout (k = 1, B = 2 x 2 episodes, five turns, every call forced)
@@ -20,7 +20,6 @@ from reno_jax.models import ling3
 from reno_jax.protocol import chat
 from reno_jax.protocol.tokenizer import load_tokenizer
 from reno_jax.rollout import rollout as R
-from reno_jax.rollout import window as W
 
 MC = ling3.tiny_test_config(vocab_size=512, num_hidden_layers=2)
 M = 16  # a forced guess is 14 tokens with the shipped tokenizer
@@ -89,7 +88,7 @@ def test_turn_samples_hold_system_window_observation_and_the_turn(guess_world):
     tok, traj, env = guess_world["tok"], guess_world["traj"], guess_world["env"]
     want = expected_rows(tok, env, guess_world["starts"], GN_RC.group_size, guess_world["calls"], GN_RC.history)
     turns = 5
-    assert traj.tokens.shape == (4 * turns, W.turn_length(env, GN_RC))
+    assert traj.tokens.shape == (4 * turns, R.turn_length(env, GN_RC))
     np.testing.assert_array_equal(traj.episode_id, np.repeat(np.arange(4), turns))
     np.testing.assert_array_equal(traj.turn_index, np.tile(np.arange(turns), 4))
     np.testing.assert_array_equal(traj.group_id, np.repeat([0, 0, 1, 1], turns))

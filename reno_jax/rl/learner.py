@@ -34,7 +34,7 @@ trajectory is read through its fields ``tokens``, ``valid``, ``loss_mask``, ``be
 ``prompt_length`` and ``routing`` only (with turn advantages also ``turn_id``, ``turn_reward`` and ``turn_key``),
 so any environment's rollout that fills them can be trained on.
 
-Turn samples (a bounded-history rollout, `reno_jax.rollout.window`: ``Trajectory.episode_id`` is set): the rows
+Turn samples (a bounded-history rollout, `reno_jax.rollout.rollout`: ``Trajectory.episode_id`` is set): the rows
 are the T turns of each episode, episode-major, and ``reward`` is the episode's on each of them. Advantages are the
 episodes' (``group_advantages`` over the G episodes of a group), broadcast to every turn sample of the episode,
 plus with ``turn_advantage_coef`` its turn's advantage (``turn_advantages`` over ``turn_reward``/``turn_key``

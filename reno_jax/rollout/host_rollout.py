@@ -259,7 +259,7 @@ def make_host_programs(
     if rollout_config.history is not None:
         raise NotImplementedError(
             f"host_rollout plays whole conversations only; bounded history (history={rollout_config.history}) "
-            "runs in the jitted rollout (reno_jax.rollout.window) for now"
+            "runs in the jitted rollout (reno_jax.rollout.rollout, history) for now"
         )
     traces = {"prefill": 0, "decode": 0, "share": 0}
     chunk = rollout_config.prefill_chunk
