@@ -60,10 +60,12 @@ t's prompt is built afresh from token-id pieces
                                                                                  by `render_user`, system cut off
     then the sampled assistant turn (m = max_new_tokens at most)
 
-and prefilled into a fresh cache of Lt = `turn_length` positions (the same one every turn), decoded, parsed and
-played exactly as in the full rollout (`_decode_turn`; the environment steps the same way). k = 0 is the
-observation alone (a Markov policy). The cost of a turn is O(Lt) tokens with Lt = S + k E + O + m independent
-of t, so an episode costs O(T Lt) and the memory is one Lt cache plus the T rows per episode.
+and prefilled into a cache of Lt = `turn_length` positions that starts as a copy of the system prefix's (fed
+once per rollout, one row), decoded, parsed and played exactly as in the full rollout (`_decode_turn`; the
+environment steps the same way). k = 0 is the observation alone (a Markov policy). A turn costs O(Lt) tokens with
+Lt = S + k E + O + m independent of t, so an episode costs O(T Lt) and the memory is one Lt cache plus the T rows
+per episode. The whole conversation is cheaper while the repeated system prompt and observation outweigh what a
+growing conversation adds (short episodes, long system prompts): `benchmarks/history_cost.py` measures both.
 
 Trajectory layout (R = B * T rows, row r = episode r // T, turn r % T; Lt = `turn_length(env, config)`):
   tokens, valid, loss_mask, behaviour_logp, turn_id [R, Lt]   as in the full rollout, per turn sample: the loss
@@ -894,21 +896,16 @@ def _bounded_rollout(
     setup = dataclasses.replace(setup, length=lt)
     env_state, _, _ = _reset(setup, starts)
     carry = _initial_window(setup, env_state)
-    cache0 = _fresh_cache(setup)
+    system = _system_prefix(setup)
     carry, cache = jax.lax.while_loop(
         lambda c: (c[0].turn < setup.turns) & jnp.any(c[0].live),
-        functools.partial(_play_window_turn, setup),
-        (carry, cache0),
+        functools.partial(_play_window_turn, setup, system),
+        (carry, jax.tree.map(lambda a: _expand(a, setup.batch), system[0])),
     )
     traj = _finalise_window(setup, carry)
     if return_cache:
         return traj, cache
     return traj
-
-
-def _fresh_cache(setup: _Setup) -> dict:
-    dtype = jnp.bfloat16 if setup.rollout_config.cache_dtype == "bfloat16" else jnp.float32
-    return ling3.init_cache(setup.model_config, setup.batch, setup.length, dtype)
 
 
 def _routing_buffer(setup: _Setup, *lead: int):
@@ -966,22 +963,38 @@ def turn_prompt(setup: _Setup, carry: _Window):
     return ids, (pos + obs_n - s).astype(jnp.int32)
 
 
-def _sample_turn(setup: _Setup, carry: _Window, cache):
-    """Prefills every live episode's turn prompt into a fresh cache (the previous turn's, zeroed: nothing of it is
-    read) and decodes its turn: `(prompt ids [B, prompt_width], fed prompt lengths [B] (0 for ended episodes),
-    decode state `rollout._Decode`)`."""
-    rc, env = setup.rollout_config, setup.env
+def _system_prefix(setup: _Setup):
+    """`(cache, routing or None)` of one row after the system prefix: every turn sample starts with it, so it is
+    fed once per rollout and each turn's cache starts as a copy of it."""
+    mc, rc, system = setup.model_config, setup.rollout_config, _history_of(setup.env).system_ids
+    chunk = _chunk_for(system.shape[0], rc.prefill_chunk)
+    ids = gen.pad_to_multiple(system[None, :], chunk, setup.env.pad_id)
+    dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
+    cache = ling3.init_cache(mc, 1, setup.length, dtype)
+    last = jnp.zeros((1, mc.vocab_size), jnp.float32)
+    routing = _routing_buffer(setup, 1) if setup.record else None
+    n = jnp.full((1,), system.shape[0], jnp.int32)
+    cache, _, routing = _prefill(setup, cache, ids, n, last, chunk, routing)
+    return cache, routing
+
+
+def _sample_turn(setup: _Setup, system, carry: _Window):
+    """Prefills every live episode's turn prompt after the system prefix (`_system_prefix`, copied) and decodes
+    its turn: `(prompt ids [B, prompt_width], prompt lengths [B] (0 for ended episodes), decode state
+    `_Decode`)`."""
+    rc, env, b = setup.rollout_config, setup.env, setup.batch
+    s = _history_of(env).system_ids.shape[0]
     ids, n = turn_prompt(setup, carry)
-    chunk = _chunk_for(ids.shape[1], rc.prefill_chunk)
-    n_feed = jnp.where(carry.live, n, 0)
-    cache = jax.tree.map(jnp.zeros_like, cache)
-    last = jnp.zeros((setup.batch, setup.model_config.vocab_size), jnp.float32)
-    routing = _routing_buffer(setup, setup.batch) if setup.record else None
-    fed = gen.pad_to_multiple(ids, chunk, env.pad_id)
-    cache, last, routing = _prefill(setup, cache, fed, n_feed, last, chunk, routing)
+    rest = ids[:, s:]  # what follows the system prefix
+    chunk = _chunk_for(rest.shape[1], rc.prefill_chunk)
+    n_rest = jnp.where(carry.live, n - s, 0)
+    cache, routing = jax.tree.map(lambda a: _expand(a, b), system)
+    last = jnp.zeros((b, setup.model_config.vocab_size), jnp.float32)
+    fed = gen.pad_to_multiple(rest, chunk, env.pad_id)
+    cache, last, routing = _prefill(setup, cache, fed, n_rest, last, chunk, routing)
     view = types.SimpleNamespace(turn=carry.turn, cache=cache, last=last, live=carry.live, routing=routing)
     d = _decode_turn(setup, view)
-    return ids, n_feed, d
+    return ids, jnp.where(carry.live, n, 0), d
 
 
 def _new_exchange(setup: _Setup, d, message):
@@ -1019,12 +1032,12 @@ def _record_turn_sample(setup: _Setup, carry: _Window, ids, n, d):
     )
 
 
-def _play_window_turn(setup: _Setup, state):
+def _play_window_turn(setup: _Setup, system, state):
     """One turn of every live episode (a `lax.while_loop` body): build the turn prompt, prefill, decode, record
     the row, parse, step the environment and push the exchange into the window."""
-    carry, cache = state
+    carry, _ = state  # the previous turn's cache: only returned (`return_cache`), never read
     turn, live, tenv, k = carry.turn, carry.live, setup.env.env, int(setup.rollout_config.history)
-    ids, n, d = _sample_turn(setup, carry, cache)
+    ids, n, d = _sample_turn(setup, system, carry)
     row_tokens, row_logp, row_prompt, row_gen, row_routing = _record_turn_sample(setup, carry, ids, n, d)
     call = setup.env.parse_batch(d.gen_tok, d.n_gen, setup.rollout_config.parse_max_bytes)
     state_key = jax.vmap(tenv.state_key)(carry.env_state)
