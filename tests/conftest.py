@@ -92,6 +92,8 @@ SLOW = {
         "studies/connect4_decisions.py on the Connect Four model",
     "tests/test_host_rollout_cost.py::test_host_rollout_cost_tiny":
         "benchmarks/host_rollout_cost.py at a tiny size: three rollouts and three train steps compiled (~100 CPU-s)",
+    "tests/test_history_cost.py::test_history_cost_tiny":
+        "benchmarks/history_cost.py at a tiny size: four rollouts and four train steps compiled (~110 CPU-s)",
     "tests/test_window.py::test_tictactoe_turn_samples_match_the_chat_template":
         "two more bounded-history rollouts compiled (tic-tac-toe, k = 0 and 2; ~20 CPU-s each)",
     "tests/test_window.py::test_a_train_step_runs_on_turn_samples": "a train step compiled on turn samples (~20 s)",
