@@ -520,7 +520,7 @@ def check(config: RunConfig) -> None:
     if rollout.history >= 0 and r.share_prompt_prefix:
         raise ConfigError(
             f"--config.rollout.history={rollout.history} trains on turn samples, whose group does not share a "
-            "prompt: set --config.rl.share_prompt_prefix=False"
+            "prompt: set --config.rl.share_prompt_prefix=False (and --config.rl.share_common_prefix=False)"
         )
     if r.max_logp_shift and r.shift_probe_groups < 1:
         raise ConfigError(f"--config.rl.shift_probe_groups must be >= 1, got {r.shift_probe_groups}")
