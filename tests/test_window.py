@@ -166,6 +166,13 @@ def test_history_config_checks():
         R.RolloutConfig(history=1, turn_length=-1)
 
 
+def test_host_rollout_says_it_plays_whole_conversations_only():
+    from reno_jax.rollout import host_rollout
+
+    with pytest.raises(NotImplementedError, match="bounded history"):
+        host_rollout.make_host_programs(MC, R.RolloutConfig(history=1))
+
+
 def test_an_environment_without_observation_says_so():
     from reno_jax.envs import interface
 
