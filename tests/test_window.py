@@ -253,3 +253,21 @@ def test_a_train_step_runs_on_turn_samples(guess_world):
     metrics = jax.device_get(metrics)
     assert np.isfinite(metrics["train/loss"]) and metrics["train/rollout_logp_abs_diff_mean"] < 1e-4
     assert int(state.step) == 1
+
+
+def test_turn_samples_record_their_own_routing(guess_world):
+    rc = R.RolloutConfig(group_size=2, max_new_tokens=M, max_turns=5, prefill_chunk=16, history=2, record_routing=True)
+    fn = jax.jit(functools.partial(R.rollout, model_config=MC, rollout_config=rc), compiler_options=FAST_COMPILE)
+    forced = _forced(guess_world["tok"], guess_world["calls"], 5)
+    traj = jax.device_get(
+        fn(
+            guess_world["params"],
+            jax.random.key(3),
+            guess_world["starts"],
+            env=guess_world["env"],
+            forced_tokens=forced,
+        )
+    )
+    routing, valid = np.asarray(traj.routing), np.asarray(traj.valid)
+    assert routing.shape[:2] == traj.tokens.shape
+    assert (routing[valid] >= 0).all() and (routing[~valid] == -1).all()  # every fed token, nothing else

@@ -1022,7 +1022,10 @@ def _record_turn_sample(setup: _Setup, carry: _Window, ids, n, d):
     row = scatter_rows(row, n, d.gen_tok, d.n_gen)
     logp = scatter_rows(jnp.zeros((b, lt), jnp.float32), n, d.gen_logp, d.n_gen)
     put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=turn, axis=1)
-    routing = None if carry.row_routing is None else put(carry.row_routing, d.routing)
+    routing = None
+    if carry.row_routing is not None:  # an ended episode's row holds the copied system prefix's: none of it is its
+        live = carry.live.reshape((b,) + (1,) * (d.routing.ndim - 1))
+        routing = put(carry.row_routing, jnp.where(live, d.routing, jnp.int16(-1)))
     return (
         put(carry.row_tokens, row),
         put(carry.row_logp, logp),
