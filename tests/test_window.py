@@ -247,6 +247,7 @@ def test_a_train_step_runs_on_turn_samples(guess_world):
         losses.get_loss("gspo"),
         optimizer,
         num_groups=2,
+        donate=False,  # the module's params stay usable by the other tests
     )
     state = trainer.create_train_state(guess_world["params"], optimizer, jax.random.key(0))
     state, metrics = lrn.learner_step(state, jax.tree.map(jnp.asarray, traj))
