@@ -178,6 +178,16 @@ class RolloutSettings:
         30.0, "host env: seconds one turn's tool calls may take", lambda v: v > 0, "a number > 0"
     )
     host_eval_episodes: int = _field(64, "host env: episodes of the held-out suite (`eval_tasks`)", *_INT_GE1)
+    history: int = _field(
+        -1,
+        "-1: a turn sees the whole conversation; k >= 0: bounded history, each turn a sample of the system "
+        "prompt, the last k exchanges and the current observation",
+        _at_least(-1),
+        "an integer >= -1 (-1: the whole conversation)",
+    )
+    turn_length: int = _field(
+        0, "with history >= 0: a turn sample's length (0: what every turn needs)", _at_least(0), "an integer >= 0"
+    )
 
     def rollout_config(
         self, *, greedy: bool = False, group_size: int | None = None, record_routing: bool = False
@@ -199,6 +209,8 @@ class RolloutSettings:
             parse_max_bytes=self.parse_max_bytes or None,
             share_prompt_prefill=self.share_prompt_prefill,
             record_routing=bool(record_routing),
+            history=None if self.history < 0 else self.history,
+            turn_length=self.turn_length,
         )
 
 
@@ -512,6 +524,11 @@ def check(config: RunConfig) -> None:
         )
     if r.share_common_prefix and not r.share_prompt_prefix:
         raise ConfigError("--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True")
+    if rollout.history >= 0 and r.share_prompt_prefix:
+        raise ConfigError(
+            f"--config.rollout.history={rollout.history} trains on turn samples, whose group does not share a "
+            "prompt: set --config.rl.share_prompt_prefix=False (and --config.rl.share_common_prefix=False)"
+        )
     if r.max_logp_shift and r.shift_probe_groups < 1:
         raise ConfigError(f"--config.rl.shift_probe_groups must be >= 1, got {r.shift_probe_groups}")
     splits = r.num_minibatches * r.num_microbatches

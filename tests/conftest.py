@@ -110,6 +110,12 @@ SLOW = {
         "a two-step host-env run with warm start, in-run evaluation and the play page (~150 CPU-s)",
     "tests/test_host_loop.py::test_host_run_resumes_exactly_after_kill_9":
         "three host-env training runs of the CLI in subprocesses, one killed with SIGKILL",
+    "tests/test_history_cost.py::test_history_cost_tiny":
+        "benchmarks/history_cost.py at a tiny size: four rollouts and four train steps compiled (~110 CPU-s)",
+    "tests/test_window.py::test_tictactoe_turn_samples_match_the_chat_template":
+        "two more bounded-history rollouts compiled (tic-tac-toe, k = 0 and 2; ~20 CPU-s each)",
+    "tests/test_window.py::test_a_train_step_runs_on_turn_samples": "a train step compiled on turn samples (~20 s)",
+    "tests/test_window.py::test_turn_samples_record_their_own_routing": "another rollout compiled (~15 s)",
     # another framework
     "tests/test_conversion.py::test_export_logits_equal_transformers_native_class":
         "transformers' PyTorch BailingHybridForCausalLM: needs torch, which .ci/run installs for this tier only",

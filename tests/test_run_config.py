@@ -88,6 +88,16 @@ def test_cross_field_checks():
         run_config.load(c)
 
 
+def test_rollout_history_reaches_the_rollout_config_and_needs_rows_of_their_own():
+    c = tictactoe_tiny.get_config()
+    assert run_config.load(c).rollout_config().history is None  # -1: the whole conversation
+    c.rollout.history = 2
+    with pytest.raises(ConfigError, match="--config.rollout.history=2 trains on turn samples"):
+        run_config.load(c)
+    c.rl.share_prompt_prefix = c.rl.share_common_prefix = False
+    assert run_config.load(c).rollout_config().history == 2
+
+
 def _connect4(**sft):
     c = connect4_tiny.get_config()
     c.num_steps, c.sft.num_steps, c.sft.batch_size = 1, 1, 4

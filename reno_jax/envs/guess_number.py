@@ -45,12 +45,16 @@ TOOL = {
 }
 
 # Message values: [the last guess, the lowest and the highest number the answers so far allow]. Tool templates: what
-# the answer says.
+# the answer says. User template 1 is the current state for bounded history (`observation`; value 0 then holds the
+# guesses left): no longer than template 0, so the prompt length of the whole conversation does not change.
 TOO_HIGH, TOO_LOW, FOUND, OUT, INVALID = range(5)
 CHAT = ChatSpec(
     system=f"Find the secret number from 1 to {MAX_NUMBER} with the guess tool. Each answer says higher or lower.",
     tools=(TOOL,),
-    user=((f"I picked a number. You have {MAX_GUESSES} guesses.",),),
+    user=(
+        (f"I picked a number. You have {MAX_GUESSES} guesses.",),
+        ("It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), ". Guesses left: ", Slot(0, NUMBERS), "."),
+    ),
     tool=(
         (Slot(0, NUMBERS), " is too high. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
         (Slot(0, NUMBERS), " is too low. It is ", Slot(1, NUMBERS), " to ", Slot(2, NUMBERS), "."),
@@ -122,6 +126,12 @@ class GuessNumberEnv(interface.TextEnv):
         return interface.Step(
             state=new, message=message, reward=reward.astype(jnp.float32), done=found | out | ~call.ok, info=info
         )
+
+    def observation(self, state: State) -> interface.Message:
+        """Before the first guess ``reset``'s message; then the interval the answers leave and the guesses left."""
+        values = jnp.stack([MAX_GUESSES - state.guesses, state.low, state.high]).astype(jnp.int32)
+        started = state.guesses > 0
+        return interface.Message(started.astype(jnp.int32), jnp.where(started, values, 0))
 
     def state_key(self, state: State):
         """The interval the answers leave and the guesses made: what the next guess can depend on."""

@@ -105,6 +105,18 @@ class TextEnv(abc.ABC):
         del state
         return None
 
+    def observation(self, state: PyTree) -> Message:
+        """The user message that shows the agent ``state`` as it is now (a user template), for bounded history
+        (``rollout.history``): each turn's prompt is the system prompt, the last k exchanges and this message, so
+        it must hold everything the next call may depend on beyond those exchanges (a board, the interval left).
+        At the state ``reset`` returns it should be ``reset``'s own message. Default: the environment does not
+        support bounded history."""
+        del state
+        raise NotImplementedError(
+            f"{type(self).__name__} has no observation(state) (the current state as a user message), so it cannot "
+            "run with bounded history (rollout.history); use rollout.history=None (the whole conversation)"
+        )
+
     def episode_metrics(self) -> Mapping[str, "Metric"]:
         """Host: the figures a batch of final infos reduces to, by name (logged as ``rollout/<name>`` in training,
         ``<suite>/<name>`` in evaluation). Default: none declared, and `summarize` takes the mean of every info

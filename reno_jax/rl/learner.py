@@ -33,6 +33,16 @@ The policy is abstracted as in ``trainer.make_train_step``: ``logp_fn(params, ba
 trajectory is read through its fields ``tokens``, ``valid``, ``loss_mask``, ``behaviour_logp``, ``reward``,
 ``prompt_length`` and ``routing`` only (with turn advantages also ``turn_id``, ``turn_reward`` and ``turn_key``),
 so any environment's rollout that fills them can be trained on.
+
+Turn samples (a bounded-history rollout, `reno_jax.rollout.rollout`: ``Trajectory.episode_id`` is set): the rows
+are the T turns of each episode, episode-major, and ``reward`` is the episode's on each of them. Advantages are the
+episodes' (``group_advantages`` over the G episodes of a group), broadcast to every turn sample of the episode,
+plus with ``turn_advantage_coef`` its turn's advantage (``turn_advantages`` over ``turn_reward``/``turn_key``
+``[B, T]``): one scalar per row, so any loss takes them. Groups are the G * T rows of G episodes
+(``select_groups``). GSPO's sequence ratio is then per turn sample, and the loss is the mean over turn samples
+that have policy tokens (a padding row, a turn after the episode ended, has none): an episode weighs by the turns
+it played, as its tokens do in the whole conversation. ``share_prompt_prefix`` does not apply (the turn samples
+of a group do not share a prompt).
 """
 
 from __future__ import annotations
@@ -252,15 +262,12 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
 
     @jax.jit
     def assemble(traj, step):
-        advantages = losses.group_advantages(traj.reward, config.group_size, normalize_std=config.normalize_adv_std)
-        if config.turn_advantage_coef:  # [B, L]: each turn's tokens also get their turn's credit
-            peers = traj.turn_reward.shape[0] if config.turn_scope == "batch" else config.group_size
-            turn_adv = losses.turn_advantages(
-                traj.turn_reward, traj.turn_key, peers, config.turn_discount, normalize_std=config.normalize_adv_std
-            )
-            advantages = losses.token_advantages(
-                advantages, turn_adv, traj.turn_id, traj.loss_mask, config.turn_advantage_coef
-            )
+        rows_per_group = config.group_size
+        if getattr(traj, "episode_id", None) is not None:  # turn samples: a group is G episodes x T turns
+            rows_per_group = config.group_size * traj.turn_reward.shape[1]
+            advantages = turn_sample_advantages(config, traj)
+        else:
+            advantages = _episode_advantages(config, traj)
         # routing: the rollout's [B, L, n_moe, K] experts (None unless recorded), replayed and/or compared
         batch = TrainBatch(
             tokens=traj.tokens,
@@ -270,7 +277,7 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
             advantages=advantages,
             routing=traj.routing,
         )
-        batch, informative = select_groups(batch, traj.reward, config.group_size, config.train_groups)
+        batch, informative = select_groups(batch, traj.reward, rows_per_group, config.train_groups)
         if schedule is not None:  # per row because the trainer splits loss inputs like the batch
             scale = schedule(step - config.step_offset)
             batch = batch.replace(entropy_scale=jnp.full(batch.advantages.shape[:1], scale, jnp.float32))
@@ -283,10 +290,42 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
         )
 
     def prepare_batch(traj, step):
+        if getattr(traj, "episode_id", None) is not None and config.share_prompt_prefix:
+            raise ValueError("share_prompt_prefix does not apply to turn samples (rollout.history): turn it off")
         # The figures of the trajectory stay out of the program: it reads the token fields and rewards only.
         return assemble(traj.replace(stats=None, env_info=None), step)
 
     return prepare_batch
+
+
+def _episode_advantages(config: LearnerConfig, traj) -> Array:
+    """``[B]`` group advantages of whole-conversation rows, or ``[B, L]`` with turn credit."""
+    advantages = losses.group_advantages(traj.reward, config.group_size, normalize_std=config.normalize_adv_std)
+    if config.turn_advantage_coef:  # [B, L]: each turn's tokens also get their turn's credit
+        peers = traj.turn_reward.shape[0] if config.turn_scope == "batch" else config.group_size
+        turn_adv = losses.turn_advantages(
+            traj.turn_reward, traj.turn_key, peers, config.turn_discount, normalize_std=config.normalize_adv_std
+        )
+        advantages = losses.token_advantages(
+            advantages, turn_adv, traj.turn_id, traj.loss_mask, config.turn_advantage_coef
+        )
+    return advantages
+
+
+def turn_sample_advantages(config: LearnerConfig, traj) -> Array:
+    """``[B * T]`` advantages of turn samples (module docstring): the episode's group advantage on each of its T
+    rows, plus ``turn_advantage_coef`` times the turn's advantage among the turns from the same state key."""
+    t = traj.turn_reward.shape[1]
+    episode_reward = traj.reward.reshape(-1, t)[:, 0]
+    advantages = losses.group_advantages(episode_reward, config.group_size, normalize_std=config.normalize_adv_std)
+    advantages = jnp.repeat(advantages, t)  # row b * T + t is episode b's turn t
+    if config.turn_advantage_coef:
+        peers = traj.turn_reward.shape[0] if config.turn_scope == "batch" else config.group_size
+        turn_adv = losses.turn_advantages(
+            traj.turn_reward, traj.turn_key, peers, config.turn_discount, normalize_std=config.normalize_adv_std
+        )
+        advantages = advantages + jnp.float32(config.turn_advantage_coef) * turn_adv.reshape(-1)
+    return advantages.astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------- learner

@@ -256,6 +256,11 @@ def make_host_programs(
     """`HostPrograms` with the configs bound; the caches (`cache`, `last`) are donated to prefill and decode."""
     if rollout_config.record_routing:
         raise ValueError("host_rollout does not record routing (record_routing=True)")
+    if rollout_config.history is not None:
+        raise NotImplementedError(
+            f"host_rollout plays whole conversations only; bounded history (history={rollout_config.history}) "
+            "runs in the jitted rollout (reno_jax.rollout.rollout, history) for now"
+        )
     traces = {"prefill": 0, "decode": 0, "share": 0}
     chunk = rollout_config.prefill_chunk
 

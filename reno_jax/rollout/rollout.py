@@ -45,12 +45,53 @@ Trajectory layout (`Trajectory`, B = num_groups * group_size episodes, L = `conv
   stats: `RolloutStats` of [B] arrays (the rollout's own per-episode figures)
   env_info: the environment's final info pytree ([B] leaves, after `env.finish`)
   info: dict merging both (`stats` fields by name, then the environment's info keys)
+
+Bounded history (`RolloutConfig.history = k`): every turn of an episode is its own short row, a "turn sample".
+
+With the whole conversation (`history=None`, above) turn t is generated after every earlier
+turn, so an episode of T turns costs O(T^2) attention and its cache and row grow with T. With a window of k, turn
+t's prompt is built afresh from token-id pieces
+
+    system prefix (system prompt + tools, as every rendered prompt starts)      `HistoryTables.system_ids`, [S]
+    the episode's last min(k, t) exchanges, oldest first; an exchange is
+        assistant header + the policy's call + the rest of its turn and the tool turn (without the trailing
+        assistant header the tool template continues with)                        ring of [k, E] ids per episode
+    the environment's CURRENT observation as a user turn + assistant header    `env.observation(state)` rendered
+                                                                                 by `render_user`, system cut off
+    then the sampled assistant turn (m = max_new_tokens at most)
+
+and prefilled into a cache of Lt = `turn_length` positions that starts as a copy of the system prefix's (fed
+once per rollout, one row), decoded, parsed and played exactly as in the full rollout (`_decode_turn`; the
+environment steps the same way). k = 0 is the observation alone (a Markov policy). A turn costs O(Lt) tokens with
+Lt = S + k E + O + m independent of t, so an episode costs O(T Lt) and the memory is one Lt cache plus the T rows
+per episode. The whole conversation is cheaper while the repeated system prompt and observation outweigh what a
+growing conversation adds (short episodes, long system prompts): `benchmarks/history_cost.py` measures both.
+
+Trajectory layout (R = B * T rows, row r = episode r // T, turn r % T; Lt = `turn_length(env, config)`):
+  tokens, valid, loss_mask, behaviour_logp, turn_id [R, Lt]   as in the full rollout, per turn sample: the loss
+                                  mask covers the sampled turn only and `turn_id` is the row's turn on every valid
+                                  token; a turn the episode did not reach (it ended before) is a padding row:
+                                  valid and loss_mask all False, prompt_length 0
+  routing [R, Lt, n_moe, K]       with `record_routing`, each turn sample's own routing
+  prompt_length [R]               the turn prompt's tokens (system + window + observation)
+  reward [R]                      the EPISODE's reward on every row of the episode (trajectory credit: GRPO/GSPO
+                                  over episode groups gives every turn sample its episode's advantage)
+  group_id, episode_id, turn_index [R]   the episode's group, the episode (0..B-1), the turn (0..T-1)
+  turn_reward, turn_key [B, T]    per episode as in the full rollout; row r's are `.reshape(-1)[r]`
+  stats, env_info [B]             per episode, as in the full rollout
+Rows of a group (G episodes x T turns) are contiguous, so `rl.learner` selects and normalises groups of G T rows
+(`learner.make_prepare_batch` with `Trajectory.episode_id` set). Episodes end only by the environment or the turn
+limit here: the window always fits Lt.
+
+Episode starts, groups, per-row keys and forced tokens behave as in the full rollout (a turn's tokens depend on its
+row only), so `forced_tokens [B, T, m]` force turn t of episode b whatever the history.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from typing import Any
 
 import flax.struct
@@ -61,6 +102,7 @@ import numpy as np
 from reno_jax.envs import interface
 from reno_jax.models import ling3
 from reno_jax.protocol import bind
+from reno_jax.protocol import chat as chat_lib
 from reno_jax.rollout import generate as gen
 from reno_jax.rollout import sampling
 
@@ -89,6 +131,11 @@ class RolloutConfig:
         group's episodes. Rows are computed independently, so this only saves work.
       record_routing: record the top-k expert ids of every fed token in every MoE layer (`Trajectory.routing`,
         for routing replay and the routing-agreement metric). Off: the rollout program is the plain one.
+      history: None: each episode is one growing conversation (one row). k >= 0: bounded history, each turn is
+        its own row (turn sample) whose prompt is the system prompt, the episode's last k exchanges and the
+        environment's current observation (below); `max_length` is then unused.
+      turn_length: with `history`, the width of a turn sample; 0 means `required_turn_length`, the
+        smallest that always fits (a smaller one is an error).
     """
 
     group_size: int = 1
@@ -105,6 +152,8 @@ class RolloutConfig:
     parse_max_bytes: int | None = None
     share_prompt_prefill: bool = True
     record_routing: bool = False
+    history: int | None = None
+    turn_length: int = 0
 
     def __post_init__(self):
         for name in ("group_size", "max_new_tokens", "max_turns", "prefill_chunk"):
@@ -112,6 +161,10 @@ class RolloutConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_length < 0:
             raise ValueError(f"max_length must be >= 0 (0: required_length), got {self.max_length}")
+        if self.history is not None and (isinstance(self.history, bool) or int(self.history) < 0):
+            raise ValueError(f"history must be None (whole conversation) or an int k >= 0, got {self.history!r}")
+        if self.turn_length < 0:
+            raise ValueError(f"turn_length must be >= 0 (0: the required one), got {self.turn_length}")
         if self.cache_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"cache_dtype must be 'float32' or 'bfloat16', got {self.cache_dtype!r}")
         sampling.validate_sampling_args(self.temperature, self.top_k, self.top_p, self.greedy)
@@ -150,12 +203,15 @@ class CompiledEnv:
       chat: compiled chat tables (`reno_jax.protocol.chat.compile_chat`): in-jit rendering of its messages.
       parser: compiled tool-call tables (`reno_jax.protocol.toolcall.compile_tool_calls`) of its tool schemas.
       stop: `generate.StopTables` (turn-end/eos tokens and the "</tool_call>" matcher).
+      history: `HistoryTables` for bounded history (`RolloutConfig.history`), None when the template's prompt
+        does not split into system prefix, user turn and assistant header.
     """
 
     env: Any
     chat: Any
     parser: Any
     stop: Any
+    history: Any = None  # `HistoryTables`, or None when the chat template does not split (no bounded history)
 
     @property
     def prompt_len(self) -> int:
@@ -199,10 +255,53 @@ def compile_env(
         decode to nothing. Must not be smaller than the tokenizer's vocabulary.
       chat_template: override of the tokenizer's chat template.
     """
-    chat, parser, pieces = bind.compile(env.chat(), tokenizer, vocab_size, chat_template)
+    spec = env.chat()
+    chat, parser, pieces = bind.compile(spec, tokenizer, vocab_size, chat_template)
     stop_ids = [int(i) for i in np.asarray(chat.stop_ids)]
     stop = gen.build_stop_tables(pieces, stop_ids, bind.CLOSE_TAG.encode())
-    return CompiledEnv(env=env, chat=chat, parser=parser, stop=stop)
+    history = history_tables(spec, chat, tokenizer, chat_template)
+    return CompiledEnv(env=env, chat=chat, parser=parser, stop=stop, history=history)
+
+
+@flax.struct.dataclass
+class HistoryTables:
+    """The token pieces a bounded-history turn prompt is assembled from (below).
+
+    Attributes:
+      system_ids: ``int32 [S]`` the system message (with the tools) as every rendered prompt starts with it.
+      header_ids: ``int32 [H]`` the assistant header every rendered prompt ends with (the generation prompt).
+      tool_continues: ``bool [len(spec.tool)]`` tool template k's render ends with that header.
+    """
+
+    system_ids: jax.Array
+    header_ids: jax.Array
+    tool_continues: jax.Array
+
+
+def history_tables(spec, chat_tables, tokenizer, chat_template: str | None = None) -> HistoryTables | None:
+    """Host, once: the system prefix and the assistant header of `spec`'s prompts as token ids, checked against
+    every user template's rendered prompt; None when a rendered prompt is not system + user turn + header (then
+    bounded history is unavailable)."""
+    system = [{"role": "system", "content": spec.system}]
+    user = system + [{"role": "user", "content": "x"}]
+    with_header = chat_lib.chat_text(tokenizer, spec, user, True, chat_template)
+    without = chat_lib.chat_text(tokenizer, spec, user, False, chat_template)
+    system_text = chat_lib.chat_text(tokenizer, spec, system, False, chat_template)
+    if not with_header.startswith(without) or not without.startswith(system_text):
+        return None
+    system_ids = tokenizer.encode(system_text, add_special_tokens=False)
+    header_ids = tokenizer.encode(with_header[len(without) :], add_special_tokens=False)
+    for template in range(len(spec.user)):
+        ids, n = chat_lib.render_user(chat_tables, (template, [0] * spec.num_values))
+        ids = [int(i) for i in np.asarray(ids)[: int(n)]]
+        s, h = len(system_ids), len(header_ids)
+        if len(ids) < s + h or ids[:s] != system_ids or ids[len(ids) - h :] != header_ids:
+            return None
+    return HistoryTables(
+        system_ids=jnp.asarray(system_ids, jnp.int32),
+        header_ids=jnp.asarray(header_ids, jnp.int32),
+        tool_continues=jnp.asarray(spec.tool_continues, jnp.bool_),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -245,6 +344,8 @@ class Trajectory:
     routing: Any = None
     turn_reward: Any = None
     turn_key: Any = None
+    episode_id: Any = None  # bounded history only: int32 [B * T] the episode of each turn sample (else None)
+    turn_index: Any = None  # bounded history only: int32 [B * T] the turn of each turn sample (else None)
 
     @property
     def info(self) -> dict:
@@ -353,6 +454,17 @@ def rollout(
       before the environment said done) get the environment's `truncation_reward` and `env.finish(...,
       truncated=True)`.
     """
+    if rollout_config.history is not None:  # bounded history: turn samples (module docstring)
+        return _bounded_rollout(
+            params,
+            key,
+            starts,
+            model_config=model_config,
+            rollout_config=rollout_config,
+            env=env,
+            forced_tokens=forced_tokens,
+            return_cache=return_cache,
+        )
     setup = _make_setup(params, key, starts, model_config, rollout_config, env, forced_tokens)
     env_state, prompt_ids, prompt_len = _reset(setup, starts)
     cache, last, routing = _prefill_prompts(setup, prompt_ids, prompt_len)
@@ -651,15 +763,32 @@ def _feed_tool_response(setup: _Setup, turn, d: _Decode, message, tokens, cont, 
 # ---- finalisation
 
 
-def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
-    """The `Trajectory` of the finished turn loop: episodes still running after the last turn are truncated too
-    (the environment's `truncation_reward`, on their last turn), masks and turn ids from the turn bounds."""
-    t_max, big_l, tenv = setup.turns, setup.length, setup.env.env
+def _episode_results(setup: _Setup, carry):
+    """`(reward [B], turn_reward [B, T], env_info, stats)` of a finished turn loop (`_Episodes` or the bounded
+    history's loop state): episodes still running after the last turn are truncated too (the environment's
+    `truncation_reward`, on their last turn)."""
+    tenv = setup.env.env
     truncated = carry.truncated | carry.live
     reward = jnp.where(truncated, jnp.float32(tenv.truncation_reward), carry.reward).astype(jnp.float32)
-    last_turn = jnp.arange(t_max)[None, :] == jnp.maximum(carry.num_turns - 1, 0)[:, None]
+    last_turn = jnp.arange(setup.turns)[None, :] == jnp.maximum(carry.num_turns - 1, 0)[:, None]
     turn_reward = jnp.where(truncated[:, None], jnp.where(last_turn, reward[:, None], 0.0), carry.turn_reward)
     env_info = jax.vmap(tenv.finish)(carry.env_state, carry.env_info, truncated)
+    stats = RolloutStats(
+        parse_kind=carry.parse_kind,
+        valid_call=carry.valid_call,
+        num_turns=carry.num_turns,
+        generated_tokens=carry.gen_tokens,
+        budget_stops=carry.budget_stops,
+        truncated=truncated,
+    )
+    return reward, turn_reward, env_info, stats
+
+
+def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
+    """The `Trajectory` of the finished turn loop (`_episode_results`), masks and turn ids from the turn
+    bounds."""
+    t_max, big_l = setup.turns, setup.length
+    reward, turn_reward, env_info, stats = _episode_results(setup, carry)
     length = carry.cache["length"]
     pos = jnp.arange(big_l, dtype=jnp.int32)[None, :]
     valid = pos < length[:, None]
@@ -669,14 +798,6 @@ def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
     turn_id = jnp.sum(pos[:, None, :] >= ge[:, :-1], axis=1).astype(jnp.int32) if t_max > 1 else jnp.zeros_like(pos)
     turn_id = jnp.where(valid, turn_id, -1)
     logp = jnp.where(loss_mask, carry.logp, 0.0)
-    stats = RolloutStats(
-        parse_kind=carry.parse_kind,
-        valid_call=carry.valid_call,
-        num_turns=carry.num_turns,
-        generated_tokens=carry.gen_tokens,
-        budget_stops=carry.budget_stops,
-        truncated=truncated,
-    )
     group_id = jnp.arange(setup.batch, dtype=jnp.int32) // setup.rollout_config.group_size
     return Trajectory(
         tokens=jnp.where(valid, carry.tokens, setup.env.pad_id),
@@ -692,6 +813,307 @@ def _finalise(setup: _Setup, carry: _Episodes, prompt_len) -> Trajectory:
         routing=carry.routing,
         turn_reward=turn_reward,
         turn_key=carry.turn_key,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- bounded history
+
+
+def _history_of(env: CompiledEnv) -> HistoryTables:
+    if env.history is None:
+        raise ValueError(
+            "bounded history (rollout.history) needs a chat template whose prompts are system + user turn + "
+            "assistant header; this environment's template does not split so (use rollout.history=None)"
+        )
+    return env.history
+
+
+def exchange_width(env: CompiledEnv, rc: RolloutConfig) -> int:
+    """E: the most tokens one exchange (header, call, rest of the turn and tool turn) of the window takes."""
+    return int(_history_of(env).header_ids.shape[0]) + rc.max_new_tokens + env.response_len
+
+
+def prompt_width(env: CompiledEnv, rc: RolloutConfig) -> int:
+    """The most tokens a turn prompt takes: the system prefix, k exchanges and the observation's user turn."""
+    return env.prompt_len + int(rc.history) * exchange_width(env, rc)
+
+
+def required_turn_length(env: CompiledEnv, rc: RolloutConfig) -> int:
+    """Smallest Lt that fits every turn sample: the longest turn prompt plus a full turn."""
+    return prompt_width(env, rc) + rc.max_new_tokens
+
+
+def turn_length(env: CompiledEnv, rc: RolloutConfig) -> int:
+    """Lt used by the rollout: `turn_length`, or `required_turn_length` when it is 0."""
+    need = required_turn_length(env, rc)
+    if rc.turn_length and rc.turn_length < need:
+        raise ValueError(f"turn_length {rc.turn_length} cannot hold a turn sample; use at least {need} (or 0)")
+    return rc.turn_length or need
+
+
+@flax.struct.dataclass
+class _Window:
+    """Loop state of the bounded-history turn loop (one entry per episode unless noted)."""
+
+    turn: jax.Array  # int32 []
+    live: jax.Array  # bool [B]
+    ex_ids: jax.Array  # int32 [B, k, E] the last k exchanges, oldest first (empty ones have length 0)
+    ex_len: jax.Array  # int32 [B, k]
+    row_tokens: jax.Array  # int32 [B, T, Lt]
+    row_logp: jax.Array  # float32 [B, T, Lt]
+    row_prompt: jax.Array  # int32 [B, T] turn t's prompt length (0: no turn t)
+    row_gen: jax.Array  # int32 [B, T] turn t's policy tokens
+    row_routing: Any  # int16 [B, T, Lt, n_moe, K] or None
+    reward: jax.Array  # float32 [B]
+    turn_reward: jax.Array  # float32 [B, T]
+    turn_key: jax.Array  # int32 [B, T]
+    env_state: Any
+    env_info: Any
+    parse_kind: jax.Array
+    valid_call: jax.Array
+    num_turns: jax.Array
+    gen_tokens: jax.Array
+    budget_stops: jax.Array
+    truncated: jax.Array
+
+
+def _bounded_rollout(
+    params,
+    key: jax.Array,
+    starts,
+    *,
+    model_config: ling3.Ling3Config,
+    rollout_config: RolloutConfig,
+    env: CompiledEnv,
+    forced_tokens: jax.Array | None = None,
+    return_cache: bool = False,
+):
+    """`rollout.rollout` with `rollout_config.history = k` (module docstring): a `Trajectory` of B * T turn
+    samples (and the last turn's cache when `return_cache`)."""
+    lt = turn_length(env, rollout_config)
+    checked = dataclasses.replace(rollout_config, max_length=0)  # the whole-conversation length is not used
+    setup = _make_setup(params, key, starts, model_config, checked, env, forced_tokens)
+    setup = dataclasses.replace(setup, length=lt)
+    env_state, _, _ = _reset(setup, starts)
+    carry = _initial_window(setup, env_state)
+    system = _system_prefix(setup)
+    carry, cache = jax.lax.while_loop(
+        lambda c: (c[0].turn < setup.turns) & jnp.any(c[0].live),
+        functools.partial(_play_window_turn, setup, system),
+        (carry, jax.tree.map(lambda a: _expand(a, setup.batch), system[0])),
+    )
+    traj = _finalise_window(setup, carry)
+    if return_cache:
+        return traj, cache
+    return traj
+
+
+def _routing_buffer(setup: _Setup, *lead: int):
+    mc = setup.model_config
+    return jnp.full((*lead, setup.length, len(ling3.moe_layer_indices(mc)), mc.num_experts_per_tok), -1, jnp.int16)
+
+
+def _initial_window(setup: _Setup, env_state) -> _Window:
+    """The loop state before turn 0: every episode live, an empty window, no rows yet."""
+    b, t_max, lt, k = setup.batch, setup.turns, setup.length, int(setup.rollout_config.history)
+    tenv, e = setup.env.env, exchange_width(setup.env, setup.rollout_config)
+    info_shape = jax.eval_shape(
+        lambda s, c: jax.vmap(tenv.step)(s, c).info, env_state, bind.empty_calls(b, setup.env.parser)
+    )
+    i32 = functools.partial(jnp.zeros, (b,), jnp.int32)
+    bool_ = functools.partial(jnp.zeros, (b,), jnp.bool_)
+    return _Window(
+        turn=jnp.int32(0),
+        live=jnp.ones((b,), jnp.bool_),
+        ex_ids=jnp.full((b, k, e), setup.env.pad_id, jnp.int32),
+        ex_len=jnp.zeros((b, k), jnp.int32),
+        row_tokens=jnp.full((b, t_max, lt), setup.env.pad_id, jnp.int32),
+        row_logp=jnp.zeros((b, t_max, lt), jnp.float32),
+        row_prompt=jnp.zeros((b, t_max), jnp.int32),
+        row_gen=jnp.zeros((b, t_max), jnp.int32),
+        row_routing=_routing_buffer(setup, b, t_max) if setup.record else None,
+        reward=jnp.zeros((b,), jnp.float32),
+        turn_reward=jnp.zeros((b, t_max), jnp.float32),
+        turn_key=jnp.full((b, t_max), -1, jnp.int32),
+        env_state=env_state,
+        env_info=jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info_shape),
+        parse_kind=i32(),
+        valid_call=bool_(),
+        num_turns=i32(),
+        gen_tokens=i32(),
+        budget_stops=i32(),
+        truncated=bool_(),
+    )
+
+
+def turn_prompt(setup: _Setup, carry: _Window):
+    """`(ids int32 [B, prompt_width], n int32 [B])`: each episode's turn prompt, system prefix + window +
+    current observation (user turn and assistant header)."""
+    env, k = setup.env, int(setup.rollout_config.history)
+    system = _history_of(env).system_ids
+    s = system.shape[0]
+    obs_ids, obs_n = jax.vmap(env.render_user)(jax.vmap(env.env.observation)(carry.env_state))
+    ids = jnp.full((setup.batch, prompt_width(env, setup.rollout_config)), env.pad_id, jnp.int32)
+    ids = ids.at[:, :s].set(system[None, :])
+    pos = jnp.full((setup.batch,), s, jnp.int32)
+    for j in range(k):
+        ids = scatter_rows(ids, pos, carry.ex_ids[:, j], carry.ex_len[:, j])
+        pos = pos + carry.ex_len[:, j]
+    ids = scatter_rows(ids, pos, obs_ids[:, s:], obs_n - s)
+    return ids, (pos + obs_n - s).astype(jnp.int32)
+
+
+def _system_prefix(setup: _Setup):
+    """`(cache, routing or None)` of one row after the system prefix: every turn sample starts with it, so it is
+    fed once per rollout and each turn's cache starts as a copy of it."""
+    mc, rc, system = setup.model_config, setup.rollout_config, _history_of(setup.env).system_ids
+    chunk = _chunk_for(system.shape[0], rc.prefill_chunk)
+    ids = gen.pad_to_multiple(system[None, :], chunk, setup.env.pad_id)
+    dtype = jnp.bfloat16 if rc.cache_dtype == "bfloat16" else jnp.float32
+    cache = ling3.init_cache(mc, 1, setup.length, dtype)
+    last = jnp.zeros((1, mc.vocab_size), jnp.float32)
+    routing = _routing_buffer(setup, 1) if setup.record else None
+    n = jnp.full((1,), system.shape[0], jnp.int32)
+    cache, _, routing = _prefill(setup, cache, ids, n, last, chunk, routing)
+    return cache, routing
+
+
+def _sample_turn(setup: _Setup, system, carry: _Window):
+    """Prefills every live episode's turn prompt after the system prefix (`_system_prefix`, copied) and decodes
+    its turn: `(prompt ids [B, prompt_width], prompt lengths [B] (0 for ended episodes), decode state
+    `_Decode`)`."""
+    rc, env, b = setup.rollout_config, setup.env, setup.batch
+    s = _history_of(env).system_ids.shape[0]
+    ids, n = turn_prompt(setup, carry)
+    rest = ids[:, s:]  # what follows the system prefix
+    chunk = _chunk_for(rest.shape[1], rc.prefill_chunk)
+    n_rest = jnp.where(carry.live, n - s, 0)
+    cache, routing = jax.tree.map(lambda a: _expand(a, b), system)
+    last = jnp.zeros((b, setup.model_config.vocab_size), jnp.float32)
+    fed = gen.pad_to_multiple(rest, chunk, env.pad_id)
+    cache, last, routing = _prefill(setup, cache, fed, n_rest, last, chunk, routing)
+    view = types.SimpleNamespace(turn=carry.turn, cache=cache, last=last, live=carry.live, routing=routing)
+    d = _decode_turn(setup, view)
+    return ids, jnp.where(carry.live, n, 0), d
+
+
+def _new_exchange(setup: _Setup, d, message):
+    """`(ids int32 [B, E], n int32 [B])`: assistant header + the turn's tokens + its tool response, without the
+    assistant header the response continues with."""
+    env, tables = setup.env, _history_of(setup.env)
+    header = tables.header_ids
+    h = header.shape[0]
+    resp, resp_n = jax.vmap(env.render_tool)(message, ~d.turn_end)
+    template = jnp.clip(message.template.astype(jnp.int32), 0, tables.tool_continues.shape[0] - 1)
+    keep = resp_n - jnp.where(tables.tool_continues[template], h, 0)
+    ids = jnp.full((setup.batch, exchange_width(env, setup.rollout_config)), env.pad_id, jnp.int32)
+    ids = ids.at[:, :h].set(header[None, :])
+    ids = scatter_rows(ids, jnp.full((setup.batch,), h, jnp.int32), d.gen_tok, d.n_gen)
+    ids = scatter_rows(ids, h + d.n_gen, resp, keep)
+    return ids, (h + d.n_gen + keep).astype(jnp.int32)
+
+
+def _record_turn_sample(setup: _Setup, carry: _Window, ids, n, d):
+    """The rows of this turn written into the `[B, T, Lt]` buffers: `(row_tokens, row_logp, row_prompt,
+    row_gen, row_routing)`."""
+    b, lt, pad_id, turn = setup.batch, setup.length, setup.env.pad_id, carry.turn
+    zero = jnp.zeros((b,), jnp.int32)
+    row = scatter_rows(jnp.full((b, lt), pad_id, jnp.int32), zero, ids, n)
+    row = scatter_rows(row, n, d.gen_tok, d.n_gen)
+    logp = scatter_rows(jnp.zeros((b, lt), jnp.float32), n, d.gen_logp, d.n_gen)
+    put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=turn, axis=1)
+    routing = None
+    if carry.row_routing is not None:  # an ended episode's row holds the copied system prefix's: none of it is its
+        live = carry.live.reshape((b,) + (1,) * (d.routing.ndim - 1))
+        routing = put(carry.row_routing, jnp.where(live, d.routing, jnp.int16(-1)))
+    return (
+        put(carry.row_tokens, row),
+        put(carry.row_logp, logp),
+        put(carry.row_prompt, n),
+        put(carry.row_gen, d.n_gen),
+        routing,
+    )
+
+
+def _play_window_turn(setup: _Setup, system, state):
+    """One turn of every live episode (a `lax.while_loop` body): build the turn prompt, prefill, decode, record
+    the row, parse, step the environment and push the exchange into the window."""
+    carry, _ = state  # the previous turn's cache: only returned (`return_cache`), never read
+    turn, live, tenv, k = carry.turn, carry.live, setup.env.env, int(setup.rollout_config.history)
+    ids, n, d = _sample_turn(setup, system, carry)
+    row_tokens, row_logp, row_prompt, row_gen, row_routing = _record_turn_sample(setup, carry, ids, n, d)
+    call = setup.env.parse_batch(d.gen_tok, d.n_gen, setup.rollout_config.parse_max_bytes)
+    state_key = jax.vmap(tenv.state_key)(carry.env_state)
+    turn_key = carry.turn_key
+    if state_key is not None:
+        turn_key = jax.lax.dynamic_update_index_in_dim(
+            turn_key, jnp.where(live, state_key.astype(jnp.int32), -1), turn, 1
+        )
+    out = jax.vmap(tenv.step)(carry.env_state, call)
+    step_reward = jnp.where(live, out.reward.astype(jnp.float32), 0.0)
+    cont = live & ~out.done
+    ex_ids, ex_len = carry.ex_ids, carry.ex_len
+    if k and setup.turns > 1:
+        new_ids, new_len = _new_exchange(setup, d, out.message)
+        ex_ids = jnp.where(cont[:, None, None], jnp.concatenate([ex_ids[:, 1:], new_ids[:, None]], 1), ex_ids)
+        ex_len = jnp.where(cont[:, None], jnp.concatenate([ex_len[:, 1:], new_len[:, None]], 1), ex_len)
+    kind = call.kind.astype(jnp.int32)
+    new = _Window(
+        turn=turn + 1,
+        live=cont,
+        ex_ids=ex_ids,
+        ex_len=ex_len,
+        row_tokens=row_tokens,
+        row_logp=row_logp,
+        row_prompt=row_prompt,
+        row_gen=row_gen,
+        row_routing=row_routing,
+        reward=carry.reward + step_reward,
+        turn_reward=jax.lax.dynamic_update_index_in_dim(carry.turn_reward, step_reward, turn, 1),
+        turn_key=turn_key,
+        env_state=_keep_where(live, out.state, carry.env_state),
+        env_info=_keep_where(live, out.info, carry.env_info),
+        parse_kind=jnp.where(live, kind, carry.parse_kind),
+        valid_call=jnp.where(live, kind == 0, carry.valid_call),
+        num_turns=carry.num_turns + live.astype(jnp.int32),
+        gen_tokens=carry.gen_tokens + d.n_gen,
+        budget_stops=carry.budget_stops + (live & (d.n_gen >= setup.max_new_tokens)).astype(jnp.int32),
+        truncated=carry.truncated,
+    )
+    return new, d.cache
+
+
+def _finalise_window(setup: _Setup, carry: _Window) -> Trajectory:
+    """The `Trajectory` of B * T turn samples (module docstring)."""
+    b, t_max, lt, g = setup.batch, setup.turns, setup.length, setup.rollout_config.group_size
+    reward, turn_reward, env_info, stats = _episode_results(setup, carry)
+    rows = b * t_max
+    prompt = carry.row_prompt.reshape(rows)
+    end = prompt + carry.row_gen.reshape(rows)
+    pos = jnp.arange(lt, dtype=jnp.int32)[None, :]
+    valid = pos < end[:, None]
+    loss_mask = (pos >= prompt[:, None]) & valid
+    turn_index = jnp.tile(jnp.arange(t_max, dtype=jnp.int32), b)
+    episode_id = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t_max)
+    routing = carry.row_routing
+    if routing is not None:
+        routing = routing.reshape(rows, *routing.shape[2:])
+    return Trajectory(
+        tokens=jnp.where(valid, carry.row_tokens.reshape(rows, lt), setup.env.pad_id),
+        valid=valid,
+        loss_mask=loss_mask,
+        behaviour_logp=jnp.where(loss_mask, carry.row_logp.reshape(rows, lt), 0.0),
+        turn_id=jnp.where(valid, turn_index[:, None], -1),
+        prompt_length=prompt,
+        reward=jnp.repeat(reward, t_max),
+        group_id=episode_id // g,
+        stats=stats,
+        env_info=env_info,
+        routing=routing,
+        turn_reward=turn_reward,
+        turn_key=carry.turn_key,
+        episode_id=episode_id,
+        turn_index=turn_index,
     )
 
 

@@ -13,14 +13,20 @@ def rollout_summary(traj, env: interface.TextEnv, prefix: str = "rollout/") -> d
     """Per-step figures of a host `Trajectory` (`rollout/rewards_mean`, ..., then `rollout/<env metric>`)."""
     reward = np.asarray(traj.reward, np.float64)
     stats = jax.tree.map(np.asarray, traj.stats)
+    policy_tokens = np.asarray(traj.loss_mask).sum(axis=1)  # per row
+    prompt_length = np.asarray(traj.prompt_length)
+    if getattr(traj, "episode_id", None) is not None:  # turn samples: an episode's policy tokens, its turns' prompts
+        episodes = np.asarray(traj.episode_id)
+        policy_tokens = np.bincount(episodes, weights=policy_tokens)
+        prompt_length = prompt_length[np.asarray(traj.valid).any(axis=1)]
     out = {
         "rewards_mean": float(reward.mean()),
         "rewards_std": float(reward.std()),
         "rewards_min": float(reward.min()),
         "rewards_max": float(reward.max()),
         "accuracy": float((reward > 0).mean()),
-        "response_len_mean": float(np.asarray(traj.loss_mask).sum(axis=1).mean()),
-        "prompt_len_mean": float(np.asarray(traj.prompt_length).mean()),
+        "response_len_mean": float(policy_tokens.mean()),
+        "prompt_len_mean": float(prompt_length.mean()),
         "tool_call_valid_rate": float(np.mean(stats.valid_call)),
         "turns_mean": float(np.mean(stats.num_turns)),
     }

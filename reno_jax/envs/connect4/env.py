@@ -307,6 +307,14 @@ class Connect4Env(TextEnv):
         values = wording.message_values(game.board, state.agent_player, opening, mark_playable=bool(self.mark_playable))
         return state, Message(template=jnp.int32(wording.USER_GAME), values=values)
 
+    def observation(self, state: Connect4State) -> Message:
+        """The game's user message at the current board, naming the opponent's latest column (``reset``'s message
+        at the start)."""
+        values = wording.message_values(
+            state.game.board, state.agent_player, state.opponent_column, mark_playable=bool(self.mark_playable)
+        )
+        return Message(template=jnp.int32(wording.USER_GAME), values=values)
+
     def step(self, state: Connect4State, call: ToolCall) -> Step:
         live = ~state.done
         agent = state.agent_player

@@ -189,6 +189,10 @@ class SokobanEnv(TextEnv):
         )
         return state, self._message(wording.USER_ROOM, state)
 
+    def observation(self, state: SokobanState) -> Message:
+        """The room as it is now (``reset``'s message at the start)."""
+        return self._message(wording.USER_ROOM, state)
+
     def step(self, state: SokobanState, call: ToolCall) -> Step:
         live = state.outcome == OUTCOME_ONGOING
         direction = jnp.asarray(call.args, jnp.int32).reshape(-1)[0]

@@ -189,6 +189,14 @@ class TicTacToeEnv(interface.TextEnv):
         )
         return state, interface.Message(jnp.int32(1), _values(game.board, side, 0))
 
+    def observation(self, state):
+        """The task's user message at the current board (``reset``'s message at the start)."""
+        if self.task == "move":
+            side = jnp.clip(ttt.to_move_from_counts(state.board).astype(jnp.int32) - 1, 0, 1)
+            return interface.Message(jnp.int32(0), _values(state.board, side, 0))
+        side = jnp.clip(state.game.agent_player.astype(jnp.int32) - 1, 0, 1)
+        return interface.Message(jnp.int32(1), _values(state.game.board, side, 0))
+
     def for_member(self, state, member):
         if self.task == "move" or not self.independent_opponents:
             return state
