@@ -275,7 +275,7 @@ class RlSettings:
     )
     length_bucket: int = _field(
         _LEARNER.length_bucket,
-        "> 0: train steps see the batch up to its last real token, rounded up to a multiple of this",
+        "> 0: train steps see the batch up to its last real token, rounded up to this x 1, 2, 3, 4, 6, 8, ...",
         _at_least(0),
         "an integer >= 0 (0: train at the full length)",
     )
