@@ -117,7 +117,12 @@ def teacher_calls(config, tokenizer, vocab_size: int) -> TeacherCalls:
         raise as_config_error(error) from None
     schemas = env.env.chat().tools
     tool_names = [t["function"]["name"] for t in schemas]
-    calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names, schemas)
+    try:
+        calls = sft.build_call_table(
+            tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names, schemas
+        )
+    except ValueError as error:  # a call its tool schema cannot take: one line, not a traceback
+        raise ConfigError(f"--config.env.name={entry.name}: {error}") from None
     max_new_tokens = config.rollout.max_new_tokens
     longest = int(np.max(np.asarray(calls.length)))
     if longest > max_new_tokens:  # such a call never fits a turn: the warm start would train on nothing
