@@ -145,7 +145,12 @@ class RolloutSettings:
     boards_per_step: int = _field(16, "groups (episode starts) rolled out per step", *_INT_GE1)
     group_size: int = _field(8, "samples per start (a GSPO group)", *_INT_GE1)
     max_new_tokens: int = _field(_ROLLOUT.max_new_tokens, "policy tokens per turn", *_INT_GE1)
-    max_turns: int = _field(_ROLLOUT.max_turns, "agent turns per episode", *_INT_GE1)
+    max_turns: int = _field(
+        0,
+        "agent turns per episode (0: the environment's own max_turns(); more is refused)",
+        _at_least(0),
+        "an integer >= 0 (0: the environment's own bound)",
+    )
     max_length: int = _field(
         _ROLLOUT.max_length,
         "conversation length (0: what every episode needs)",
@@ -562,6 +567,7 @@ def mismatch_corrections(r: RlSettings) -> tuple[float, tuple[float, float] | No
 LEGACY_DEFAULTS = {
     "rl.share_prompt_prefix": False,
     "rl.share_common_prefix": False,
+    "rollout.max_turns": 1,
 }
 
 
