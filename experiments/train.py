@@ -4,7 +4,7 @@ r"""GSPO training of a Ling-3.0-architecture policy on any registered tool-calli
   python -m experiments.train --config=configs/connect4_tiny.py --workdir=workdir/c4
   python -m experiments.train --config=configs/tictactoe_tiny.py --workdir=/tmp/t \
       --config.num_steps=5 --config.rl.learning_rate=3e-4
-  python -m experiments.train --config=configs/guess_number_tiny.py --workdir=/tmp/g \
+  python -m experiments.train --config=configs/tictactoe_tiny.py --workdir=/tmp/g \
       --config.env.module=my_pkg.my_env --config.env.name=my_env       # an environment of your own package
 
 A thin layer over `reno_jax.loop.train` (see there for what the workdir holds): flags, the multi-process set-up
