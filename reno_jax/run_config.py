@@ -39,6 +39,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16
 QUANTIZE = ("", "int8")  # `model.quantize`: the frozen base of a LoRA run in float, or int8 weight-only
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16", "int8")
 CACHE_DTYPES = ("float32", "bfloat16")
+TOKENIZERS = ("shipped", "env")  # `model.tokenizer` (a directory goes in `model.tokenizer_path`)
 
 _ROLLOUT = rollout_lib.RolloutConfig()
 _LEARNER = learner_lib.LearnerConfig(group_size=1)
@@ -91,7 +92,13 @@ class TinyArchitecture:
 class ModelSettings:
     path: str = _field("", "a local HF directory to start from ('': draw the tiny model below)")
     dtype: str = _field("float32", "parameter dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}")
-    tokenizer_path: str = _field("", "tokenizer directory ('': model.path's, else the one shipped in reno_jax/assets)")
+    tokenizer_path: str = _field("", "tokenizer directory ('': model.path's, else model.tokenizer's)")
+    tokenizer: str = _field(
+        "shipped",
+        "without a path: 'shipped' (reno_jax/assets) or 'env' (a BPE of the environment's text, saved with the run)",
+        lambda v: v in TOKENIZERS,
+        f"one of {list(TOKENIZERS)}",
+    )
     quantize: str = _field(
         "",
         "'int8': the frozen base of a LoRA run in int8 weight-only (reno_jax/models/quant.py)",
@@ -129,6 +136,12 @@ class SftSettings:
         "transcript length (0: the prompt and every turn's longest call)",
         _at_least(0),
         "an integer >= 0 (0: what the teacher's calls need)",
+    )
+    compare_episodes: int = _field(
+        256,
+        "at the end: the student's greedy figures beside the teacher's on this many episodes of the first eval suite",
+        _at_least(0),
+        "an integer >= 0 (0: no comparison)",
     )
     teacher: str = _field("", "the environment's teacher to imitate ('': its default; the names are the environment's)")
     explore: float = _field(
@@ -496,6 +509,12 @@ def _coerce(kind, value, path: str):
 def check(config: RunConfig) -> None:
     """The rules that tie fields together (each single field is checked by `load`); raises `ConfigError`."""
     r, rollout = config.rl, config.rollout
+    if config.model.tokenizer == "env" and (config.model.path or config.model.tokenizer_path):
+        given = "--config.model.path" if config.model.path else "--config.model.tokenizer_path"
+        raise ConfigError(
+            f"--config.model.tokenizer=env builds a tokenizer for the drawn tiny model; {given} names one already "
+            "(a pretrained model's vocabulary is its own): leave --config.model.tokenizer=shipped"
+        )
     if config.model.quantize and not config.lora.rank:
         raise ConfigError(
             f"--config.model.quantize={config.model.quantize} needs --config.lora.rank > 0: an int8 "

@@ -180,6 +180,7 @@ def _guess_config(tmp_steps=1):
     c.model.tiny.num_hidden_layers = 2  # every layer kind still (KDA + dense MLP, MLA + MoE); compiles faster
     c.sft.num_steps = 2
     c.sft.batch_size = 4
+    c.sft.compare_episodes = 0  # the student-teacher comparison (~11 CPU-s a run): tests/test_own_environment.py
     c.rollout.boards_per_step = 2
     c.rollout.group_size = 2
     c.rollout.max_turns = 2
