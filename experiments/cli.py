@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import os
 import platform
+import re
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from absl import app, flags
 
 from reno_jax import parallel
 from reno_jax.checkpoint.orbax import RestoreError
+from reno_jax.envs import registry
 from reno_jax.envs.host import HostEnvError
 from reno_jax.errors import ConfigError, RunError
 from reno_jax.models.conversion import CheckpointError
@@ -62,11 +66,18 @@ def use_compilation_cache(path: str) -> str | None:
     return directory
 
 
-def run(main: Callable) -> None:
+def run(main: Callable, *, env_options: bool = False) -> None:
     """`absl.app.run(main)` with `--compilation_cache` on, and with `UserError`, `ConfigError`, `RunError` (a
     workdir without the run or checkpoint asked for), `CheckpointError` (a bad model directory), `RestoreError`
     (a checkpoint of another model: its leaf and both shapes) and `HostEnvError` (a host environment's method
-    returned a wrong type) printed as one line, exit status 2."""
+    returned a wrong type) printed as one line, exit status 2.
+
+    `env_options`: the `env` section's `--config.env.NAME=VALUE` flags are taken off the command line before absl
+    reads it (a config file does not name an environment's options, and absl refuses a field it lacks) and handed
+    to `main` as `main(argv, env_options={NAME: text})`; `with_env_options` puts them into the config."""
+    if env_options:
+        sys.argv[:], options = split_env_options(sys.argv)
+        main = functools.partial(main, env_options=options)
 
     def guarded(argv):
         try:
@@ -77,6 +88,58 @@ def run(main: Callable) -> None:
             sys.exit(2)
 
     app.run(guarded)
+
+
+ENV_OPTION = re.compile(r"--config\.env\.([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
+
+
+def split_env_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`argv` without its `--config.env.NAME=VALUE` flags, and those flags as ``{NAME: VALUE text}``."""
+    rest, options = [], {}
+    for arg in argv:
+        match = ENV_OPTION.fullmatch(arg)
+        if match:
+            options[match.group(1)] = match.group(2)
+        else:
+            rest.append(arg)
+    return rest, options
+
+
+def option_value(name: str, text: str, current: Any = None) -> Any:
+    """The value of `--config.env.NAME=text`: of `current`'s type where the config file sets the field, else a Python
+    literal (`7`, `0.5`, `True`, `(1, 2)`) or, failing that, the text itself; `UserError` if it is not of that type."""
+    if current is None:
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+    kind = type(current)
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false"):
+                raise ValueError(text)
+            return text.lower() == "true"
+        return text if kind is str else kind(ast.literal_eval(text)) if kind in (tuple, list) else kind(text)
+    except (ValueError, SyntaxError, TypeError):
+        raise UserError(f"--config.env.{name} must be {kind.__name__}, got {text!r}") from None
+
+
+def with_env_options(config, options: dict[str, str]):
+    """`config` (a ConfigDict) with `--config.env.NAME=VALUE` flags set in its `env` section (`split_env_options`);
+    the environment's registration checks them (`registry.option_values`). Another `env.name` than the file's
+    starts from an empty section: the file's settings were its own environment's."""
+    if not options:
+        return config
+    env = config.env.to_dict()
+    if "name" in options and options["name"] != env.get("name"):
+        env = {name: "" for name in registry.RESERVED}
+    for name, text in options.items():
+        env[name] = option_value(name, text, env.get(name))
+    with config.unlocked():
+        config.env = type(config.env)(env)
+    return config
 
 
 def check_workdir_for_writing(workdir: str) -> None:

@@ -4,8 +4,9 @@ r"""GSPO training of a Ling-3.0-architecture policy on any registered tool-calli
   python -m experiments.train --config=configs/connect4_tiny.py --workdir=workdir/c4
   python -m experiments.train --config=configs/tictactoe_tiny.py --workdir=/tmp/t \
       --config.num_steps=5 --config.rl.learning_rate=3e-4
-  python -m experiments.train --config=configs/guess_number_tiny.py --workdir=/tmp/g \
+  python -m experiments.train --config=configs/tictactoe_tiny.py --workdir=/tmp/g \
       --config.env.module=my_pkg.my_env --config.env.name=my_env       # an environment of your own package
+      [--config.env.size=8]                                            # ... and one of its declared options
   python -m experiments.train --config=configs/guess_number_host_tiny.py --workdir=/tmp/h \
       --config.env.teacher_strategy=binary                             # a host environment and one of its options
 
@@ -43,7 +44,7 @@ def last_figures(rows: list[dict], window: int = 20) -> dict:
     return summary
 
 
-def main(argv):
+def main(argv, env_options: dict | None = None):
     distributed.initialize()  # first: JAX cannot join other processes once it has computed anything
     if len(argv) > 1:
         raise cli.UserError(f"unexpected arguments: {argv[1:]}")
@@ -52,10 +53,10 @@ def main(argv):
         raise cli.UserError("--config is required: a config file such as configs/<name>.py")
     # Orbax logs every checkpoint step at INFO; keep the console to the progress bars and our own lines.
     logging.set_verbosity(logging.WARNING)
-    rows = loop.train(_CONFIG.value, _WORKDIR.value)
+    rows = loop.train(cli.with_env_options(_CONFIG.value, env_options or {}), _WORKDIR.value)
     if hosts.is_main_process():
         print(json.dumps(last_figures(rows)))
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, env_options=True)

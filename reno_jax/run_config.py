@@ -39,6 +39,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16
 QUANTIZE = ("", "int8")  # `model.quantize`: the frozen base of a LoRA run in float, or int8 weight-only
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16", "int8")
 CACHE_DTYPES = ("float32", "bfloat16")
+TOKENIZERS = ("shipped", "env")  # `model.tokenizer` (a directory goes in `model.tokenizer_path`)
 
 _ROLLOUT = rollout_lib.RolloutConfig()
 _LEARNER = learner_lib.LearnerConfig(group_size=1)
@@ -91,7 +92,13 @@ class TinyArchitecture:
 class ModelSettings:
     path: str = _field("", "a local HF directory to start from ('': draw the tiny model below)")
     dtype: str = _field("float32", "parameter dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}")
-    tokenizer_path: str = _field("", "tokenizer directory ('': model.path's, else the one shipped in reno_jax/assets)")
+    tokenizer_path: str = _field("", "tokenizer directory ('': model.path's, else model.tokenizer's)")
+    tokenizer: str = _field(
+        "shipped",
+        "without a path: 'shipped' (reno_jax/assets) or 'env' (a BPE of the environment's text, saved with the run)",
+        lambda v: v in TOKENIZERS,
+        f"one of {list(TOKENIZERS)}",
+    )
     quantize: str = _field(
         "",
         "'int8': the frozen base of a LoRA run in int8 weight-only (reno_jax/models/quant.py)",
@@ -130,6 +137,12 @@ class SftSettings:
         _at_least(0),
         "an integer >= 0 (0: what the teacher's calls need)",
     )
+    compare_episodes: int = _field(
+        256,
+        "at the end: the student's greedy figures beside the teacher's on this many episodes of the first eval suite",
+        _at_least(0),
+        "an integer >= 0 (0: no comparison)",
+    )
     teacher: str = _field("", "the environment's teacher to imitate ('': its default; the names are the environment's)")
     explore: float = _field(
         0.0, "teacher option: share of the teacher's moves played at random (environments that offer it)"
@@ -145,7 +158,12 @@ class RolloutSettings:
     boards_per_step: int = _field(16, "groups (episode starts) rolled out per step", *_INT_GE1)
     group_size: int = _field(8, "samples per start (a GSPO group)", *_INT_GE1)
     max_new_tokens: int = _field(_ROLLOUT.max_new_tokens, "policy tokens per turn", *_INT_GE1)
-    max_turns: int = _field(_ROLLOUT.max_turns, "agent turns per episode", *_INT_GE1)
+    max_turns: int = _field(
+        0,
+        "agent turns per episode (0: the environment's own max_turns(); more is refused)",
+        _at_least(0),
+        "an integer >= 0 (0: the environment's own bound)",
+    )
     max_length: int = _field(
         _ROLLOUT.max_length,
         "conversation length (0: what every episode needs)",
@@ -294,7 +312,7 @@ class RlSettings:
     )
     length_bucket: int = _field(
         _LEARNER.length_bucket,
-        "> 0: train steps see the batch up to its last real token, rounded up to a multiple of this",
+        "> 0: train steps see the batch up to its last real token, rounded up to this x 1, 2, 3, 4, 6, 8, ...",
         _at_least(0),
         "an integer >= 0 (0: train at the full length)",
     )
@@ -510,6 +528,12 @@ def _coerce(kind, value, path: str):
 def check(config: RunConfig) -> None:
     """The rules that tie fields together (each single field is checked by `load`); raises `ConfigError`."""
     r, rollout = config.rl, config.rollout
+    if config.model.tokenizer == "env" and (config.model.path or config.model.tokenizer_path):
+        given = "--config.model.path" if config.model.path else "--config.model.tokenizer_path"
+        raise ConfigError(
+            f"--config.model.tokenizer=env builds a tokenizer for the drawn tiny model; {given} names one already "
+            "(a pretrained model's vocabulary is its own): leave --config.model.tokenizer=shipped"
+        )
     if config.model.quantize and not config.lora.rank:
         raise ConfigError(
             f"--config.model.quantize={config.model.quantize} needs --config.lora.rank > 0: an int8 "
@@ -586,6 +610,7 @@ def mismatch_corrections(r: RlSettings) -> tuple[float, tuple[float, float] | No
 LEGACY_DEFAULTS = {
     "rl.share_prompt_prefix": False,
     "rl.share_common_prefix": False,
+    "rollout.max_turns": 1,
 }
 
 

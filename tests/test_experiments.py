@@ -53,6 +53,7 @@ def short_config(num_steps: int):
     c.model.tiny.num_hidden_layers = 2
     c.sft.num_steps = 3
     c.sft.batch_size = 8
+    c.sft.compare_episodes = 0  # the student-teacher comparison (~11 CPU-s a run): tests/test_own_environment.py
     c.rollout.boards_per_step = 4
     c.rollout.group_size = 4
     c.rl.train_groups = 2

@@ -427,6 +427,10 @@ def test_trim_length_and_bucketed_length():
     assert [batch_lib.bucketed_length(u, 10, 4) for u in (0, 1, 4, 5, 9, 10)] == [1, 4, 4, 8, 10, 10]
     with pytest.raises(ValueError, match="bucket"):
         batch_lib.bucketed_length(3, 10, 0)
+    # a run compiles one train step per width: over every length a 600-token conversation may use, a handful
+    widths = {batch_lib.bucketed_length(u, 600, 8) for u in range(601)}
+    assert sorted(widths) == [1, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 600]
+    assert all(batch_lib.bucketed_length(u, 10**6, 8) < 1.5 * u + 8 for u in range(1, 5000))  # padding bounded
     b = TrainBatch(
         tokens=jnp.zeros((3, 6), jnp.int32),
         loss_mask=valid,

@@ -23,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [
     "--config.sft.num_steps=2",
     "--config.sft.batch_size=8",
+    "--config.sft.compare_episodes=0",
     "--config.rollout.boards_per_step=4",
     "--config.rollout.group_size=4",
     "--config.rl.train_groups=2",

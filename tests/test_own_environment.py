@@ -61,8 +61,8 @@ ECHO_ENV = textwrap.dedent("""
             return {"right_rate": interface.rate("right", plot=True), "invalid_rate": interface.rate("invalid")}
 
 
-    def sample(key, num_groups):
-        return Start(number=jax.random.randint(key, (num_groups,), 0, 10))
+    def make_sampler(config):  # config.env.numbers: the option below, its default filled in
+        return lambda key, num_groups: Start(number=jax.random.randint(key, (num_groups,), 0, config.env.numbers))
 
 
     def teacher(state, key):  # the right answer: row k is answer(number=k)
@@ -75,9 +75,9 @@ ECHO_ENV = textwrap.dedent("""
 
 
     ENTRY = registry.register(
-        "echo", lambda env_config, **overrides: EchoEnv(), lambda config: sample,
+        "echo", lambda env_config, **overrides: EchoEnv(), make_sampler,
         lambda config, env: interface.Teacher(teacher, tuple(("answer", {"number": k}) for k in range(10))),
-        eval_suites=suites)
+        eval_suites=suites, options={"numbers": 10})
 """)
 
 SMALL = [
@@ -103,10 +103,12 @@ def user_package(tmp_path_factory):
     return str(root)
 
 
-def _run(args, pythonpath):
+def _run(args, pythonpath, returncode=0):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([pythonpath, ROOT, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == returncode, out.stderr[-3000:]
+    if returncode:
+        return out.stderr.strip().splitlines()
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
@@ -119,11 +121,15 @@ def test_an_environment_of_the_users_package_trains_and_evaluates_from_the_cli(u
             f"--workdir={workdir}",
             "--config.env.module=my_envs.echo",
             "--config.env.name=echo",
+            "--config.env.numbers=5",  # the environment's own option, not in the config file
+            "--config.model.tokenizer=env",  # a tokenizer built on the environment's text, saved with the run
             *SMALL,
         ],
         user_package,
     )
     assert lines[-1]["steps"] == 2 and "last20/rollout/right_rate" in lines[-1]
+    assert json.load(open(os.path.join(workdir, "config.json")))["env"]["numbers"] == 5
+    assert os.path.isfile(os.path.join(workdir, "tokenizer", "tokenizer.json"))  # what the evaluation reads
     rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     assert [row["step"] for row in rows] == [1, 2] and all("rollout/right_rate" in row for row in rows)
     assert os.path.isdir(os.path.join(workdir, "warmstart"))
@@ -131,6 +137,24 @@ def test_an_environment_of_the_users_package_trains_and_evaluates_from_the_cli(u
     assert figures["env"] == "echo" and figures["checkpoint_step"] == 2
     assert figures["all/num_episodes"] == 10 and 0.0 <= figures["all/right_rate"] <= 1.0
     assert "The number is" in open(os.path.join(workdir, "eval_transcripts.txt")).read()
+    for flag, message in (
+        (
+            "--config.env.random_map=True",
+            "--config.env.random_map: unknown option of environment 'echo' (options: numbers)",
+        ),
+        ("--config.env.numbers=many", "--config.env.numbers must be int, got str ('many')"),
+    ):
+        bad = str(tmp_path / "bad")
+        args = [
+            "experiments.train",
+            "--config=configs/tictactoe_tiny.py",
+            f"--workdir={bad}",
+            "--config.env.module=my_envs.echo",
+            "--config.env.name=echo",
+            flag,
+        ]
+        assert _run(args, user_package, returncode=2)[-1] == f"train.py: error: {message}"
+        assert not os.path.exists(bad)  # refused before anything is written
 
 
 def test_an_unknown_module_is_one_line_naming_the_setting(tmp_path):
@@ -167,6 +191,9 @@ def test_the_loop_is_a_library_call(user_package, tmp_path, monkeypatch):
     config.rollout.max_new_tokens, config.rollout.max_turns = 16, 1
     rows = loop.train(config, str(tmp_path), env=echo.ENTRY)  # the entry the user's code registered
     assert [row["step"] for row in rows] == [1, 2] and "rollout/right_rate" in rows[0]
+    # The warm start's end: the student's greedy figures beside the teacher's on the first suite's episodes.
+    logged = json.loads(open(os.path.join(str(tmp_path), warmstart.LOG_SUBDIR, "metrics.jsonl")).readlines()[-1])
+    assert logged["sft/teacher/all/right_rate"] == 1.0 and 0.0 <= logged["sft/student/all/right_rate"] <= 1.0
     # The warm start on the right answers taught the format and the answer: the model now echoes the number.
     config2, tokenizer, model_config, params, step = loop.load_run(str(tmp_path))
     assert step == 2 and config2.env.name == "echo"

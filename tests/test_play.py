@@ -56,6 +56,7 @@ def tiny_config():
     c.model.tiny.num_hidden_layers = 2
     c.sft.num_steps = 20
     c.sft.batch_size = 8
+    c.sft.compare_episodes = 0  # the student-teacher comparison (~11 CPU-s a run): tests/test_own_environment.py
     c.sft.learning_rate = 1e-2
     c.rollout.boards_per_step = 4
     c.rollout.group_size = 4
@@ -75,6 +76,7 @@ def c4_config():
     c.env = ml_collections.ConfigDict({**c.env.to_dict(), "agent_player": 2})  # the field is typed str
     c.sft.num_steps = 30  # enough for well-formed calls, so the browser's game goes on for a few moves
     c.sft.batch_size = 4
+    c.sft.compare_episodes = 0  # the student-teacher comparison (~11 CPU-s a run): tests/test_own_environment.py
     c.sft.learning_rate = 1e-2
     c.rollout.boards_per_step = 2
     c.rollout.group_size = 2
@@ -91,6 +93,7 @@ def guess_config():
     c.model.tiny.num_hidden_layers = 2
     c.sft.num_steps = 4
     c.sft.batch_size = 4
+    c.sft.compare_episodes = 0  # the student-teacher comparison (~11 CPU-s a run): tests/test_own_environment.py
     c.rollout.boards_per_step = 2
     c.rollout.group_size = 2
     c.rollout.max_turns = 2

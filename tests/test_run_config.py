@@ -42,7 +42,7 @@ def test_every_field_is_documented():
 def test_load_gives_typed_sections():
     c = run_config.load(tictactoe_tiny.get_config())
     assert c.rl.max_logp_shift == 0.2 and c.rollout.max_new_tokens == 9 and c.env.name == "tictactoe"
-    assert c.rollout_config() == rollout_lib.RolloutConfig(max_new_tokens=9, group_size=8)
+    assert c.rollout_config() == rollout_lib.RolloutConfig(max_new_tokens=9, group_size=8, max_turns=0)
     assert c.learner_config().forking_schedule and c.learner_config().forking_entropy_hold == 0.5
     assert c.lora.lora_config() == lora.LoraConfig()  # rank 0: no adapters
     assert run_config.load(c) is c
@@ -122,6 +122,7 @@ def _expected_old_run():
     20-step warm start, a checkpoint every 10) ran with."""
     c = tictactoe_tiny.get_config()
     c.num_steps, c.sft.num_steps, c.checkpoint_every = 30, 20, 10
+    c.rollout.max_turns = 1  # written out then; today 0, the environment's own (1 for tic-tac-toe moves)
     return run_config.load(c)
 
 
@@ -182,3 +183,23 @@ def test_curriculum_stage_errors_name_the_stage():
         from reno_jax.loop import config as loop_config
 
         loop_config.validate_config(c)
+
+
+def test_turn_limit_comes_from_the_environment():
+    """rollout.max_turns 0 (the default) plays the environment's own max_turns(); more than it allows, or 0 where
+    it sets none, is one ConfigError naming the flag."""
+    from reno_jax.loop import config as loop_config
+    from reno_jax.loop import evaluation
+
+    class Env:
+        def __init__(self, bound):
+            self.env = self
+            self.max_turns = lambda: bound
+
+    assert rollout_lib.num_turns(Env(8), rollout_lib.RolloutConfig(max_turns=0)) == 8
+    assert rollout_lib.num_turns(Env(8), rollout_lib.RolloutConfig(max_turns=3)) == 3
+    loop_config.check_turns(0, 8, "frozen_lake")
+    with pytest.raises(ConfigError, match=r"^--config.rollout.max_turns=9 is more than env.name='frozen_lake' allows"):
+        loop_config.check_turns(9, 8, "frozen_lake")
+    with pytest.raises(ConfigError, match=r"^--config.rollout.max_turns=0 takes the environment's own"):
+        loop_config.check_turns(0, evaluation.UNBOUNDED_TURNS, "frozen_lake")

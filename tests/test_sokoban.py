@@ -458,8 +458,13 @@ def test_teacher_calls_tokenize_with_their_enum_index():
     table = sft.build_call_table(tok, teacher.calls, tok.eos_token_id or 0, 0, ["move"], schemas)
     np.testing.assert_array_equal(np.asarray(table.args)[:, 0], [0, 1, 2, 3])
     assert table.choice_tokens
-    with pytest.raises(ValueError, match="enum"):
-        sft.build_call_table(tok, teacher.calls, 0, 0, ["move"])
+    with pytest.raises(ValueError, match=r"teacher call move\(direction='up'\): direction takes an integer"):
+        sft.build_call_table(tok, teacher.calls, 0, 0, ["move"])  # without the schemas: no enum to number it by
+    bad = "teacher call move\\(direction='north'\\): direction takes one of 'up', 'down', 'left', 'right'$"
+    with pytest.raises(ValueError, match=bad):
+        sft.build_call_table(tok, [("move", {"direction": "north"})], 0, 0, ["move"], schemas)
+    with pytest.raises(ValueError, match=r"move\(direction=2\): direction takes one of"):
+        sft.build_call_table(tok, [("move", {"direction": 2})], 0, 0, ["move"], schemas)
 
 
 def test_heldout_suite_on_a_tiny_model():

@@ -10,7 +10,13 @@ an environment (`reno_jax.envs.interface`):
         make_teacher=lambda config, env: interface.Teacher(...),         # optional: the supervised warm start
         eval_suites=lambda config: {"all": interface.EvalSuite(...)},    # optional: evaluation
         board_view=lambda config: interface.BoardView(...),              # optional: the play page's board
+        options={"size": 4, "random_map": False},                        # optional: the env section's settings
     )
+
+`options` names the settings of the `env` section with their defaults: `--config.env.size=8` sets one from the
+command line, an unknown one or a value of another type is one error naming the flag, and every factory sees the
+section with the defaults filled in (`env_config.size`, `config.env.size`). Without `options` the section is
+handed over as written and the factories check it themselves.
 
 An environment in a package of its own registers itself when its module is imported; a config names that module
 (`env.module = "my_pkg.my_env"`) and `entry_for(config.env)` imports it before looking the name up. The built-in
@@ -19,9 +25,13 @@ environments are imported the same way, by module path, when first asked for.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import importlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
+
+import ml_collections
 
 from reno_jax.envs import interface
 
@@ -37,6 +47,9 @@ class Entry:
     eval_suites: optional ``config -> {name: interface.EvalSuite}``: the evaluations the environment offers.
     board_view: optional ``config -> interface.BoardView``: how the play page draws the board and lets a person
       play on it; without one the page shows episodes as transcripts.
+    options: the `env` section's settings and their defaults (None: not declared, the section goes as written).
+    tokenizer_corpus: optional ``config -> iterable of str``: texts of the environment's own for the tokenizer
+      `model.tokenizer="env"` builds (`reno_jax.loop.tokenizers`), beside its rendered chat.
     """
 
     name: str
@@ -45,6 +58,8 @@ class Entry:
     make_teacher: Callable[[Any, interface.TextEnv], interface.Teacher] | None = None
     eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None
     board_view: Callable[[Any], interface.BoardView] | None = None
+    options: Mapping[str, Any] | None = None
+    tokenizer_corpus: Callable[[Any], Iterable[str]] | None = None
 
 
 _ENTRIES: dict[str, Entry] = {}
@@ -64,8 +79,11 @@ def register(
     *,
     eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None,
     board_view: Callable[[Any], interface.BoardView] | None = None,
+    options: Mapping[str, Any] | None = None,
+    tokenizer_corpus: Callable[[Any], Iterable[str]] | None = None,
 ) -> Entry:
-    """Registers (or replaces) an environment under `name`; returns its entry."""
+    """Registers (or replaces) an environment under `name`; returns its entry. With `options` every factory
+    sees the `env` section checked against them and their defaults filled in (`with_options`)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"an environment name must be a non-empty string, got {name!r}")
     optional = (("board_view", board_view),) if board_view is not None else ()
@@ -79,9 +97,69 @@ def register(
         make_teacher=make_teacher,
         eval_suites=eval_suites,
         board_view=board_view,
+        tokenizer_corpus=tokenizer_corpus,
     )
+    if options is not None:
+        entry = with_options(entry, dict(options))
     _ENTRIES[name] = entry
     return entry
+
+
+RESERVED = ("name", "module")  # the env section's own fields, not the environment's options
+
+
+def option_values(env_config, options: Mapping[str, Any], name: str) -> ml_collections.ConfigDict:
+    """The `env` section with `options`' defaults filled in, checked: an unknown setting or a value of another
+    type than its default's raises one ValueError naming the field (`env.NAME ...`, a flag once prefixed)."""
+    given = {} if env_config is None else dict(ml_collections.ConfigDict(env_config).to_dict())
+    for field, value in given.items():
+        if field in RESERVED:
+            continue
+        if field not in options:
+            raise ValueError(
+                f"env.{field}: unknown option of environment {name!r} (options: {', '.join(options) or 'none'})"
+            )
+        default = options[field]
+        kind = type(default)
+        fits = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, fits = float(value), True
+        if not fits:
+            raise ValueError(f"env.{field} must be {kind.__name__}, got {type(value).__name__} ({value!r})")
+        given[field] = value
+    return ml_collections.ConfigDict({**dict(options), **given})
+
+
+def with_options(entry: Entry, options: dict) -> Entry:
+    """`entry` whose factories see the `env` section through `option_values` (the `env_config` of `make_env`, the
+    `config.env` of the others)."""
+
+    def filled(config):
+        if config is None or not hasattr(config, "env"):
+            return config
+        values = option_values(config.env, options, entry.name)
+        if dataclasses.is_dataclass(config):
+            return dataclasses.replace(config, env=values)
+        config = copy.deepcopy(config)  # the caller's stays as written
+        with config.unlocked():
+            config.env = values
+        return config
+
+    def on_config(factory):
+        return None if factory is None else functools.wraps(factory)(lambda config, *a: factory(filled(config), *a))
+
+    return dataclasses.replace(
+        entry,
+        make_env=lambda env_config, **overrides: entry.make_env(
+            option_values(env_config, options, entry.name), **overrides
+        ),
+        make_sampler=on_config(entry.make_sampler),
+        make_teacher=on_config(entry.make_teacher),
+        eval_suites=on_config(entry.eval_suites),
+        board_view=on_config(entry.board_view),
+        tokenizer_corpus=on_config(entry.tokenizer_corpus),
+        options=options,
+    )
 
 
 def names() -> list[str]:

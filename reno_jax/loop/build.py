@@ -14,9 +14,9 @@ import jax
 from reno_jax import parallel, run_config
 from reno_jax.envs import registry
 from reno_jax.errors import ConfigError
+from reno_jax.loop import tokenizers
 from reno_jax.models import conversion, ling3, lora
 from reno_jax.models.config import Ling3Config
-from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.rollout import rollout as rollout_lib
 
 DTYPES = run_config.DTYPES
@@ -47,10 +47,9 @@ def quantization(config) -> str:
 
 
 def build_tokenizer(config):
-    """The tokenizer of `config.model.tokenizer_path`, else of `config.model.path`, else the shipped one."""
-    model = run_config.load(config).model
-    path = model.tokenizer_path or model.path or None
-    return tokenizer_lib.load_tokenizer(path)
+    """The tokenizer of `config.model.tokenizer_path`, else of `config.model.path`, else the shipped one or the
+    environment's own (`model.tokenizer`; `loop.tokenizers`). A saved run's: `tokenizers.run_tokenizer`."""
+    return tokenizers.config_tokenizer(config)
 
 
 def tiny_model_config(config, vocab_size: int) -> Ling3Config:

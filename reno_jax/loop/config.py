@@ -80,10 +80,11 @@ def check_env(config) -> None:
             f"--config.{message}" if message.startswith("env.") else f"--config.env.name: {message}"
         ) from None
     try:
-        entry.make_env(config.env)
+        env = entry.make_env(config.env)
         entry.make_sampler(config)
     except (ValueError, KeyError, TypeError) as error:
         raise as_config_error(error) from None
+    check_turns(config.rollout.max_turns, int(env.max_turns()), entry.name)
 
 
 def _check_host_env(config: run_config.RunConfig) -> bool:
@@ -101,3 +102,18 @@ def _check_host_env(config: run_config.RunConfig) -> bool:
                 f"(one process) for now; got {sizes} over {jax.process_count()} process(es)"
             )
     return env_class is not None
+
+
+def check_turns(asked: int, allowed: int, name: str) -> None:
+    """`rollout.max_turns` against the environment's own `max_turns()` (`allowed`; `evaluation.UNBOUNDED_TURNS`:
+    it sets none): 0 takes the environment's, more than it allows is refused, and so is 0 without a bound."""
+    if asked > allowed:
+        raise ConfigError(
+            f"--config.rollout.max_turns={asked} is more than env.name={name!r} allows ({allowed} turns, its "
+            "max_turns()); leave it at 0 for the environment's own"
+        )
+    if not asked and allowed >= evaluation.UNBOUNDED_TURNS:
+        raise ConfigError(
+            f"--config.rollout.max_turns=0 takes the environment's own turn limit, but env.name={name!r} sets "
+            "none (its max_turns()); set --config.rollout.max_turns or give the environment a max_turns()"
+        )

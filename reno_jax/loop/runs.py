@@ -12,7 +12,7 @@ import jax
 from reno_jax import parallel, run_config
 from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.errors import ConfigError, RunError
-from reno_jax.loop import adapters, build, recipe, warmstart
+from reno_jax.loop import adapters, build, recipe, tokenizers, warmstart
 from reno_jax.rl import trainer
 
 
@@ -79,7 +79,7 @@ def load_warm_start(workdir: str, mesh_config: parallel.MeshConfig | None = None
         raise RunError(
             f"--workdir={workdir}: the warm-start cache {path} is missing (a run writes it before its first GSPO step)"
         )
-    tokenizer = build.build_tokenizer(config)
+    tokenizer = tokenizers.run_tokenizer(config, workdir)  # the one the run saved
     model_config, abstract = build.abstract_model(config, tokenizer)
     layout = parallel.Layout.create(model_config, mesh_config)
     if adapters.trains_adapters(config):  # the run's base (int8 where it trains over int8), with fresh adapters:
@@ -102,7 +102,7 @@ def load_checkpoint(workdir: str, step: int | None = None, mesh_config: parallel
     `step` that has none (the message lists the saved steps).
     """
     config = read_run_config(workdir)
-    tokenizer = build.build_tokenizer(config)
+    tokenizer = tokenizers.run_tokenizer(config, workdir)  # the one the run saved
     model_config, abstract_params = build.abstract_model(config, tokenizer)
     optimizer = recipe.make_optimizer(config)
     layout = parallel.Layout.create(model_config, mesh_config)

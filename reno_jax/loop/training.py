@@ -39,7 +39,7 @@ from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.checkpoint.orbax import to_jsonable
 from reno_jax.envs import registry
 from reno_jax.errors import ConfigError
-from reno_jax.loop import adapters, build, curriculum, evaluation, host_envs, hosts, recipe, warmstart
+from reno_jax.loop import adapters, build, curriculum, evaluation, host_envs, hosts, recipe, tokenizers, warmstart
 from reno_jax.loop.config import validate_config
 from reno_jax.rl import learner as learner_lib
 from reno_jax.rl import policy, trainer
@@ -114,7 +114,7 @@ def train(config, workdir: str, *, env: registry.Entry | None = None) -> list[di
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
     os.makedirs(workdir, exist_ok=True)
-    tokenizer = build.build_tokenizer(config)
+    tokenizer = tokenizers.run_tokenizer(config, workdir, write=hosts.is_main_process())  # saved with the run
     model_config, abstract_params = build.abstract_model(config, tokenizer)
     layout = build.make_layout(config, model_config)
     setup = RunSetup(

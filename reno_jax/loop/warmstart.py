@@ -55,6 +55,8 @@ class WarmStartResult:
     teacher: dict = dataclasses.field(default_factory=dict)  # the teacher's own figures on its transcripts
     # the last in-run evaluation (`sft.eval_every`) and the time all of them took (not in `seconds`)
     evaluated: dict = dataclasses.field(default_factory=dict)
+    # the student's greedy figures beside the teacher's on one evaluation suite (`against_teacher`)
+    compared: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict:
         return {
@@ -63,6 +65,7 @@ class WarmStartResult:
             "seconds": self.seconds,
             **{f"teacher/{k}": v for k, v in self.teacher.items()},
             **self.evaluated,
+            **self.compared,
         }
 
 
@@ -117,7 +120,12 @@ def teacher_calls(config, tokenizer, vocab_size: int) -> TeacherCalls:
         raise as_config_error(error) from None
     schemas = env.env.chat().tools
     tool_names = [t["function"]["name"] for t in schemas]
-    calls = sft.build_call_table(tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names, schemas)
+    try:
+        calls = sft.build_call_table(
+            tokenizer, teacher.calls, int(env.chat.turn_end_id), env.pad_id, tool_names, schemas
+        )
+    except ValueError as error:  # a call its tool schema cannot take: one line, not a traceback
+        raise ConfigError(f"--config.env.name={entry.name}: {error}") from None
     max_new_tokens = config.rollout.max_new_tokens
     longest = int(np.max(np.asarray(calls.length)))
     if longest > max_new_tokens:  # such a call never fits a turn: the warm start would train on nothing
@@ -312,11 +320,13 @@ def cached_warm_start(
     writer = None
     if hosts.is_main_process():
         writer = metrics_lib.MetricsWriter(os.path.join(os.path.abspath(workdir), LOG_SUBDIR))
+    held = None if writer is None else HeldLastRow(writer)
     try:
-        result = warm_start(
-            config, model_config, params, tokenizer, key, layout=layout, log=None if writer is None else writer.write
-        )
+        result = warm_start(config, model_config, params, tokenizer, key, layout=layout, log=held and held.write)
+        result = compare_with_teacher(result, config, model_config, tokenizer, held)
     finally:
+        if held is not None:
+            held.flush()
         if writer is not None:
             writer.close()
     if writer is not None and run_config.load(config).plot_every:
@@ -329,6 +339,112 @@ def cached_warm_start(
     checkpointer.close()
     hosts.say(f"Warm start done: {result.summary()}")
     return result
+
+
+class HeldLastRow:
+    """A metrics writer that holds each row back until the next one (or `flush`), so that the figures computed
+    after the last step join that step's row: `flush(extra)` writes it with `extra` added."""
+
+    def __init__(self, writer):
+        self.writer, self.row = writer, None
+
+    def write(self, step: int, row: dict) -> None:
+        self.flush()
+        self.row = (step, dict(row))
+
+    def flush(self, extra: dict | None = None) -> None:
+        if self.row is not None:
+            step, row = self.row
+            self.writer.write(step, {**row, **(extra or {})})
+        self.row = None
+
+
+def compare_with_teacher(result: WarmStartResult, config, model_config, tokenizer, held=None) -> WarmStartResult:
+    """`result` with the student's figures beside the teacher's (`against_teacher`), printed (`report_against_teacher`)
+    and added to the warm start's last logged row (`held`, a `HeldLastRow`) as ``sft/<student|teacher>/<suite>/...``."""
+    compared = against_teacher(config, model_config, result.params, tokenizer, result.evaluated)
+    report_against_teacher(compared, build.make_env(config))
+    if held is not None:
+        held.flush({f"sft/{k}": v for k, v in compared.items()})
+    return dataclasses.replace(result, compared=compared)
+
+
+def teacher_on_suite(
+    config, tokenizer, vocab_size: int, suite: interface.EvalSuite, key: jax.Array, num_episodes: int
+) -> dict:
+    """The teacher's figures on the first `num_episodes` of `suite` (the run's environment with the suite's
+    overrides), as an evaluation reports the student's: the environment's metrics and the suite's extras."""
+    run = run_config.load(config)
+    run = dataclasses.replace(run, sft=dataclasses.replace(run.sft, env=ml_collections.ConfigDict()))  # the run's env
+    taught = teacher_calls(run, tokenizer, vocab_size)
+    env = rollout_lib.compile_env(build.make_env(run, **dict(suite.env_overrides)), tokenizer, vocab_size=vocab_size)
+    rc = run.rollout_config()
+    if env.env.max_turns() < evaluation.UNBOUNDED_TURNS:  # every turn the suite allows, as the evaluation plays
+        rc = dataclasses.replace(rc, max_turns=int(env.env.max_turns()))
+    turns = rollout_lib.num_turns(env, rc)
+    length = transcript_length(env, taught.calls, turns, rollout_lib.conversation_length(env, rc))
+    k_starts, k_play = jax.random.split(key)
+    ids = np.arange(int(num_episodes))
+    out = sft.env_transcripts(
+        k_play, suite.starts(k_starts, ids), env, taught.teacher.policy, taught.calls, max_turns=turns, length=length
+    )
+    info = {k: np.asarray(v) for k, v in jax.device_get(out.info).items()}
+    figures = interface.summarize(env.env, info)
+    if suite.extra is not None:
+        figures.update(suite.extra(info, ids))
+    return figures
+
+
+def against_teacher(config, model_config, params, tokenizer, evaluated: dict | None = None) -> dict:
+    """The warm-started student's greedy figures on the first `sft.compare_episodes` episodes of the run's first
+    evaluation suite (`eval_suites`, else the environment's first default) beside the teacher's on the same ones:
+    ``{"student/<suite>/<figure>": ..., "teacher/<suite>/<figure>": ...}``, the figures both have; {} without a
+    suite or a teacher. `evaluated`: the warm start's own last evaluation (``eval/<suite>/<figure>``), reused when
+    it played the same episodes."""
+    run = run_config.load(config)
+    cap = run.sft.compare_episodes
+    suites = evaluation.resolve_suites(run, evaluation.in_run_suite_names(run)) if cap else {}
+    if not suites or build.env_entry(run).make_teacher is None:
+        return {}
+    name, suite = next(iter(suites.items()))
+    total = cap if suite.scalable else min(cap, int(suite.num_episodes))  # as `run_suite` counts them
+    key = jax.random.PRNGKey(run.seed + 1)  # the in-run evaluations' key
+    whole = not suite.scalable and total == int(suite.num_episodes)  # the warm start's own evaluation played these
+    student = {k.split("/", 2)[2]: v for k, v in (evaluated or {}).items() if whole and k.startswith(f"eval/{name}/")}
+    if not student:
+        student = evaluation.run_suite(
+            params, model_config, tokenizer, run, name, suite, key=key, num_episodes=total, show_progress=False
+        ).figures
+    teacher = teacher_on_suite(run, tokenizer, model_config.vocab_size, suite, key, total)
+    shared = [k for k in teacher if isinstance(student.get(k), (int, float))]
+    return {
+        **{f"student/{name}/{k}": float(student[k]) for k in shared},
+        **{f"teacher/{name}/{k}": float(teacher[k]) for k in shared},
+    }
+
+
+def report_against_teacher(compared: dict, env) -> str | None:
+    """Prints the student's line and the teacher's (`against_teacher`), and one warning line when the student
+    scores under half the teacher's on the environment's first plotted figure; returns that warning."""
+    if not compared:
+        return None
+    suite = next(iter(compared)).split("/")[1]
+    for who in ("student", "teacher"):
+        figures = ", ".join(f"{k.split('/', 2)[2]} {v:.3f}" for k, v in compared.items() if k.startswith(who + "/"))
+        hosts.say(f"Warm start on {suite!r}, {who}: {figures}")
+    plotted = [name.split("/", 1)[1] for name in summary_lib.plotted_metrics(env)]
+    score = next((n for n in plotted if f"teacher/{suite}/{n}" in compared), None)
+    if score is None:  # no figure the environment calls its score: nothing to warn on
+        return None
+    student, teacher = compared[f"student/{suite}/{score}"], compared[f"teacher/{suite}/{score}"]
+    if not (teacher > 0 and student < 0.5 * teacher):
+        return None
+    warning = (
+        f"Warning: the warm-started student's {score} on {suite!r} ({student:.3f}) is under half the teacher's "
+        f"({teacher:.3f}); RL starts from a model that has not learned the teacher (more --config.sft.num_steps?)"
+    )
+    hosts.say(warning)
+    return warning
 
 
 def plot_warm_start(jsonl_path: str, env) -> str:

@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 
 from reno_jax.checkpoint import metrics as metrics_lib
 from reno_jax.checkpoint import orbax as ckpt_lib
-from reno_jax.loop import adapters, build, recipe
+from reno_jax.loop import adapters, build, recipe, tokenizers
 from reno_jax.loop.runs import read_run_config
 from reno_jax.rl import trainer
 
@@ -34,7 +34,7 @@ class RunDir:
     def __init__(self, workdir: str):
         self.workdir = os.path.abspath(workdir)
         self.config = read_run_config(self.workdir)  # RunError for a workdir that holds no run
-        self.tokenizer = build.build_tokenizer(self.config)
+        self.tokenizer = tokenizers.run_tokenizer(self.config, self.workdir)  # the one the run saved
         self.model_config, self._abstract_params = build.abstract_model(self.config, self.tokenizer)
         optimizer = recipe.make_optimizer(self.config)
         # The restore target of a checkpoint's TrainState, from shapes only (nothing is initialised); a LoRA run's

@@ -77,11 +77,18 @@ def used_length(valid: jax.Array) -> jax.Array:
 
 
 def bucketed_length(used: int, full: int, bucket: int) -> int:
-    """``used`` rounded up to a multiple of ``bucket``, at most ``full`` (host ints): the width a batch is trimmed
-    to, from a handful of widths so that the train step compiles once per width, not once per batch."""
+    """``used`` rounded up to the next width of the ladder ``bucket`` x (1, 2, 3, 4, 6, 8, 12, 16, ...) (powers of
+    two and their one-and-a-half), at most ``full`` (host ints): the width a batch is trimmed to. The train step
+    compiles once per width, so the ladder keeps a run to about ``2 log2(full / bucket)`` compiled programs
+    whatever its lengths, for at most half again the padding of the batch's own length."""
     if bucket < 1:
         raise ValueError(f"bucket must be >= 1, got {bucket}")
-    return max(1, min(full, -(-int(used) // bucket) * bucket))
+    units = -(-int(used) // bucket)  # buckets the batch needs
+    rung = 1
+    while rung < units:  # 1, 2, 3, 4, 6, 8, ...: a power of two p >= 2 is followed by 3p/2, which by 2p
+        is_power_of_two = rung & (rung - 1) == 0
+        rung = rung * 3 // 2 if is_power_of_two and rung >= 2 else rung * 4 // 3 if rung > 2 else 2
+    return max(1, min(full, rung * bucket if units else 0))
 
 
 def trim_length(batch: TrainBatch, length: int) -> TrainBatch:

@@ -23,7 +23,8 @@ Host syncs inside a step (everything else stays on the device; ``tests/test_lear
   ``share_common_prefix``) and one past its last real column (with ``length_bucket``). The shared-prefix cut and
   the trimmed width are array *shapes* (``prefix_tokens [B, S]``), so they must be Python ints. S is the running
   minimum over the run, so the train step recompiles only when a shorter prompt than any before shows up; the
-  width is rounded up to a multiple of ``length_bucket``, so it takes a few values.
+  width is rounded up to ``length_bucket`` x (1, 2, 3, 4, 6, 8, ...) (``batch.bucketed_length``), so it takes a few
+  values.
 * ``ROLLOUT_WAIT`` (only ``run_step(time_rollout=True)``; a ``jax.block_until_ready``, not a read): waits for the
   rollout to finish so that its wall time can be reported apart from the train step's.
 
@@ -96,9 +97,10 @@ class LearnerConfig:
     turn_scope: "group": a turn is compared with its group's turns from the same state key; "batch": with every
       turn of the batch from that key (for keys that name what the agent knows, so that groups whose starts differ
       meet at the same decision; see ``TextEnv.state_key``).
-    length_bucket: > 0: train on the batch's columns up to its last real token, rounded up to a multiple of this
-      (`batch.trim_length`; exact), instead of the whole conversation length: for multi-turn episodes whose length
-      varies (a game won in 6 moves or drawn in 21). Each width compiles the train step once. 0: off.
+    length_bucket: > 0: train on the batch's columns up to its last real token, rounded up to this times 1, 2, 3,
+      4, 6, 8, ... (`batch.bucketed_length`, `batch.trim_length`; exact), instead of the whole conversation
+      length: for multi-turn episodes whose length varies (a game won in 6 moves or drawn in 21). Each width
+      compiles the train step once. 0: off.
     """
 
     group_size: int

@@ -43,21 +43,28 @@ class CallTable:
     choice_tokens: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
 
-def _call_argument(value, tool: str, argument: str, schemas) -> int:
-    """A teacher call's argument as the parser reports it: an integer as itself, an enum string as its option's
-    index in the tool's schema (`schemas`: the environment's tool schemas)."""
-    if not isinstance(value, str):
-        return int(value)
+def _argument_schema(tool: str, argument: str, schemas) -> dict:
+    """The JSON schema of `tool`'s `argument` in the environment's tool schemas ({} where there is none)."""
     for schema in schemas or ():
         function = schema.get("function", schema)
         if function.get("name") == tool:
-            options = function.get("parameters", {}).get("properties", {}).get(argument, {}).get("enum") or []
-            if value in options:
-                return options.index(value)
-    raise ValueError(
-        f"teacher call {tool}({argument}={value!r}): a string argument must be an option of the "
-        "tool's enum, and build_call_table needs the tool schemas (`schemas`) to number it"
-    )
+            return function.get("parameters", {}).get("properties", {}).get(argument, {})
+    return {}
+
+
+def _call_argument(value, tool: str, argument: str, schemas) -> int:
+    """A teacher call's argument as the parser reports it: an integer as itself, an enum string as its option's
+    index in the tool's schema (`schemas`: the environment's tool schemas). A value that is neither raises one
+    line naming the tool, the argument and what it takes."""
+    schema = _argument_schema(tool, argument, schemas)
+    options = list(schema.get("enum") or [])
+    if isinstance(value, str) and value in options:
+        return options.index(value)
+    low, high = schema.get("minimum", -(2**31)), schema.get("maximum", 2**31 - 1)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and not options and low <= value <= high:
+        return int(value)
+    takes = f"one of {', '.join(map(repr, options))}" if options else f"an integer in {low}..{high}"
+    raise ValueError(f"teacher call {tool}({argument}={value!r}): {argument} takes {takes}")
 
 
 def build_call_table(tokenizer, calls, turn_end_id: int, pad_id: int, tool_names=None, schemas=None) -> CallTable:

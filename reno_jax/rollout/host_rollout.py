@@ -310,7 +310,8 @@ class HostRolloutStats(R.RolloutStats):
 
 
 def num_turns(envs: Sequence[host.HostEnv], rollout_config: R.RolloutConfig) -> int:
-    return max(1, min(int(rollout_config.max_turns), *(int(e.max_turns) for e in envs)))
+    bound = min(int(e.max_turns) for e in envs)
+    return max(1, min(int(rollout_config.max_turns) or bound, bound))  # max_turns 0: the environments' own
 
 
 def conversation_length(chat: HostChat, programs: HostPrograms, turns: int) -> int:

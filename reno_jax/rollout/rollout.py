@@ -116,7 +116,7 @@ class RolloutConfig:
     Attributes:
       group_size: G episodes per start (GRPO/GSPO groups).
       max_new_tokens: policy tokens per turn (a turn that reaches it ends there; its call is parsed as is).
-      max_turns: agent turns per episode (capped by the environment's `max_turns()`).
+      max_turns: agent turns per episode (capped by the environment's `max_turns()`); 0: the environment's own.
       max_length: L, the conversation length (trajectory width and cache size); 0 means `required_length(env,
         config)`, the smallest L that never truncates. An episode whose next tool response plus a full turn would
         not fit ends as truncated.
@@ -156,9 +156,11 @@ class RolloutConfig:
     turn_length: int = 0
 
     def __post_init__(self):
-        for name in ("group_size", "max_new_tokens", "max_turns", "prefill_chunk"):
+        for name in ("group_size", "max_new_tokens", "prefill_chunk"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_turns < 0:
+            raise ValueError(f"max_turns must be >= 0 (0: the environment's own), got {self.max_turns}")
         if self.max_length < 0:
             raise ValueError(f"max_length must be >= 0 (0: required_length), got {self.max_length}")
         if self.history is not None and (isinstance(self.history, bool) or int(self.history) < 0):
@@ -175,8 +177,9 @@ class RolloutConfig:
 
 
 def num_turns(env: "CompiledEnv", rollout_config: RolloutConfig) -> int:
-    """Agent turns the rollout runs: `max_turns`, capped by the environment's own bound."""
-    return max(1, min(int(rollout_config.max_turns), int(env.env.max_turns())))
+    """Agent turns the rollout runs: `max_turns`, capped by the environment's own bound (0: that bound)."""
+    bound = int(env.env.max_turns())
+    return max(1, min(int(rollout_config.max_turns) or bound, bound))
 
 
 def required_length(env: "CompiledEnv", rollout_config: RolloutConfig) -> int:
