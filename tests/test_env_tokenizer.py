@@ -22,7 +22,8 @@ def _config():
 
 def test_the_environments_tokenizer_is_saved_with_the_run_and_read_back(tmp_path):
     workdir = str(tmp_path)
-    built = tokenizers.run_tokenizer(_config(), workdir, write=True)
+    built = tokenizers.run_tokenizer(_config(), workdir)
+    tokenizers.save_run_tokenizer(built, workdir)
     shipped = load_tokenizer(None)
     assert len(built) <= len(shipped)  # the shipped size at most (a small corpus may run out of merges)
     assert len(built.encode(CALL)) < len(shipped.encode(CALL))  # the environment's call skeleton: fewer tokens

@@ -101,6 +101,7 @@ def test_short_default_run_writes_everything(run_dir):
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
     assert os.path.isdir(os.path.join(run_dir, "warmstart"))
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["1", "2"]
+    assert os.path.isfile(os.path.join(run_dir, "tokenizer", "tokenizer.json"))  # the run's own, beside config.json
 
 
 def test_same_seed_same_metrics(run_dir, tmp_path):

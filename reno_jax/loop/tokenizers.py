@@ -107,13 +107,18 @@ def config_tokenizer(config):
     return tokenizer_lib.load_tokenizer(model.tokenizer_path or model.path or None)
 
 
-def run_tokenizer(config, workdir: str, *, write: bool = False):
+def run_tokenizer(config, workdir: str):
     """The tokenizer of the run in `workdir`: the one it saved (`<workdir>/tokenizer`), else `config_tokenizer`
-    (a new run, or one of older code), saved there when `write` (the training process that owns the workdir)."""
+    (a new run, or one of older code)."""
     saved = os.path.join(workdir, SUBDIR)
     if os.path.isfile(os.path.join(saved, "tokenizer.json")):
         return tokenizer_lib.load_tokenizer(saved)
-    tokenizer = config_tokenizer(config)
-    if write:
+    return config_tokenizer(config)
+
+
+def save_run_tokenizer(tokenizer, workdir: str) -> None:
+    """Saves `tokenizer` as the run's (`<workdir>/tokenizer`) unless it is there already: written by the training
+    process beside config.json, after the checks and the restore that could still refuse the run."""
+    saved = os.path.join(workdir, SUBDIR)
+    if not os.path.isfile(os.path.join(saved, "tokenizer.json")):
         tokenizer.save_pretrained(saved)
-    return tokenizer

@@ -114,7 +114,7 @@ def train(config, workdir: str, *, env: registry.Entry | None = None) -> list[di
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} is a file; expected a directory (created if missing)")
     os.makedirs(workdir, exist_ok=True)
-    tokenizer = tokenizers.run_tokenizer(config, workdir, write=hosts.is_main_process())  # saved with the run
+    tokenizer = tokenizers.run_tokenizer(config, workdir)  # saved with config.json, once the restore has passed
     model_config, abstract_params = build.abstract_model(config, tokenizer)
     layout = build.make_layout(config, model_config)
     setup = RunSetup(
@@ -137,6 +137,7 @@ def _train(setup: RunSetup) -> list[dict]:
     ckpt, state = _restore(setup, key_rl)
     if hosts.is_main_process():
         write_run_config(setup.config, setup.workdir)
+        tokenizers.save_run_tokenizer(setup.tokenizer, setup.workdir)
     start = _start_point(setup, state, key_model, key_sft, key_rl)
     if start.step:
         hosts.say(
