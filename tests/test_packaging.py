@@ -76,13 +76,25 @@ def test_play_without_the_extra_is_one_line_naming_it(tmp_path):
     ]
 
 
-def _slow_table() -> dict:
-    """tests/conftest.py's SLOW, read from its source (conftest is not importable as a module by name)."""
+def _conftest_table(name: str):
+    """A table of tests/conftest.py (SLOW, LONGEST_FIRST), read from its source (conftest is not importable as a
+    module by name)."""
     with open(os.path.join(REPO, "tests", "conftest.py")) as f:
         for node in ast.parse(f.read()).body:
-            if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["SLOW"]:
+            if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == [name]:
                 return ast.literal_eval(node.value)
-    raise AssertionError("tests/conftest.py has no SLOW table")
+    raise AssertionError(f"tests/conftest.py has no {name} table")
+
+
+def _slow_table() -> dict:
+    return _conftest_table("SLOW")
+
+
+def test_the_longest_first_order_names_test_files():
+    order = _conftest_table("LONGEST_FIRST")
+    assert len(set(order)) == len(order)
+    for path in order:
+        assert os.path.isfile(os.path.join(REPO, path)), f"tests/conftest.py's LONGEST_FIRST names {path}: no file"
 
 
 def test_every_slow_test_exists():
