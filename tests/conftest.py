@@ -108,6 +108,8 @@ SLOW = {
         "benchmarks/host_rollout_cost.py at a tiny size: three rollouts and three train steps compiled (~100 CPU-s)",
     "tests/test_host_loop.py::test_short_host_run_evaluates_warm_starts_and_shows_transcripts":
         "a two-step host-env run with warm start, in-run evaluation and the play page (~150 CPU-s)",
+    "tests/test_host_loop.py::test_host_run_trains_on_turn_samples_with_bounded_history":
+        "a short host training run with bounded history (warm start, a GSPO step, an evaluation)",
     "tests/test_host_loop.py::test_host_run_resumes_exactly_after_kill_9":
         "three host-env training runs of the CLI in subprocesses, one killed with SIGKILL",
     "tests/test_history_cost.py::test_history_cost_tiny":

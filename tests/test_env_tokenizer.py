@@ -42,3 +42,22 @@ def test_an_env_tokenizer_for_a_pretrained_model_is_refused():
     c.model.tokenizer_path, c.model.tokenizer = "", "bpe"
     with pytest.raises(ConfigError, match=r"^--config.model.tokenizer must be one of \['shipped', 'env'\]"):
         run_config.load(c)
+
+
+def test_a_host_environments_tokenizer_is_built_from_its_episodes():
+    from configs import two_hop_lookup_tiny
+    from reno_jax.envs import two_hop_lookup
+
+    class WithCorpus(two_hop_lookup.TwoHopLookupEnv):
+        @classmethod
+        def tokenizer_corpus(cls):
+            return ("a declared text",)
+
+    docs = tokenizers.host_corpus(WithCorpus, 3)
+    assert len(docs) == 4 and docs[-1] == "a declared text"
+    assert WithCorpus.system_prompt in docs[0] and '<tool_call>{"name": "' in docs[0]
+    c = two_hop_lookup_tiny.get_config()
+    c.model.tokenizer = "env"
+    built, shipped = tokenizers.config_tokenizer(c), load_tokenizer(None)
+    call = docs[0][docs[0].rindex("<tool_call>") : docs[0].rindex("</tool_call>") + len("</tool_call>")]
+    assert "arguments" in call and len(built.encode(call)) < len(shipped.encode(call))  # the teacher's last call

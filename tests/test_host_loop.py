@@ -196,6 +196,18 @@ def _train_cli(workdir, num_steps, **popen):
     return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
 
 
+def test_host_run_trains_on_turn_samples_with_bounded_history(tmp_path):
+    """`rollout.history=1`: the host rollout's turn samples go through the learner (one row per turn of each
+    episode) and the held-out evaluation plays the same window."""
+    c = tiny_config(1)
+    c.rollout.history = 1
+    c.rl.share_prompt_prefix = c.rl.share_common_prefix = False  # turn samples share no group prompt
+    c.eval_every = 1
+    rows = loop.train(c, str(tmp_path / "run"))
+    assert [r["step"] for r in rows] == [1] and np.isfinite(rows[0]["train/loss"])
+    assert rows[0]["eval/heldout/num_episodes"] == 4 and "eval/heldout/found" in rows[0]
+
+
 def test_host_run_resumes_exactly_after_kill_9(tmp_path):
     """A run killed with SIGKILL once it has checkpointed step 2, then started again, writes the same metric rows
     as an uninterrupted run (the tasks come from the checkpointed RNG, not from Python state)."""

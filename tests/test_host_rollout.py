@@ -439,3 +439,111 @@ def test_warm_start_transcripts_are_the_host_rollouts_ids(world):
                 return 8
 
         host_warmstart.play_teacher(NoCallTeacher, 3, rng, chat, turns=1, length=240, max_new_tokens=M, cut=8)
+
+
+# ---------------------------------------------------------------------------------------------- bounded history
+
+# Bounded history with k = 1 on the compiled pieces of `world` (the turn sample's length is their L = 240, so no
+# shape changes: only the one-row system prefill and its copy compile anew). Secrets 11, 11, 3, 3: episode 0 finds
+# 11 on its fourth guess, 1 runs out of guesses, 2 finds 3 on its fourth, 3 on its first.
+HISTORY_TURNS = 5
+HISTORY_RC = dataclasses.replace(RC, max_turns=HISTORY_TURNS, history=1, turn_length=RC.max_length)
+HISTORY_GUESSES = [[8, 12, 10, 11], [16, 1, 5, 9, 13], [8, 4, 2, 3], [3]]
+
+
+@pytest.fixture(scope="module")
+def history_run(world):
+    programs = dataclasses.replace(world["programs"], rollout_config=HISTORY_RC)
+    forced = np.full((B, HISTORY_TURNS, M), -1, np.int32)
+    for b, guesses in enumerate(HISTORY_GUESSES):
+        for t, g in enumerate(guesses):
+            ids = world["tok"].encode(_call_text(g), add_special_tokens=False)
+            forced[b, t, : len(ids)] = ids
+    envs = [gh.GuessNumberHostEnv() for _ in range(B)]
+    traj = H.host_rollout(
+        world["params"],
+        world["keys"],
+        envs,
+        [11, 11, 3, 3],
+        chat=world["guess"],
+        programs=programs,
+        forced_tokens=forced,
+    )
+    return dict(traj=jax.device_get(traj), envs=envs)
+
+
+def _history_texts(tok, secret: int, guesses, k: int) -> list[str]:
+    """The chat template's text of each turn sample of one episode: system, the last k (assistant call, tool
+    response) exchanges and the observation as a user turn, then the call (a replay through the environment)."""
+    env, exchanges, texts = gh.GuessNumberHostEnv(), [], []
+    first = env.reset(secret)
+    for t, guess in enumerate(guesses):
+        observation = first if t == 0 else env.observation()
+        window = exchanges[len(exchanges) - 2 * k :] if k else []
+        messages = [{"role": "system", "content": gn.CHAT.system}, *window, {"role": "user", "content": observation}]
+        texts.append(chat_lib.chat_text(tok, gn.CHAT, messages, True) + _call_text(guess))
+        step = env.step(host.ToolCall("guess", {"number": guess}))
+        exchanges += [{"role": "assistant", "content": _call_text(guess)}, {"role": "tool", "content": step.text}]
+        if step.done:
+            break
+    return texts
+
+
+def test_history_turn_samples_are_the_chat_templates_rendering(world, history_run):
+    traj, tok, turns = history_run["traj"], world["tok"], HISTORY_TURNS
+    assert traj.tokens.shape == (B * turns, RC.max_length)
+    np.testing.assert_array_equal(traj.episode_id, np.repeat(np.arange(B), turns))
+    np.testing.assert_array_equal(traj.turn_index, np.tile(np.arange(turns), B))
+    np.testing.assert_array_equal(traj.group_id, np.repeat([0, 0, 1, 1], turns))
+    for b, guesses in enumerate(HISTORY_GUESSES):
+        texts = _history_texts(tok, [11, 11, 3, 3][b], guesses, HISTORY_RC.history)
+        assert int(traj.stats.num_turns[b]) == len(texts)
+        for t in range(turns):
+            r = b * turns + t
+            n = int(traj.valid[r].sum())
+            if t >= len(texts):  # the episode ended before: a padding row
+                assert n == 0 and traj.prompt_length[r] == 0 and (traj.turn_id[r] == -1).all()
+                continue
+            assert traj.valid[r, :n].all() and decode_text(tok, traj.tokens[r, :n]) == texts[t], (b, t)
+            p = int(traj.prompt_length[r])
+            np.testing.assert_array_equal(np.flatnonzero(traj.loss_mask[r]), np.arange(p, n))
+            assert (traj.turn_id[r, :n] == t).all()
+    # rewards: the episode's on each of its rows; per turn in turn_reward [B, T]
+    episode_reward = np.array([0.625, 0.0, 0.625, 1.0], np.float32)
+    np.testing.assert_allclose(traj.reward, np.repeat(episode_reward, turns))
+    np.testing.assert_allclose(traj.turn_reward.sum(1), episode_reward)
+    np.testing.assert_array_equal(traj.info["found"], [True, False, True, True])
+
+
+def test_history_turn_samples_hold_the_fed_ids(world, history_run):
+    """Each window exchange is the ids of its turn sample's sampled turn and the response as fed, not a
+    re-tokenisation; turn 0 is the whole conversation's first prompt."""
+    traj, chat, turns = history_run["traj"], world["guess"], HISTORY_TURNS
+    assert traj.tokens[0, : traj.prompt_length[0]].tolist() == chat.prompt_ids(gn.CHAT.user[0][0])
+    for b in range(B):
+        for t in range(1, int(traj.stats.num_turns[b])):
+            prev, r = b * turns + t - 1, b * turns + t
+            sampled = traj.tokens[prev, traj.prompt_length[prev] : traj.valid[prev].sum()].tolist()
+            row = traj.tokens[r, : traj.prompt_length[r]].tolist()
+            start = len(chat.system_ids) + len(chat.header_ids)
+            assert row[: len(chat.system_ids)] == list(chat.system_ids)
+            assert row[start : start + len(sampled)] == sampled
+
+
+def test_history_logp_equals_the_train_forward(world, history_run):
+    traj = history_run["traj"]
+    logprobs = jax.jit(functools.partial(ling3.token_logprobs, config=MC), compiler_options=FAST_COMPILE)
+    ref = np.asarray(logprobs(world["params"], tokens=traj.tokens, valid=traj.valid))
+    mask = np.asarray(traj.loss_mask)
+    assert mask.sum() > 100
+    np.testing.assert_allclose(ref[mask], traj.behaviour_logp[mask], atol=1e-4)
+    assert np.all(traj.behaviour_logp[~mask] == 0)
+
+
+def test_history_first_episodes_cut_rows_and_episodes(history_run):
+    from reno_jax.loop import host_envs
+
+    traj = host_envs.first_episodes(history_run["traj"], 2)
+    assert traj.tokens.shape[0] == traj.reward.shape[0] == traj.episode_id.shape[0] == 2 * HISTORY_TURNS
+    assert traj.stats.num_turns.shape == (2,) and traj.turn_reward.shape == (2, HISTORY_TURNS)
+    np.testing.assert_array_equal(traj.info["found"], [True, False])

@@ -166,11 +166,11 @@ def test_history_config_checks():
         R.RolloutConfig(history=1, turn_length=-1)
 
 
-def test_host_rollout_says_it_plays_whole_conversations_only():
-    from reno_jax.rollout import host_rollout
+def test_host_rollout_with_bounded_history_refuses_resend_history():
+    from reno_jax.rollout import host_rollout  # its bounded history: tests/test_host_rollout.py
 
-    with pytest.raises(NotImplementedError, match="bounded history"):
-        host_rollout.make_host_programs(MC, R.RolloutConfig(history=1))
+    with pytest.raises(ValueError, match="resend_history"):
+        host_rollout.make_host_programs(MC, R.RolloutConfig(history=1), host_rollout.HostConfig(resend_history=True))
 
 
 def test_an_environment_without_observation_says_so():

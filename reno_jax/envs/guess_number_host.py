@@ -73,6 +73,12 @@ class GuessNumberHostEnv(host.HostEnv):
         self.low = max(self.low, guess + 1)
         return host.HostStep(f"{guess} is too low. It is {self.low} to {self.high}.", 0.0, False)
 
+    def observation(self) -> str:
+        """The jitted environment's: before the first guess `reset`'s message, then the interval and guesses left."""
+        if not self.guesses:
+            return gn.CHAT.user[0][0]
+        return f"It is {self.low} to {self.high}. Guesses left: {gn.MAX_GUESSES - self.guesses}."
+
     def invalid_call(self, call: host.InvalidCall) -> host.HostStep:
         self.guesses += 1
         self.invalid = True

@@ -18,7 +18,8 @@ the tool responses cross between host and device.
 
 Optional: `eval_tasks(num)` (the held-out evaluation tasks; default: `sample_task` from `EVAL_SEED`), `teacher(rng)`
 (the scripted next call of the warm start, in the episode's current state), `episode_info(truncated)` (figures the
-loop logs as means) and `options`: names of class attributes a user may set from the command line
+loop logs as means), `observation()` (the current state as a user message, for bounded history), `tokenizer_corpus()`
+(texts for `model.tokenizer=env`) and `options`: names of class attributes a user may set from the command line
 (`--config.env.digits=7` with ``options = ("digits",)`` and ``digits: ClassVar[int] = 5``); the loop plays the
 subclass `configured(env_class, {"digits": 7})`, so every method just reads `self.digits` / `cls.digits`.
 
@@ -148,6 +149,19 @@ class HostEnv:
         del call
         return HostStep("Invalid call.", self.invalid_call_reward, True)
 
+    def observation(self) -> str | None:
+        """The user message that ends each bounded-history turn prompt after the first (``rollout.history=k``: the
+        system prompt, the last k exchanges, this message; `reno_jax.rollout.host_rollout`), so it must hold what
+        the next call may depend on beyond those exchanges (the task, a board, the progress). Turn 0's is always
+        `reset`'s message. Default None: `reset`'s message again, i.e. the task restated after the window."""
+        return None
+
+    @classmethod
+    def tokenizer_corpus(cls) -> tuple[str, ...]:
+        """Extra texts a per-environment tokenizer (``model.tokenizer=env``) is trained on besides the rendered
+        chats of sampled and teacher episodes (e.g. words the teacher never says). Default: none."""
+        return ()
+
     def episode_info(self, truncated: bool) -> dict:
         """Per-episode figures for `Trajectory.env_info` (numbers; the same keys for every episode)."""
         del truncated
@@ -205,6 +219,17 @@ def checked_reset(env: HostEnv, task: Any) -> str:
         raise HostEnvError(
             f"{_where(env, 'reset')} must return the first user message as str, got {type(text).__name__}"
         )
+    return text
+
+
+def checked_observation(env: HostEnv, first_message: str) -> str:
+    """`env.observation()`, or `first_message` (reset's) when it is None; one TypeError naming the environment if
+    it is neither None nor a string."""
+    text = env.observation()
+    if text is None:
+        return first_message
+    if not isinstance(text, str):
+        raise HostEnvError(f"{_where(env, 'observation')} must return a str or None, got {type(text).__name__}")
     return text
 
 

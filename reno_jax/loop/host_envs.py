@@ -183,8 +183,23 @@ def play_tasks(params, key, tasks, env_class, *, chat, programs, batch_size: int
             programs=programs,
             group_size=1,
         )
-        outs.append(jax.tree.map(lambda x: np.asarray(x)[:keep], jax.device_get(traj)))
+        outs.append(first_episodes(jax.device_get(traj), keep))
     return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
+
+
+def first_episodes(traj: rollout_lib.Trajectory, keep: int) -> rollout_lib.Trajectory:
+    """The first `keep` episodes of a host `Trajectory` (numpy): with turn samples (bounded history) their
+    `keep * T` rows and `keep` entries of the per-episode fields."""
+
+    def cut(tree, n: int):
+        return jax.tree.map(lambda a: np.asarray(a)[:n], tree)  # None fields stay None
+
+    if traj.episode_id is None:
+        return cut(traj, keep)
+    rows = keep * traj.turn_reward.shape[1]
+    per_episode = ("stats", "env_info", "turn_reward", "turn_key")
+    fields = {f.name: getattr(traj, f.name) for f in dataclasses.fields(traj)}
+    return traj.replace(**{name: cut(v, keep if name in per_episode else rows) for name, v in fields.items()})
 
 
 def run_heldout(

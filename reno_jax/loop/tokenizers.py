@@ -4,7 +4,10 @@
 same special tokens, pre-tokenizer and chat template) on the environment's own text: conversations rendered
 through the chat template from its `ChatSpec` (system prompt, tool schemas, every user and tool template with
 random slot options) and its teacher's calls (else calls drawn from the tool schemas), plus whatever texts its
-registration declares (`registry.register(tokenizer_corpus=config -> iterable of str)`). So the environment's
+registration declares (`registry.register(tokenizer_corpus=config -> iterable of str)`). A host environment
+(`reno_jax.envs.host`) is played instead: episodes of training tasks, its teacher's calls (else calls drawn from
+the tool schemas) stepped through it, its responses, rendered the same way, plus `HostEnv.tokenizer_corpus()`. So
+the environment's
 words, numbers and call skeleton become a few tokens each, where the tic-tac-toe-built shipped one spells them out.
 
 Every run writes the tokenizer it trains with into `<workdir>/tokenizer/` (`run_tokenizer`), and every reader of
@@ -20,9 +23,12 @@ import random
 import tempfile
 from typing import Sequence
 
+import numpy as np
+
 from reno_jax import run_config
 from reno_jax.assets import build_tokenizer as builder
-from reno_jax.envs import registry
+from reno_jax.envs import host, registry
+from reno_jax.loop import host_envs
 from reno_jax.protocol import tokenizer as tokenizer_lib
 from reno_jax.protocol.chat import ChatSpec, Slot, SpanSlot
 
@@ -77,10 +83,45 @@ def chat_corpus(chat: ChatSpec, calls: Sequence[tuple[str, dict]], num: int, see
     return docs
 
 
+def _host_call(env: host.HostEnv, np_rng: np.random.Generator, rng: random.Random) -> host.ToolCall:
+    """The teacher's next call, else (an environment without a teacher) one drawn from the tool schemas."""
+    try:
+        return env.teacher(np_rng)
+    except NotImplementedError:
+        return host.ToolCall(*_schema_call(env.tools, rng))
+
+
+def host_corpus(env_class: type[host.HostEnv], num: int, seed: int = 0) -> list[str]:
+    """`num` episodes of a host environment on training tasks rendered through the chat template: the system
+    prompt and tools, the first user message, then up to 3 turns of a call (`_host_call`) and the environment's
+    response; plus `env_class.tokenizer_corpus()`."""
+    rng, np_rng = random.Random(seed), np.random.default_rng(seed)
+    render = builder.template_renderer(builder.chat_template())
+    tool_name = None if env_class.tools else env_class.name
+    docs = []
+    for _ in range(num):
+        env = env_class()
+        first = host.checked_reset(env, env_class.sample_task(np_rng))
+        messages = [{"role": "system", "content": env_class.system_prompt}, {"role": "user", "content": first}]
+        for _ in range(min(3, int(env_class.max_turns)) if env_class.tools else 0):
+            call = _host_call(env, np_rng, rng)
+            text = json.dumps({"name": call.name, "arguments": call.arguments})  # as the warm start writes a call
+            messages.append({"role": "assistant", "content": f"<tool_call>{text}</tool_call>"})
+            step = host.checked_step(env, "step", env.step(call))
+            messages.append({"role": "tool", "name": tool_name, "content": step.text})
+            if step.done:
+                break
+        docs.append(render(messages, list(env_class.tools), rng.random() < 0.5))
+    return docs + [str(t) for t in env_class.tokenizer_corpus()]
+
+
 def env_corpus(config) -> list[str]:
     """The texts the environment's tokenizer is trained on: its chat rendered (`chat_corpus`, with its teacher's
-    calls when it has a teacher) and the corpus its registration declares."""
+    calls when it has a teacher) and the corpus its registration declares; for a host environment `host_corpus`."""
     config = run_config.load(config)
+    env_class = host_envs.host_env_class(config)
+    if env_class is not None:
+        return host_corpus(env_class, CORPUS_CONVERSATIONS, seed=config.seed)
     entry = registry.entry_for(config.env)
     env = entry.make_env(config.env)
     calls = list(entry.make_teacher(config, env).calls) if entry.make_teacher is not None else []

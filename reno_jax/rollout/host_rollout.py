@@ -46,6 +46,28 @@ Trajectory: as in `reno_jax.rollout.rollout`; `turn_key` is -1 (host environment
 `HostRolloutStats`, the `RolloutStats` fields plus `responses_cut`, `tool_errors` and `tool_timeouts` (`[B]`
 int32); `env_info` is the environments' `episode_info` stacked to `[B]` arrays.
 
+Bounded history (`RolloutConfig.history = k`, as in the jitted rollout; see `reno_jax.rollout.rollout`): every
+turn of an episode is its own turn sample, a row of Lt = `turn_length(chat, programs)` tokens:
+
+    system turn (system prompt + tools)                                          `HostChat.system_ids`, fed once
+                                                                                 per call, its cache copied
+    the episode's last min(k, t) exchanges, oldest first; an exchange is the     `HostChat.exchange_ids`
+        assistant header + the very ids sampled in that turn + the rest of the
+        turn and the tool turn of its response, as fed (no trailing header)
+    the observation as a user turn + assistant header: turn 0 `reset`'s first   `HostChat.observation_ids`
+        message, then `env.observation()` (default: `reset`'s message again,
+        the task restated after the window)
+    then the sampled assistant turn (m = max_new_tokens at most)
+
+Only ids are assembled (the exchanges are the ids sampled and fed, never re-tokenised), so the row is what the chat
+template renders for [system, (assistant call, tool response) x min(k, t), user observation] when every piece
+tokenises on its own as in the whole. The layout is the jitted path's: `tokens, valid, loss_mask, behaviour_logp,
+turn_id [B * T, Lt]` (row b * T + t: episode b's turn t; a turn the episode did not reach is a padding row),
+`prompt_length, reward, group_id, episode_id, turn_index [B * T]` (the episode's reward on each of its rows) and
+`turn_reward, turn_key, stats, env_info` per episode. An environment whose state matters beyond the last k
+exchanges (a board, the steps done) says it in `observation()`; k = 0 with the default observation shows the task
+alone every turn. The whole conversation's `max_length` is unused; `resend_history` does not apply.
+
 How the training loop calls it (`reno_jax.loop.host_envs`): build `chat = compile_host_chat(env_class, tokenizer,
 vocab_size)` and `programs = make_host_programs(model_config, rollout_config, host_config)` once; per step draw
 `envs, tasks = host.sample_episodes(env_class, rng, num_groups, group_size)` and call
@@ -55,6 +77,7 @@ vocab_size)` and `programs = make_host_programs(model_config, rollout_config, ho
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -132,6 +155,9 @@ class HostChat:
       tool_prefix: ids before a tool response's content, after the assistant's turn-end marker.
       tool_suffix: ids after a tool response's content (tool turn end, next assistant header).
       turn_end: the assistant's turn-end marker ids (added when the policy did not generate it).
+      system_ids: the system turn every prompt starts with, None when the template's prompt does not split into
+        system turn, user turn and assistant header (then bounded history is unavailable).
+      header_ids: the assistant header every prompt and tool turn ends with (None as `system_ids`).
     """
 
     tokenizer: Any
@@ -142,6 +168,8 @@ class HostChat:
     tool_prefix: tuple
     tool_suffix: tuple
     turn_end: tuple
+    system_ids: tuple | None = None
+    header_ids: tuple | None = None
 
     @property
     def pad_id(self) -> int:
@@ -156,6 +184,15 @@ class HostChat:
     def response_ids(self, content: Sequence[int], add_turn_end: bool) -> list[int]:
         """The rest of the assistant turn, the tool turn of `content` (ids) and the next assistant header."""
         return [*(self.turn_end if add_turn_end else ()), *self.tool_prefix, *content, *self.tool_suffix]
+
+    def observation_ids(self, text: str) -> list[int]:
+        """Bounded history: `text` as the user turn (and assistant header) that ends a turn prompt."""
+        return self.prompt_ids(text)[len(self.system_ids) :]
+
+    def exchange_ids(self, sampled: Sequence[int], response: Sequence[int]) -> list[int]:
+        """Bounded history: one exchange of the window, the assistant header, the `sampled` ids and `response`
+        (`response_ids`) without the next assistant header it ends with."""
+        return [*self.header_ids, *sampled, *response[: len(response) - len(self.header_ids)]]
 
 
 def _split_program(tables: chat_lib.ChatTables, base, src, add_turn_end: bool) -> tuple[tuple, tuple]:
@@ -199,6 +236,7 @@ def compile_host_chat(
     turn_end = with_end[: len(with_end) - len(tool_prefix)]
     if with_end[len(turn_end) :] != tool_prefix:
         raise AssertionError("the turn-end marker is not a prefix of the tool turn")
+    system_ids, header_ids = _history_pieces(spec, tables, tokenizer, chat_template, prompt_prefix, tool_suffix)
     return HostChat(
         tokenizer=tokenizer,
         tools=tuple(env_class.tools),
@@ -208,7 +246,25 @@ def compile_host_chat(
         tool_prefix=tool_prefix,
         tool_suffix=tool_suffix,
         turn_end=turn_end,
+        system_ids=system_ids,
+        header_ids=header_ids,
     )
+
+
+def _history_pieces(spec, tables, tokenizer, chat_template, prompt_prefix, tool_suffix):
+    """`(system_ids, header_ids)` of the jitted path's `rollout.history_tables`, or `(None, None)` when the template
+    does not split a prompt into system turn, user turn and header, or a tool turn does not end with the header."""
+    history = R.history_tables(spec, tables, tokenizer, chat_template)
+    if history is None:
+        return None, None
+    system_ids = tuple(int(i) for i in np.asarray(history.system_ids))
+    header_ids = tuple(int(i) for i in np.asarray(history.header_ids))
+    if (
+        prompt_prefix[: len(system_ids)] != system_ids
+        or tool_suffix[len(tool_suffix) - len(header_ids) :] != header_ids
+    ):
+        return None, None
+    return system_ids, header_ids
 
 
 # ---------------------------------------------------------------------------------------------- jitted pieces
@@ -256,11 +312,8 @@ def make_host_programs(
     """`HostPrograms` with the configs bound; the caches (`cache`, `last`) are donated to prefill and decode."""
     if rollout_config.record_routing:
         raise ValueError("host_rollout does not record routing (record_routing=True)")
-    if rollout_config.history is not None:
-        raise NotImplementedError(
-            f"host_rollout plays whole conversations only; bounded history (history={rollout_config.history}) "
-            "runs in the jitted rollout (reno_jax.rollout.rollout, history) for now"
-        )
+    if rollout_config.history is not None and host_config.resend_history:
+        raise ValueError("resend_history applies to the whole conversation, not bounded history (history)")
     traces = {"prefill": 0, "decode": 0, "share": 0}
     chunk = rollout_config.prefill_chunk
 
@@ -314,9 +367,34 @@ def num_turns(envs: Sequence[host.HostEnv], rollout_config: R.RolloutConfig) -> 
     return max(1, min(int(rollout_config.max_turns) or bound, bound))  # max_turns 0: the environments' own
 
 
+def _history_chat(chat: HostChat) -> HostChat:
+    if chat.system_ids is None:
+        raise ValueError(
+            "bounded history (rollout.history) needs a chat template whose prompts are system + user turn + "
+            "assistant header and whose tool turns end with that header; this one does not (use rollout.history=-1)"
+        )
+    return chat
+
+
+def turn_length(chat: HostChat, programs: HostPrograms) -> int:
+    """Lt of bounded history: `turn_length`, or (when 0) the system turn, k exchanges (header, a full turn, the
+    longest response) and the longest observation's user turn, plus a full turn."""
+    rc, hc, m = programs.rollout_config, programs.host_config, programs.rollout_config.max_new_tokens
+    system = len(_history_chat(chat).system_ids)
+    response = len(chat.turn_end) + len(chat.tool_prefix) + hc.max_response_tokens + len(chat.tool_suffix)
+    observation = len(chat.prompt_prefix) - system + hc.max_prompt_tokens + len(chat.prompt_suffix)
+    need = system + int(rc.history) * (m + response) + observation + m
+    if rc.turn_length and rc.turn_length < need:
+        raise ValueError(f"turn_length {rc.turn_length} cannot hold a turn sample; use at least {need} (or 0)")
+    return rc.turn_length or need
+
+
 def conversation_length(chat: HostChat, programs: HostPrograms, turns: int) -> int:
-    """L: `max_length`, or (when 0) the longest prompt, all turns at full length and the longest responses."""
+    """L: `max_length`, or (when 0) the longest prompt, all turns at full length and the longest responses; with
+    bounded history the turn sample's length Lt (`turn_length`)."""
     rc, hc = programs.rollout_config, programs.host_config
+    if rc.history is not None:
+        return turn_length(chat, programs)
     if rc.max_length:
         return rc.max_length
     prompt = len(chat.prompt_prefix) + hc.max_prompt_tokens + len(chat.prompt_suffix)
@@ -357,46 +435,55 @@ def _step_all(pool, envs, calls: dict, timeout_s: float) -> dict:
 
 @dataclasses.dataclass(eq=False)
 class _Rows:
-    """Host-side buffers of the B rows, numpy, filled in place by the turn loop (shapes as in `Trajectory`)."""
+    """Host-side buffers, numpy, filled in place by the turn loop (shapes as in `Trajectory`). Token rows: N = B
+    (one per episode, W = L) or, with bounded history, N = B * T (one per turn sample, row b * T + t, W = Lt)."""
 
-    tokens: np.ndarray  # int32 [B, L]
-    logp: np.ndarray  # float32 [B, L]
-    loss_mask: np.ndarray  # bool [B, L]
-    turn_id: np.ndarray  # int32 [B, L]
-    length: np.ndarray  # int32 [B] tokens written (= the row's cache length)
-    prompt_length: np.ndarray  # int32 [B]
+    tokens: np.ndarray  # int32 [N, W]
+    logp: np.ndarray  # float32 [N, W]
+    loss_mask: np.ndarray  # bool [N, W]
+    turn_id: np.ndarray  # int32 [N, W]
+    length: np.ndarray  # int32 [N] tokens written (= the row's cache length)
+    prompt_length: np.ndarray  # int32 [N]
     live: np.ndarray  # bool [B]
     reward: np.ndarray  # float32 [B]
     turn_reward: np.ndarray  # float32 [B, T]
     stats: dict  # HostRolloutStats field -> [B] array
+    turn_samples: bool  # bounded history: a token row per turn of each episode
 
     @classmethod
-    def empty(cls, batch: int, length: int, turns: int, pad_id: int) -> "_Rows":
+    def empty(cls, batch: int, length: int, turns: int, pad_id: int, turn_samples: bool = False) -> "_Rows":
         stats = {f.name: np.zeros((batch,), np.int32) for f in dataclasses.fields(HostRolloutStats)}
         stats["valid_call"], stats["truncated"] = np.zeros((batch,), bool), np.zeros((batch,), bool)
+        n = batch * turns if turn_samples else batch
         return cls(
-            tokens=np.full((batch, length), pad_id, np.int32),
-            logp=np.zeros((batch, length), np.float32),
-            loss_mask=np.zeros((batch, length), bool),
-            turn_id=np.full((batch, length), -1, np.int32),
-            length=np.zeros((batch,), np.int32),
-            prompt_length=np.zeros((batch,), np.int32),
+            tokens=np.full((n, length), pad_id, np.int32),
+            logp=np.zeros((n, length), np.float32),
+            loss_mask=np.zeros((n, length), bool),
+            turn_id=np.full((n, length), -1, np.int32),
+            length=np.zeros((n,), np.int32),
+            prompt_length=np.zeros((n,), np.int32),
             live=np.ones((batch,), bool),
             reward=np.zeros((batch,), np.float32),
             turn_reward=np.zeros((batch, turns), np.float32),
             stats=stats,
+            turn_samples=turn_samples,
         )
 
+    def row(self, b: int, turn: int) -> int:
+        """The token row of episode b's turn `turn`."""
+        return b * self.turn_reward.shape[1] + turn if self.turn_samples else b
+
     def write(self, b: int, ids, turn: int, logp=None) -> None:
-        """Appends `ids` to row b as part of turn `turn`: sampled ids (in the loss) when their `logp` is given,
+        """Appends `ids` to episode b's row of turn `turn`: sampled ids (in the loss) when their `logp` is given,
         prefilled text otherwise."""
-        start, end = self.length[b], self.length[b] + len(ids)
-        self.tokens[b, start:end] = ids
-        self.turn_id[b, start:end] = turn
+        r = self.row(b, turn)
+        start, end = self.length[r], self.length[r] + len(ids)
+        self.tokens[r, start:end] = ids
+        self.turn_id[r, start:end] = turn
         if logp is not None:
-            self.logp[b, start:end] = logp
-            self.loss_mask[b, start:end] = True
-        self.length[b] = end
+            self.logp[r, start:end] = logp
+            self.loss_mask[r, start:end] = True
+        self.length[r] = end
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -492,30 +579,30 @@ def _resend(run: _Run, rows: _Rows):
 
 def _sample(run: _Run, rows: _Rows, cache, last, turn: int):
     """Decodes turn `turn` of the live rows and writes its ids; returns `(cache, last, {row: parsed call},
-    turn_end bool [B])`."""
+    turn_end bool [B], {row: sampled ids})`."""
     m, stats = run.programs.rollout_config.max_new_tokens, rows.stats
     cache, last, *new = run.programs.decode(
         run.params, cache, last, run.keys, jnp.asarray(rows.live), jnp.asarray(run.forced[:, turn]), run.chat.env
     )
     new_ids, new_logp, n_new, turn_end = jax.device_get(new)  # the only device -> host transfer of a turn
-    calls = {}
+    calls, sampled = {}, {}
     for b in np.flatnonzero(rows.live):
         n = int(n_new[b])
-        rows.write(b, new_ids[b, :n], turn, logp=new_logp[b, :n])
+        sampled[b] = new_ids[b, :n].tolist()
+        rows.write(b, sampled[b], turn, logp=new_logp[b, :n])
         stats["generated_tokens"][b] += n
         stats["budget_stops"][b] += n >= m
         stats["num_turns"][b] += 1
         calls[b] = host.parse_call(run.chat.tools, decode_text(run.chat.tokenizer, new_ids[b, :n]))
         stats["parse_kind"][b] = host.KIND_OK if isinstance(calls[b], host.ToolCall) else calls[b].kind
         stats["valid_call"][b] = stats["parse_kind"][b] == host.KIND_OK
-    return cache, last, calls, turn_end
+    return cache, last, calls, turn_end, sampled
 
 
 def _answer(run: _Run, rows: _Rows, calls: dict, turn_end: np.ndarray, turn: int) -> dict:
-    """Steps the episodes of `calls` together, records their rewards and writes the responses of those that go on
-    (cut to the budget; an episode whose response and a full next turn would overflow L ends truncated). Returns
-    {row: response ids} to prefill."""
-    hc, m, stats = run.programs.host_config, run.programs.rollout_config.max_new_tokens, rows.stats
+    """Steps the episodes of `calls` together and records their rewards; returns {row: response ids} of those that
+    go on (`HostChat.response_ids`, the content cut to the budget)."""
+    hc, stats = run.programs.host_config, rows.stats
     responses = {}
     for b, (step, fault) in _step_all(run.pool, run.envs, calls, hc.tool_timeout_s).items():
         rows.reward[b] += step.reward
@@ -531,13 +618,21 @@ def _answer(run: _Run, rows: _Rows, calls: dict, turn_end: np.ndarray, turn: int
         if len(content) > hc.max_response_tokens:
             content = content[: hc.max_response_tokens]
             stats["responses_cut"][b] += 1
-        ids = run.chat.response_ids(content, add_turn_end=not turn_end[b])
+        responses[b] = run.chat.response_ids(content, add_turn_end=not turn_end[b])
+    return responses
+
+
+def _write_responses(run: _Run, rows: _Rows, responses: dict, turn: int) -> dict:
+    """Whole conversation: writes each response as the start of turn `turn + 1`; an episode whose response and a
+    full next turn would overflow L ends truncated instead. Returns {row: response ids} to prefill."""
+    m, fed = run.programs.rollout_config.max_new_tokens, {}
+    for b, ids in responses.items():
         if rows.length[b] + len(ids) + m > run.length:
-            rows.live[b], stats["truncated"][b] = False, True
+            rows.live[b], rows.stats["truncated"][b] = False, True
             continue
         rows.write(b, ids, turn + 1)
-        responses[b] = ids
-    return responses
+        fed[b] = ids
+    return fed
 
 
 def _trajectory(run: _Run, rows: _Rows, group_size: int) -> R.Trajectory:
@@ -552,6 +647,11 @@ def _trajectory(run: _Run, rows: _Rows, group_size: int) -> R.Trajectory:
     turn_reward = np.where(truncated[:, None], np.where(last_turn, reward[:, None], 0.0), rows.turn_reward)
     infos = [host.checked_info(e, bool(t)) for e, t in zip(run.envs, truncated)]
     env_info = {k: np.array([info[k] for info in infos]) for k in (infos[0] if infos else {})}
+    episode_id = turn_index = None
+    if rows.turn_samples:  # row b * T + t: episode b's turn t, with the episode's reward
+        episode_id = np.repeat(np.arange(batch, dtype=np.int32), run.turns)
+        turn_index = np.tile(np.arange(run.turns, dtype=np.int32), batch)
+    episode = np.arange(batch, dtype=np.int32) if episode_id is None else episode_id
     traj = R.Trajectory(
         tokens=rows.tokens,
         valid=np.arange(run.length)[None, :] < rows.length[:, None],
@@ -559,15 +659,71 @@ def _trajectory(run: _Run, rows: _Rows, group_size: int) -> R.Trajectory:
         behaviour_logp=rows.logp,
         turn_id=rows.turn_id,
         prompt_length=rows.prompt_length,
-        reward=reward,
-        group_id=np.arange(batch, dtype=np.int32) // group_size,
+        reward=reward[episode],
+        group_id=episode // group_size,
         stats=HostRolloutStats(**stats),
         env_info=env_info,
         routing=None,
         turn_reward=turn_reward.astype(np.float32),
         turn_key=np.full((batch, run.turns), -1, np.int32),
+        episode_id=episode_id,
+        turn_index=turn_index,
     )
     return jax.tree.map(jnp.asarray, traj)
+
+
+def _play_conversation(run: _Run, rows: _Rows, tasks: Sequence[Any]) -> None:
+    """The whole conversation (module docstring): the caches are kept, each turn feeds only the new responses (or,
+    with `resend_history`, the whole history again)."""
+    resend = run.programs.host_config.resend_history
+    cache, last = _start(run, rows, tasks)
+    for turn in range(run.turns):
+        if not rows.live.any():
+            break
+        if resend and turn:
+            del cache, last  # the peers' way: the kept caches are dropped, the history is fed again
+            cache, last = _resend(run, rows)
+        cache, last, calls, turn_end, _ = _sample(run, rows, cache, last, turn)
+        responses = _write_responses(run, rows, _answer(run, rows, calls, turn_end, turn), turn)
+        if responses and not resend:
+            cache, last = _feed(run, cache, last, responses)
+
+
+def _observation_ids(run: _Run, env: host.HostEnv, text: str) -> list[int]:
+    """Bounded history: the observation's user turn and assistant header (its content at most
+    `max_prompt_tokens`)."""
+    content = run.chat.encode(text)
+    if len(content) > run.programs.host_config.max_prompt_tokens:
+        raise ValueError(
+            f"{type(env).__name__} gave an observation of {len(content)} tokens; max_prompt_tokens is "
+            f"{run.programs.host_config.max_prompt_tokens}"
+        )
+    return run.chat.observation_ids(text)
+
+
+def _play_window(run: _Run, rows: _Rows, tasks: Sequence[Any]) -> None:
+    """Bounded history (module docstring): each turn, every live episode's turn prompt (system turn, its last k
+    exchanges, its observation) is fed after a copy of the system turn's cache (fed once), then decoded, parsed and
+    stepped as in the whole conversation."""
+    chat, k = _history_chat(run.chat), int(run.programs.rollout_config.history)
+    first = list(run.pool.map(host.checked_reset, run.envs, tasks))
+    windows = [collections.deque(maxlen=k) for _ in run.envs]  # ids of each episode's last k exchanges
+    system = _feed(run, *_empty_caches(run, 1), {0: list(chat.system_ids)})
+    to_every_row = jnp.zeros((len(run.envs),), jnp.int32)
+    for turn in range(run.turns):
+        if not rows.live.any():
+            break
+        prompts = {}
+        for b in np.flatnonzero(rows.live):
+            text = first[b] if turn == 0 else host.checked_observation(run.envs[b], first[b])
+            ids = [*chat.system_ids, *(i for ex in windows[b] for i in ex), *_observation_ids(run, run.envs[b], text)]
+            rows.write(b, ids, turn)
+            rows.prompt_length[rows.row(b, turn)] = len(ids)
+            prompts[b] = ids[len(chat.system_ids) :]
+        cache, last = _feed(run, *run.programs.share(*system, to_every_row), prompts)
+        _, _, calls, turn_end, sampled = _sample(run, rows, cache, last, turn)
+        for b, response in _answer(run, rows, calls, turn_end, turn).items():
+            windows[b].append(chat.exchange_ids(sampled[b], response))
 
 
 def host_rollout(
@@ -620,20 +776,10 @@ def host_rollout(
         turns=turns,
         length=conversation_length(chat, programs, turns),
     )
-    rows = _Rows.empty(batch, run.length, turns, chat.pad_id)
-    resend = programs.host_config.resend_history
+    bounded = rc.history is not None
+    rows = _Rows.empty(batch, run.length, turns, chat.pad_id, turn_samples=bounded)
     try:
-        cache, last = _start(run, rows, tasks)
-        for turn in range(turns):
-            if not rows.live.any():
-                break
-            if resend and turn:
-                del cache, last  # the peers' way: the kept caches are dropped, the history is fed again
-                cache, last = _resend(run, rows)
-            cache, last, calls, turn_end = _sample(run, rows, cache, last, turn)
-            responses = _answer(run, rows, calls, turn_end, turn)
-            if responses and not resend:
-                cache, last = _feed(run, cache, last, responses)
+        (_play_window if bounded else _play_conversation)(run, rows, tasks)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a timed-out tool's thread is left to finish alone
     return _trajectory(run, rows, g)
