@@ -226,7 +226,10 @@ def test_turn_samples_score_the_same_with_the_system_prompt_encoded_once(guess_w
     assert not np.asarray(traj.valid[:, 0]).all()  # padding rows (turns not reached) hold pad ids
     assert common >= system and int(learner.common_prefix_length(traj.tokens)) == 0
     cut = min(common, int(np.min(np.asarray(traj.prompt_length)[np.asarray(traj.prompt_length) > 0])))
-    batch = _row_batch(traj)
+    # soft targets (the warm start's) on the policy tokens: cut with the tokens, scored the same
+    weights = jax.random.uniform(jax.random.key(0), traj.tokens.shape + (3,)) * traj.loss_mask[..., None]
+    batch = _row_batch(traj).replace(soft_target_ids=jnp.tile(jnp.arange(3, 6), (traj.tokens.shape[0], 1)))
+    batch = batch.replace(soft_target_weights=weights)
     split = shared_prefix.split_shared_prefix(batch, cut, cut)
     assert split.prefix_tokens.shape == (batch.num_rows, 0) and split.common_tokens.shape == (batch.num_rows, cut)
     logp_fn = jax.jit(policy.make_logp_fn(MC, with_entropy=False), compiler_options=FAST_COMPILE)

@@ -36,7 +36,7 @@ from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError, as_config_error
 from reno_jax.loop import build, curriculum, evaluation, host_envs, host_warmstart, hosts
-from reno_jax.rl import policy, sft, trainer
+from reno_jax.rl import policy, sft, shared_prefix, trainer
 from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import rollout as rollout_lib
 from reno_jax.rollout import summary as summary_lib
@@ -171,6 +171,32 @@ def teacher_transcribe(taught: TeacherCalls, rc: rollout_lib.RolloutConfig, turn
     return functools.partial(sft.window_transcripts, rollout_config=rc, **common), turns
 
 
+def sft_batch(out: sft.Transcripts, soft_ids, bucket: int, length: int, system: int) -> TrainBatch:
+    """A warm-start step's `TrainBatch` of the transcripts `out`: with soft targets when `soft_ids` is given,
+    trimmed to its last real column rounded up to `bucket` (a host read; 0: not trimmed), and, for turn samples
+    (`system` > 0, the system prompt's tokens), cut after the system prompt every row starts with, which the step
+    then encodes once (`rl.shared_prefix`, the common part alone)."""
+    tokens = out.tokens
+    batch = TrainBatch(
+        tokens=tokens,
+        valid=out.valid,
+        loss_mask=out.loss_mask,
+        old_logp=jnp.zeros(tokens.shape, jnp.float32),
+        advantages=jnp.zeros(tokens.shape[:1], jnp.float32),
+    )
+    if soft_ids is not None:
+        batch = batch.replace(soft_target_ids=soft_ids, soft_target_weights=out.target_weights)
+    if bucket:
+        width = bucketed_length(max(int(used_length(out.valid)), system + 1), length, bucket)
+        batch = trim_length(batch, width)
+    if system:
+        batch = _split_after(batch, system)
+    return batch
+
+
+_split_after = jax.jit(lambda batch, cut: shared_prefix.split_shared_prefix(batch, cut, cut), static_argnums=1)
+
+
 def check_warm_start(config) -> None:
     """`teacher_calls`' checks, with the run's tokenizer, before anything is built or written."""
     tokenizer = build.build_tokenizer(config)
@@ -217,6 +243,7 @@ def warm_start(
     soft = s.soft_targets
     transcribe, rows_per_episode = teacher_transcribe(taught, rc, turns, length, soft)
     rows = int(s.batch_size) * rows_per_episode
+    system = 0 if rc.history is None else int(env.history.system_ids.shape[0])  # turn samples: shared, once
     # the same choice tokens for every row of every batch: placed once
     soft_ids = (
         jnp.broadcast_to(jnp.asarray(calls.choice_tokens, jnp.int32), (rows, len(calls.choice_tokens)))
@@ -243,20 +270,7 @@ def warm_start(
     bar = hosts.progress(int(s.num_steps), desc="warm start")
     for index in bar:
         out = next(batches)
-        tokens = out.tokens
-        batch = TrainBatch(
-            tokens=tokens,
-            valid=out.valid,
-            loss_mask=out.loss_mask,
-            old_logp=jnp.zeros(tokens.shape, jnp.float32),
-            advantages=jnp.zeros(tokens.shape[:1], jnp.float32),
-        )
-        if soft:
-            batch = batch.replace(soft_target_ids=soft_ids, soft_target_weights=out.target_weights)
-        if bucket:  # a host read per step, as the loss below is
-            width = bucketed_length(int(used_length(out.valid)), length, bucket)
-            batch = trim_length(batch, width)
-        state, metrics = step_fn(state, place(batch))
+        state, metrics = step_fn(state, place(sft_batch(out, soft_ids, bucket, length, system)))
         nll = float(metrics["nll"])
         infos.append(jax.device_get(out.info))
         step = index + 1

@@ -50,8 +50,6 @@ def split_shared_prefix(batch: TrainBatch, prefix_len: int, common_len: int = 0)
         raise ValueError(f"prefix_len must be in 1..{length - 1}, got {s}")
     if not 0 <= c0 <= s:
         raise ValueError(f"common_len must be in 0..prefix_len = {s}, got {c0}")
-    if batch.soft_target_weights is not None:
-        raise ValueError("soft targets are not supported with a shared-prefix batch")
     real = 0 if batch.valid is None else jnp.argmax(batch.valid[:, 0])  # padding rows hold pad ids there
 
     def common(x):  # [B, C0, ...]: the first real row's common part on every row
