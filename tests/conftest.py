@@ -110,6 +110,8 @@ SLOW = {
         "a two-step host-env run with warm start, in-run evaluation and the play page (~150 CPU-s)",
     "tests/test_host_loop.py::test_host_run_resumes_exactly_after_kill_9":
         "three host-env training runs of the CLI in subprocesses, one killed with SIGKILL",
+    "tests/test_credit_comparison.py::test_credit_comparison_tiny":
+        "benchmarks/credit_comparison.py at a tiny size: two training runs and two evaluations as subprocesses",
     "tests/test_history_cost.py::test_history_cost_tiny":
         "benchmarks/history_cost.py at a tiny size: four rollouts and four train steps compiled (~110 CPU-s)",
     "tests/test_window.py::test_tictactoe_turn_samples_match_the_chat_template":
