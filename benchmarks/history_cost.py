@@ -10,8 +10,11 @@ episodes.
 
 Columns, per T: `full` (history=None: one row per episode of the whole conversation, L = `required_length`) and
 `k0`, `k2`, ... (history=k: T turn samples per episode of Lt = `required_turn_length` tokens, fixed in T). For each:
-the rollout (`rollout.make_rollout_fn`) and one GSPO train step on its trajectory (`Learner.learner_step`,
-share_prompt_prefix off), from the same fresh train state. Time: a warm-up call compiles, then the median of
+the rollout (`rollout.make_rollout_fn`) and one GSPO train step on its trajectory (`Learner.learner_step`:
+`Learner.train_batch`, then the train step), from the same fresh train state, with each column's natural shared
+prefix: the whole conversation's group prompt and the system prompt all rows share (`share_prompt_prefix` and
+`share_common_prefix`), the window's system prompt alone (`share_common_prefix`: every turn sample starts with it);
+--no_shared_prefix scores every row from its first token instead. Time: a warm-up call compiles, then the median of
 --repeats calls (each waits for its result). Memory: the compiled programs' own figures
 (`compiled.memory_analysis()`: arguments + outputs + temporaries, bytes) of the rollout and of the train step, so
 every column is measured alone whatever ran before it. Also the tokens each episode puts through the model
@@ -57,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=0, help="model layers (0: the config's)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per column")
     p.add_argument("--rooms", type=int, default=32, help="train rooms generated to pick the batch's rooms from")
+    p.add_argument("--no_shared_prefix", action="store_true", help="the train step scores every row whole")
     return p.parse_args(argv)
 
 
@@ -143,22 +147,26 @@ def measure(args, world, turns: int, history: int | None) -> dict:
         raise AssertionError(f"episodes played {played.tolist()} turns, not {turns}")
     rollout_s = timed(lambda: rollout_fn(params, key, starts, env=env, forced_tokens=forced).reward, args.repeats)
     optimizer = optax.adam(1e-4)
+    shared = not args.no_shared_prefix
     lrn = learner_lib.Learner(
-        learner_lib.LearnerConfig(group_size=args.group_size),
-        policy.make_logp_fn(mc),
+        learner_lib.LearnerConfig(
+            group_size=args.group_size, share_prompt_prefix=shared and history is None, share_common_prefix=shared
+        ),
+        policy.make_logp_fn(mc, group_size=args.group_size),
         losses.get_loss("gspo"),
         optimizer,
         num_groups=len(rooms),
         donate=False,
     )
     state = trainer.create_train_state(params, optimizer, jax.random.PRNGKey(2))
-    batch, _ = lrn.prepare_batch(traj, state.step)
+    batch, _ = lrn.train_batch(traj, state.step)
     train_step = lrn.train_step.lower(state, batch).compile()
-    # `Learner.learner_step` without a shared prefix: the batch's preparation, then the train step.
-    step_s = timed(lambda: train_step(state, lrn.prepare_batch(traj, state.step)[0])[1]["loss"], args.repeats)
+    # `Learner.learner_step`: the batch's preparation (and shared-prefix cut), then the train step.
+    step_s = timed(lambda: train_step(state, lrn.train_batch(traj, state.step)[0])[1]["loss"], args.repeats)
     return {
         "rows": int(traj.tokens.shape[0]),
         "row_length": int(traj.tokens.shape[1]),
+        "shared_prefix_tokens": int(lrn.prefix_len or lrn.common_len or 0),
         "tokens_per_episode": float(np.asarray(traj.valid).sum() / (len(rooms) * args.group_size)),
         "rollout_s": rollout_s,
         "train_step_s": step_s,
@@ -201,6 +209,7 @@ def main(argv=None) -> dict:
         "turns": turns,
         "turns_ratio": last / first,
         "batch": [args.groups, args.group_size],
+        "shared_prefix": not args.no_shared_prefix,
         "results": {label: {str(t): row for t, row in rows.items()} for label, rows in results.items()},
         "growth": growth,
     }

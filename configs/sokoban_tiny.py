@@ -1,17 +1,31 @@
 """The embedded tiny model on Sokoban (`reno_jax.envs.sokoban`): 6 x 6 rooms (wall ring included) with one box,
-one ``move(direction)`` call per move, at most 15 moves; a warm start on the breadth-first solver's optimal
-moves, then GSPO.
+one ``move(direction)`` call per move, at most 15 moves; bounded history (each turn its own sample); a warm start
+on the breadth-first solver's moves, then GSPO with trajectory or step (GiGPO) credit.
 
   python -m experiments.train --config=configs/sokoban_tiny.py --workdir=workdir/sokoban
   python -m experiments.evaluate --workdir=workdir/sokoban --suites=heldout
 
-Rooms: 1000 train and 200 held-out rooms (disjoint), drawn by reverse play from the solved room and kept when the
+Rooms: 1000 train and 512 held-out rooms (disjoint), drawn by reverse play from the solved room and kept when the
 optimal solution pushes at least twice and takes at most 10 moves. The headline is the held-out solved rate, greedy
 (heldout/solved_rate). Reward (the environment's; gym-sokoban's divided by 10): -0.01 per move, +0.1 per box
 pushed onto a target, -0.1 per box pushed off, +1 when solved; an invalid call -1 and the episode ends.
 
-Not tuned: the settings are sized to smoke-test the pipeline on a CPU (a multi-turn episode here is up to 15 turns
-of a ~24-token call and a ~50-token room).
+Bounded history (`rollout.history=0`, issue #57): every turn's prompt is the system prompt and the room as it is
+now (the room is the whole state, so the policy needs no past moves), so each turn is a short training sample of
+the same size at every turn; the train step encodes the system prompt every sample starts with once per batch
+(`rl.share_common_prefix` alone; `rl.share_prompt_prefix` does not apply to turn samples).
+
+Credit (the comparison of issue #57 item 3): `rl.turn_advantage_coef=0` (the default here) gives every turn
+sample its episode's group advantage (GRPO / GSPO's trajectory-level credit); `--config.rl.turn_advantage_coef=1`
+adds GiGPO's step advantage (arXiv 2505.10978; `learner.turn_sample_advantages`): among the group's turns taken
+from the same room state, the `rl.turn_discount`-discounted (0.95) return from the turn, centred and divided by
+the std (`rl.normalize_adv_std`).
+
+The warm start's teacher errs on purpose (`sft.wrong_rooms`): on that share of the rooms it plays and teaches only
+non-optimal moves and never solves them, so the warm start leaves RL something to find.
+
+Not tuned: the settings are sized to smoke-test the pipeline on a CPU (a turn sample is ~330 tokens: the ~250-token
+system prompt, the ~50-token room and a ~24-token call).
 """
 
 import ml_collections
@@ -31,7 +45,7 @@ def get_config():
     c.env.num_boxes = 1
     c.env.max_steps = 15  # move budget per room
     c.env.num_train_rooms = 1000
-    c.env.num_heldout_rooms = 200
+    c.env.num_heldout_rooms = 512
     c.env.room_seed = 0
     c.env.min_pushes = 2
     c.env.max_solution_moves = 10
@@ -41,6 +55,7 @@ def get_config():
     c.sft.soft_targets = True  # every optimal move is a target
     c.sft.teacher = "solver"
     c.sft.explore = 0.0  # e.g. 0.2: a fifth of the teacher's moves random, the targets still optimal
+    c.sft.wrong_rooms = 0.3  # the teacher never solves these rooms: RL's margin above the warm start
 
     c.rollout.boards_per_step = 4  # rooms per step
     c.rollout.group_size = 4
@@ -48,11 +63,16 @@ def get_config():
     c.rollout.max_turns = 15
     c.rollout.max_length = 0
     c.rollout.temperature = 1.0
+    c.rollout.history = 0  # each turn: the system prompt and the room now (Markov: the room is the state)
 
     c.rl.loss = "gspo_token"
-    c.rl.num_microbatches = 2  # a conversation is ~1.5k tokens: the train step in two halves (memory)
+    c.rl.share_prompt_prefix = False  # turn samples share no group prompt ...
+    c.rl.share_common_prefix = True  # ... but all start with the system prompt: encoded once per train step
+    c.rl.num_microbatches = 2  # 240 turn samples of ~330 tokens per step: the train step in two halves (memory)
     c.rl.forking_entropy_coef = 0.0  # tic-tac-toe's one-token exploration bonus does not apply here
     c.rl.entropy_top_k = 0
     c.rl.learning_rate = 3e-4
     c.rl.end_learning_rate = 3e-5
+    c.rl.turn_advantage_coef = 0.0  # 1.0: GiGPO's step credit beside the episode's (the comparison's switch)
+    c.rl.turn_discount = 0.95  # GiGPO's gamma
     return c

@@ -39,7 +39,7 @@ def last_figures(rows: list[dict], window: int = 20) -> dict:
         for k in last[-1]:
             if k == "rollout/rewards_mean" or (k.startswith("rollout/") and k.endswith("_rate")):
                 summary[f"last{window}/{k}"] = float(np.mean([row[k] for row in last if k in row]))
-            elif k.startswith("eval/"):
+            elif k.startswith("eval/") and last[-1][k] is not None:  # None: a figure over no episode (none solved)
                 summary[k] = float(last[-1][k])
     return summary
 

@@ -150,6 +150,13 @@ class SftSettings:
     forced_weight: float = _field(
         1.0, "teacher option: loss weight of the forced decisions (environments that mark them)"
     )
+    wrong_rooms: float = _field(
+        0.0,
+        "teacher option: share of the rooms on which the teacher plays and teaches only non-optimal moves "
+        "(environments that offer it), so that RL has something to find",
+        lambda v: 0.0 <= v < 1.0,
+        "in [0, 1)",
+    )
     env: ml_collections.ConfigDict = _field(ml_collections.ConfigDict(), "fields replacing `env`'s in the warm start")
 
 
@@ -303,7 +310,9 @@ class RlSettings:
         "an integer >= 0 (0: all positions at once)",
     )
     share_prompt_prefix: bool = _field(True, "encode each group's prompt once in the train step (exact)")
-    share_common_prefix: bool = _field(True, "... and the part every prompt shares once per batch")
+    share_common_prefix: bool = _field(
+        True, "encode the part every prompt shares once per batch (alone: for turn samples, rollout.history)"
+    )
     train_groups: int = _field(
         _LEARNER.train_groups,
         "train on the N groups with the largest reward spread",
@@ -546,12 +555,11 @@ def check(config: RunConfig) -> None:
             f"--config.rl.train_groups={trained} is more than the "
             f"--config.rollout.boards_per_step={groups} groups rolled out per step"
         )
-    if r.share_common_prefix and not r.share_prompt_prefix:
-        raise ConfigError("--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True")
     if rollout.history >= 0 and r.share_prompt_prefix:
         raise ConfigError(
             f"--config.rollout.history={rollout.history} trains on turn samples, whose group does not share a "
-            "prompt: set --config.rl.share_prompt_prefix=False (and --config.rl.share_common_prefix=False)"
+            "prompt: set --config.rl.share_prompt_prefix=False (--config.rl.share_common_prefix=True alone still "
+            "encodes the system prompt they share once per train step)"
         )
     if r.max_logp_shift and r.shift_probe_groups < 1:
         raise ConfigError(f"--config.rl.shift_probe_groups must be >= 1, got {r.shift_probe_groups}")
@@ -569,7 +577,7 @@ def check(config: RunConfig) -> None:
             "(without it every batch is padded to the whole conversation length, sorted by length or "
             "not)"
         )
-    if r.turn_advantage_coef and r.loss == "gspo":
+    if r.turn_advantage_coef and r.loss == "gspo" and rollout.history < 0:  # turn samples: one per row
         raise ConfigError(
             "--config.rl.turn_advantage_coef gives every token its own advantage; --config.rl.loss=gspo "
             "takes one per sequence: use --config.rl.loss=gspo_token (the same loss for sequence "

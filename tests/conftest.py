@@ -112,12 +112,18 @@ SLOW = {
         "a short host training run with bounded history (warm start, a GSPO step, an evaluation)",
     "tests/test_host_loop.py::test_host_run_resumes_exactly_after_kill_9":
         "three host-env training runs of the CLI in subprocesses, one killed with SIGKILL",
+    "tests/test_credit_comparison.py::test_credit_comparison_tiny":
+        "benchmarks/credit_comparison.py at a tiny size: two training runs and two evaluations as subprocesses",
     "tests/test_history_cost.py::test_history_cost_tiny":
         "benchmarks/history_cost.py at a tiny size: four rollouts and four train steps compiled (~110 CPU-s)",
     "tests/test_window.py::test_tictactoe_turn_samples_match_the_chat_template":
         "two more bounded-history rollouts compiled (tic-tac-toe, k = 0 and 2; ~20 CPU-s each)",
     "tests/test_window.py::test_a_train_step_runs_on_turn_samples": "a train step compiled on turn samples (~20 s)",
+    "tests/test_window.py::test_a_train_step_on_turn_samples_sharing_the_system_prompt_equals_the_row_wise_one":
+        "two train steps compiled on turn samples, row-wise and with the system prompt shared",
     "tests/test_window.py::test_turn_samples_record_their_own_routing": "another rollout compiled (~15 s)",
+    "tests/test_window.py::test_the_teachers_turn_samples_equal_the_forced_bounded_rollout_id_for_id":
+        "another rollout compiled, forced with the teacher's calls (~15 s)",
     # another framework
     "tests/test_conversion.py::test_export_logits_equal_transformers_native_class":
         "transformers' PyTorch BailingHybridForCausalLM: needs torch, which .ci/run installs for this tier only",

@@ -397,18 +397,6 @@ def test_keep_checkpoints_zero_keeps_every_checkpoint(tmp_path):
         loop_config.validate_config(c)
 
 
-def test_common_prefix_without_the_group_prefix_names_both_flags(tmp_path):
-    from reno_jax import errors
-
-    c = short_config(2)
-    c.rl.share_prompt_prefix, c.rl.share_common_prefix = False, True
-    with pytest.raises(
-        errors.ConfigError, match="--config.rl.share_common_prefix=True needs --config.rl.share_prompt_prefix=True"
-    ):
-        loop.train(c, str(tmp_path / "w"))
-    assert not os.path.exists(tmp_path / "w")
-
-
 @pytest.mark.parametrize(
     "name,value,needle",
     [

@@ -17,6 +17,7 @@ def test_history_cost_tiny(capsys):
     assert window["2"]["rows"] == 4 and window["4"]["rows"] == 8  # B * T turn samples
     assert window["2"]["row_length"] == window["4"]["row_length"]  # the same turn sample at every T
     assert out["growth"]["k0"]["tokens_per_episode"] == 2.0  # T turn samples of the same prompt and call
+    assert out["shared_prefix"] and window["2"]["shared_prefix_tokens"] > 0  # the system prompt, encoded once
     for rows in out["results"].values():
         for row in rows.values():
             assert row["rollout_s"] > 0 and row["train_step_s"] > 0 and row["rollout_bytes"] > 0

@@ -532,8 +532,6 @@ def test_learner_rejects_groups_that_do_not_split():
         cfg.check_num_groups(8)
     with pytest.raises(ValueError, match="group_size"):
         learner.LearnerConfig(group_size=0)
-    with pytest.raises(ValueError, match="share_common_prefix needs share_prompt_prefix"):
-        learner.LearnerConfig(group_size=4, share_common_prefix=True)
 
 
 # ---------------------------------------------------------------------------------------------- tiny Ling-3.0

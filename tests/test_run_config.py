@@ -81,11 +81,10 @@ def test_unknown_fields_and_wrong_types_name_the_flag():
     assert run_config.load(values).rl.kl_coef == 1.0 and isinstance(run_config.load(values).rl.kl_coef, float)
 
 
-def test_cross_field_checks():
+def test_the_common_prefix_alone_is_a_setting():
     c = tictactoe_tiny.get_config()
-    c.rl.share_prompt_prefix = False
-    with pytest.raises(ConfigError, match="share_common_prefix=True needs --config.rl.share_prompt_prefix=True"):
-        run_config.load(c)
+    c.rl.share_prompt_prefix = False  # share_common_prefix stays: the system prompt once per batch
+    assert run_config.load(c).learner_config().share_common_prefix
 
 
 def test_rollout_history_reaches_the_rollout_config_and_needs_rows_of_their_own():
@@ -94,7 +93,7 @@ def test_rollout_history_reaches_the_rollout_config_and_needs_rows_of_their_own(
     c.rollout.history = 2
     with pytest.raises(ConfigError, match="--config.rollout.history=2 trains on turn samples"):
         run_config.load(c)
-    c.rl.share_prompt_prefix = c.rl.share_common_prefix = False
+    c.rl.share_prompt_prefix = False  # the common prefix alone applies to turn samples
     assert run_config.load(c).rollout_config().history == 2
 
 

@@ -52,13 +52,15 @@ def test_split_layout(setup):
     sb = shared_prefix.split_shared_prefix(batch, S, S0)
     assert sb.common_tokens.shape == (N * G, S0) and sb.prefix_tokens.shape == (N * G, S - S0)
     np.testing.assert_array_equal(np.concatenate([sb.common_tokens, sb.prefix_tokens, sb.tokens], 1), batch.tokens)
-    with pytest.raises(ValueError, match="common_len must be in 0..prefix_len - 1 = 9, got 10"):
-        shared_prefix.split_shared_prefix(batch, S, S)
+    with pytest.raises(ValueError, match=f"common_len must be in 0..prefix_len = {S}, got {S + 1}"):
+        shared_prefix.split_shared_prefix(batch, S, S + 1)
+    sb = shared_prefix.split_shared_prefix(batch, S, S)  # the common part alone: an empty group part
+    assert sb.prefix_tokens.shape == (N * G, 0) and sb.common_tokens.shape == (N * G, S)
     soft = batch.replace(
         soft_target_ids=jnp.zeros((N * G, 2), jnp.int32), soft_target_weights=jnp.zeros((N * G, S + C, 2))
     )
-    with pytest.raises(ValueError, match="soft targets"):
-        shared_prefix.split_shared_prefix(soft, S)
+    cut = shared_prefix.split_shared_prefix(soft, S)  # soft targets are per token: cut as the tokens are
+    assert cut.soft_target_weights.shape == (N * G, C, 2) and cut.soft_target_ids.shape == (N * G, 2)
 
 
 def test_common_prefix_length_counts_leading_columns_shared_by_every_row(setup):

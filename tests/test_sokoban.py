@@ -445,6 +445,17 @@ def test_teacher_solves_every_room_optimally_and_random_play_rarely(env):
     config.sft.teacher = "random"
     random_info = _teacher_episodes(env, sreg.make_teacher(_typed(config), env), starts, jax.random.PRNGKey(0))
     assert random_info["solved"].mean() < 1.0
+    # sft.wrong_rooms: on a fixed share of the rooms the solver plays only non-optimal moves and never solves them
+    config = _config()
+    config.sft.wrong_rooms = 0.5
+    wrong_info = _teacher_episodes(env, sreg.make_teacher(_typed(config), env), starts, jax.random.PRNGKey(0))
+    state, _ = jax.vmap(env.reset)(starts)
+    wrong = np.asarray(jax.vmap(lambda s: sreg.wrong_room(s, 0.5))(state))
+    assert 0 < wrong.sum() < n
+    np.testing.assert_array_equal(wrong_info["solved"], ~wrong)
+    config.sft.teacher = "random"
+    with pytest.raises(ValueError, match="wrong_rooms"):
+        sreg.make_teacher(_typed(config), env)
 
 
 def test_teacher_calls_tokenize_with_their_enum_index():

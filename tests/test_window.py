@@ -159,6 +159,87 @@ def test_turn_sample_advantages_are_the_episodes():
     np.testing.assert_allclose(adv, np.repeat([1.0, -1.0, 0.0, 0.0], t), atol=1e-6)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+def test_step_credit_on_turn_samples_is_gigpo_by_hand(normalize):
+    """GiGPO (arXiv 2505.10978) on turn samples: A = A_episode + w * A_step, A_step over the group's turns taken
+    from the same state key, on the gamma-discounted return from that turn; w = 1, gamma = 0.95, by hand."""
+    from reno_jax.rl import learner
+
+    # One group of two episodes, three turns. Episode 0 solves on its third move; episode 1 runs out of moves.
+    # Keys: both start in state 5; episode 0's second state (7) is episode 1's third; 8 and 9 are met once.
+    turn_reward = np.array([[-0.01, -0.01, 1.0], [-0.01, -0.01, -0.01]], np.float32)
+    turn_key = np.array([[5, 7, 9], [5, 8, 7]], np.int32)
+    b, t = turn_reward.shape
+    traj = R.Trajectory(
+        tokens=None,
+        valid=None,
+        loss_mask=None,
+        behaviour_logp=None,
+        turn_id=None,
+        prompt_length=None,
+        reward=jnp.repeat(turn_reward.sum(1), t),
+        group_id=None,
+        stats=None,
+        env_info=None,
+        turn_reward=jnp.asarray(turn_reward),
+        turn_key=jnp.asarray(turn_key),
+        episode_id=jnp.repeat(jnp.arange(b), t),
+        turn_index=jnp.tile(jnp.arange(t), b),
+    )
+    # Returns: episode 0: R2 = 1, R1 = -0.01 + 0.95 * 1 = 0.94, R0 = -0.01 + 0.95 * 0.94 = 0.883;
+    # episode 1: R2 = -0.01, R1 = -0.0195, R0 = -0.028525. Anchor state 5: 0.883 vs -0.028525 (each
+    # +-0.4557625 from the mean); state 7: 0.94 (episode 0, turn 1) vs -0.01 (episode 1, turn 2): +-0.475.
+    if normalize:  # every anchor group of two: +-1 after the std; the episodes' rewards 0.98 / -0.03: +-1
+        want = [[1 + 1, 1 + 1, 1 + 0], [-1 - 1, -1 + 0, -1 - 1]]
+    else:  # Dr. GRPO's centring only: the episodes +-0.505
+        want = [[0.505 + 0.4557625, 0.505 + 0.475, 0.505], [-0.505 - 0.4557625, -0.505, -0.505 - 0.475]]
+    config = learner.LearnerConfig(
+        group_size=b, normalize_adv_std=normalize, turn_advantage_coef=1.0, turn_discount=0.95
+    )
+    np.testing.assert_allclose(learner.turn_sample_advantages(config, traj), np.ravel(want), atol=1e-5)
+    trajectory_only = learner.LearnerConfig(group_size=b, normalize_adv_std=normalize)  # w = 0: GRPO / GSPO's credit
+    np.testing.assert_allclose(
+        learner.turn_sample_advantages(trajectory_only, traj), np.repeat([want[0][2], want[1][1]], t), atol=1e-5
+    )
+
+
+def _row_batch(traj):
+    from reno_jax.rl.batch import TrainBatch
+
+    return TrainBatch(
+        tokens=traj.tokens,
+        valid=traj.valid,
+        loss_mask=traj.loss_mask,
+        old_logp=traj.behaviour_logp,
+        advantages=jnp.zeros(traj.tokens.shape[:1], jnp.float32),
+    )
+
+
+def test_turn_samples_score_the_same_with_the_system_prompt_encoded_once(guess_world):
+    """The common part alone (`shared_prefix`, `share_common_prefix` without `share_prompt_prefix`): every turn
+    sample, padding rows among them, continues from one encoding of the system prompt, with the row-wise log-probs."""
+    from reno_jax.rl import learner, policy, shared_prefix
+
+    traj = jax.tree.map(jnp.asarray, guess_world["traj"])
+    system = int(guess_world["env"].history.system_ids.shape[0])
+    common = int(learner.common_prefix_length(traj.tokens, traj.valid))
+    assert not np.asarray(traj.valid[:, 0]).all()  # padding rows (turns not reached) hold pad ids
+    assert common >= system and int(learner.common_prefix_length(traj.tokens)) == 0
+    cut = min(common, int(np.min(np.asarray(traj.prompt_length)[np.asarray(traj.prompt_length) > 0])))
+    # soft targets (the warm start's) on the policy tokens: cut with the tokens, scored the same
+    weights = jax.random.uniform(jax.random.key(0), traj.tokens.shape + (3,)) * traj.loss_mask[..., None]
+    batch = _row_batch(traj).replace(soft_target_ids=jnp.tile(jnp.arange(3, 6), (traj.tokens.shape[0], 1)))
+    batch = batch.replace(soft_target_weights=weights)
+    split = shared_prefix.split_shared_prefix(batch, cut, cut)
+    assert split.prefix_tokens.shape == (batch.num_rows, 0) and split.common_tokens.shape == (batch.num_rows, cut)
+    logp_fn = jax.jit(policy.make_logp_fn(MC, with_entropy=False), compiler_options=FAST_COMPILE)
+    params = guess_world["params"]
+    row_wise, shared = np.asarray(logp_fn(params, batch).logp), np.asarray(logp_fn(params, split).logp)
+    mask = np.asarray(traj.loss_mask)[:, cut:]
+    assert mask.sum() > 100
+    np.testing.assert_allclose(shared[mask], row_wise[:, cut:][mask], atol=1e-4)
+
+
 def test_history_config_checks():
     with pytest.raises(ValueError, match="history"):
         R.RolloutConfig(history=-1)
@@ -272,3 +353,107 @@ def test_turn_samples_record_their_own_routing(guess_world):
     routing, valid = np.asarray(traj.routing), np.asarray(traj.valid)
     assert routing.shape[:2] == traj.tokens.shape
     assert (routing[valid] >= 0).all() and (routing[~valid] == -1).all()  # every fed token, nothing else
+
+
+def test_a_train_step_on_turn_samples_sharing_the_system_prompt_equals_the_row_wise_one(guess_world):
+    """`Learner` with `share_common_prefix` alone on turn samples: the same loss and the same update (SGD, so the
+    update is the gradient) as scoring every row whole."""
+    import optax
+
+    from reno_jax.rl import learner, losses, policy, trainer
+
+    traj = jax.tree.map(jnp.asarray, guess_world["traj"])
+    traj = traj.replace(reward=traj.reward + 0.25 * (traj.episode_id % 2))  # rewards that differ in each group
+    optimizer = optax.sgd(1.0)
+    results = []
+    for share in (False, True):
+        lrn = learner.Learner(
+            learner.LearnerConfig(group_size=GN_RC.group_size, share_common_prefix=share),
+            policy.make_logp_fn(MC, group_size=GN_RC.group_size),
+            losses.get_loss("gspo"),
+            optimizer,
+            num_groups=2,
+            donate=False,
+        )
+        state = trainer.create_train_state(guess_world["params"], optimizer, jax.random.key(0))
+        new, metrics = lrn.learner_step(state, traj)
+        results.append(
+            (jax.device_get(metrics), jax.tree.map(lambda a, b: np.asarray(a - b), new.params, state.params))
+        )
+        if share:
+            assert lrn.common_len >= int(guess_world["env"].history.system_ids.shape[0])
+    (m_row, d_row), (m_shared, d_shared) = results
+    np.testing.assert_allclose(m_shared["train/loss"], m_row["train/loss"], rtol=1e-4, atol=1e-6)
+    assert np.abs(m_row["train/loss"]) > 0
+    for a, b in zip(jax.tree.leaves(d_shared), jax.tree.leaves(d_row)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
+
+
+def _guess_teacher_transcripts(guess_world, soft_targets=False):
+    """guess_number's warm-start teacher on the fixture's starts (four episodes), written as turn samples."""
+    from reno_jax.rl import sft
+
+    tok, env = guess_world["tok"], guess_world["env"]
+    teacher = gn.make_teacher(None, env.env)
+    schemas = env.env.chat().tools
+    calls = sft.build_call_table(
+        tok, teacher.calls, int(env.chat.turn_end_id), env.pad_id, [t["function"]["name"] for t in schemas], schemas
+    )
+    starts = jax.tree.map(lambda a: jnp.repeat(a, GN_RC.group_size, axis=0), guess_world["starts"])
+    out = sft.window_transcripts(
+        jax.random.key(4), starts, env, teacher.policy, calls, rollout_config=GN_RC, soft_targets=soft_targets
+    )
+    return jax.device_get(out)
+
+
+def _played_calls(tok, out, turns: int):
+    """Each episode's calls (texts), read from the transcripts' loss-masked tokens."""
+    calls = []
+    for b in range(out.tokens.shape[0] // turns):
+        rows = [b * turns + t for t in range(turns) if out.loss_mask[b * turns + t].any()]
+        calls.append([_decode(tok, out.tokens[r][out.loss_mask[r]]) for r in rows])
+    return calls
+
+
+def test_the_warm_start_writes_the_teachers_turn_samples_as_the_rollout_does(guess_world):
+    """`sft.window_transcripts`: the teacher's episodes cut into turn samples, each the chat template's system +
+    last k exchanges + observation + the teacher's call (loss on the call only), as the bounded rollout builds
+    them (the fast tests above check the rollout against the same rendering)."""
+    tok, env = guess_world["tok"], guess_world["env"]
+    turns = 5
+    out = _guess_teacher_transcripts(guess_world)
+    assert out.tokens.shape == (4 * turns, R.turn_length(env, GN_RC))
+    calls = _played_calls(tok, out, turns)
+    assert max(len(c) for c in calls) >= 3 and all(c for c in calls)
+    want = expected_rows(tok, env, guess_world["starts"], GN_RC.group_size, calls, GN_RC.history)
+    for b, texts in enumerate(want):
+        assert len(texts) == len(calls[b])
+        for t in range(turns):
+            r = b * turns + t
+            n = int(out.valid[r].sum())
+            if t >= len(texts):
+                assert n == 0 and not out.loss_mask[r].any()
+                continue
+            assert _decode(tok, out.tokens[r, :n]) == texts[t], (b, t)
+            masked = np.flatnonzero(out.loss_mask[r])
+            np.testing.assert_array_equal(masked, np.arange(n - len(masked), n))  # the call ends the row
+            assert _decode(tok, out.tokens[r, masked]) == calls[b][t]
+    np.testing.assert_array_equal(np.asarray(out.info["found"]).shape, (4,))
+
+
+def test_the_teachers_turn_samples_equal_the_forced_bounded_rollout_id_for_id(guess_world):
+    """The same calls forced through the bounded rollout give the same rows, token for token and loss mask."""
+    tok, env = guess_world["tok"], guess_world["env"]
+    turns = 5
+    out = _guess_teacher_transcripts(guess_world, soft_targets=True)
+    calls = _played_calls(tok, out, turns)
+    starts = guess_world["starts"]
+    fn = jax.jit(functools.partial(R.rollout, model_config=MC, rollout_config=GN_RC), compiler_options=FAST_COMPILE)
+    traj = jax.device_get(
+        fn(guess_world["params"], jax.random.key(3), starts, env=env, forced_tokens=_forced(tok, calls, turns))
+    )
+    np.testing.assert_array_equal(out.tokens, traj.tokens)
+    np.testing.assert_array_equal(out.valid, traj.valid)
+    np.testing.assert_array_equal(out.loss_mask, traj.loss_mask)
+    # soft targets sit on the calls' tokens only
+    assert np.all(np.asarray(out.target_weights).sum(-1)[~np.asarray(out.loss_mask)] == 0)

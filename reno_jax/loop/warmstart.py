@@ -19,6 +19,7 @@ a uniformly random legal square); `sft.soft_targets` then scores every call agai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Callable, Iterator
@@ -35,7 +36,7 @@ from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError, as_config_error
 from reno_jax.loop import build, curriculum, evaluation, host_envs, host_warmstart, hosts
-from reno_jax.rl import policy, sft, trainer
+from reno_jax.rl import policy, sft, shared_prefix, trainer
 from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import rollout as rollout_lib
 from reno_jax.rollout import summary as summary_lib
@@ -143,48 +144,57 @@ def teacher_calls(config, tokenizer, vocab_size: int) -> TeacherCalls:
 
 
 def teacher_batches(
-    key: jax.Array,
-    sampler,
-    taught: TeacherCalls,
-    *,
-    batch_size: int,
-    pool: int,
-    turns: int,
-    length: int,
-    soft_targets: bool,
+    key: jax.Array, sampler, transcribe: Callable, *, batch_size: int, pool: int, rows: int
 ) -> Iterator[sft.Transcripts]:
-    """Each warm-start step's batch of teacher transcripts (`[batch_size, length]`), played from the sampler's
-    starts: drawn one batch at a time, or (`pool` > 1) `pool` batches at once, handed out as batches of similar
-    lengths (`sft.length_sorted_batches`)."""
+    """Each warm-start step's batch of teacher transcripts (`rows` of them: `batch_size` episodes, each one row or
+    its turn samples), `transcribe(k_play, starts)` played from the sampler's starts: drawn one batch at a time, or
+    (`pool` > 1) `pool` batches at once, handed out as batches of similar lengths (`sft.length_sorted_batches`)."""
     pending: list[sft.Transcripts] = []
     while True:
         if pool == 1:
             key, k_starts, k_play = jax.random.split(key, 3)
-            yield sft.env_transcripts(
-                k_play,
-                sampler(k_starts, batch_size),
-                taught.env,
-                taught.teacher.policy,
-                taught.calls,
-                max_turns=turns,
-                length=length,
-                soft_targets=soft_targets,
-            )
+            yield transcribe(k_play, sampler(k_starts, batch_size))
             continue
         if not pending:
             key, k_starts, k_play, k_order = jax.random.split(key, 4)
-            drawn = sft.env_transcripts(
-                k_play,
-                sampler(k_starts, pool * batch_size),
-                taught.env,
-                taught.teacher.policy,
-                taught.calls,
-                max_turns=turns,
-                length=length,
-                soft_targets=soft_targets,
-            )
-            pending = sft.length_sorted_batches(drawn, batch_size, k_order)
+            drawn = transcribe(k_play, sampler(k_starts, pool * batch_size))
+            pending = sft.length_sorted_batches(drawn, rows, k_order)
         yield pending.pop()
+
+
+def teacher_transcribe(taught: TeacherCalls, rc: rollout_lib.RolloutConfig, turns: int, length: int, soft: bool):
+    """`(transcribe(key, starts) -> Transcripts, rows per episode)`: whole conversations, or with bounded history
+    (`rc.history`) each episode's turn samples as the rollout builds them (`sft.window_transcripts`)."""
+    common = dict(env=taught.env, teacher=taught.teacher.policy, calls=taught.calls, soft_targets=soft)
+    if rc.history is None:
+        return functools.partial(sft.env_transcripts, max_turns=turns, length=length, **common), 1
+    return functools.partial(sft.window_transcripts, rollout_config=rc, **common), turns
+
+
+def sft_batch(out: sft.Transcripts, soft_ids, bucket: int, length: int, system: int) -> TrainBatch:
+    """A warm-start step's `TrainBatch` of the transcripts `out`: with soft targets when `soft_ids` is given,
+    trimmed to its last real column rounded up to `bucket` (a host read; 0: not trimmed), and, for turn samples
+    (`system` > 0, the system prompt's tokens), cut after the system prompt every row starts with, which the step
+    then encodes once (`rl.shared_prefix`, the common part alone)."""
+    tokens = out.tokens
+    batch = TrainBatch(
+        tokens=tokens,
+        valid=out.valid,
+        loss_mask=out.loss_mask,
+        old_logp=jnp.zeros(tokens.shape, jnp.float32),
+        advantages=jnp.zeros(tokens.shape[:1], jnp.float32),
+    )
+    if soft_ids is not None:
+        batch = batch.replace(soft_target_ids=soft_ids, soft_target_weights=out.target_weights)
+    if bucket:
+        width = bucketed_length(max(int(used_length(out.valid)), system + 1), length, bucket)
+        batch = trim_length(batch, width)
+    if system:
+        batch = _split_after(batch, system)
+    return batch
+
+
+_split_after = jax.jit(lambda batch, cut: shared_prefix.split_shared_prefix(batch, cut, cut), static_argnums=1)
 
 
 def check_warm_start(config) -> None:
@@ -226,11 +236,17 @@ def warm_start(
     env, calls = taught.env, taught.calls
     rc = config.rollout_config()
     turns = rollout_lib.num_turns(env, rc)
-    length = s.max_length or transcript_length(env, calls, turns, rollout_lib.conversation_length(env, rc))
+    if rc.history is None:
+        length = s.max_length or transcript_length(env, calls, turns, rollout_lib.conversation_length(env, rc))
+    else:  # turn samples of the rollout's width
+        length = rollout_lib.turn_length(env, rc)
     soft = s.soft_targets
+    transcribe, rows_per_episode = teacher_transcribe(taught, rc, turns, length, soft)
+    rows = int(s.batch_size) * rows_per_episode
+    system = 0 if rc.history is None else int(env.history.system_ids.shape[0])  # turn samples: shared, once
     # the same choice tokens for every row of every batch: placed once
     soft_ids = (
-        jnp.broadcast_to(jnp.asarray(calls.choice_tokens, jnp.int32), (int(s.batch_size), len(calls.choice_tokens)))
+        jnp.broadcast_to(jnp.asarray(calls.choice_tokens, jnp.int32), (rows, len(calls.choice_tokens)))
         if soft
         else None
     )
@@ -249,27 +265,12 @@ def warm_start(
     place = (lambda batch: batch) if layout is None else layout.place_batch
     bucket = config.rl.length_bucket
     pool = s.length_pool
-    batches = teacher_batches(
-        key, sampler, taught, batch_size=s.batch_size, pool=pool, turns=turns, length=length, soft_targets=soft
-    )
+    batches = teacher_batches(key, sampler, transcribe, batch_size=s.batch_size, pool=pool, rows=rows)
     t0, nll, infos = time.time(), float("nan"), []
     bar = hosts.progress(int(s.num_steps), desc="warm start")
     for index in bar:
         out = next(batches)
-        tokens = out.tokens
-        batch = TrainBatch(
-            tokens=tokens,
-            valid=out.valid,
-            loss_mask=out.loss_mask,
-            old_logp=jnp.zeros(tokens.shape, jnp.float32),
-            advantages=jnp.zeros(tokens.shape[:1], jnp.float32),
-        )
-        if soft:
-            batch = batch.replace(soft_target_ids=soft_ids, soft_target_weights=out.target_weights)
-        if bucket:  # a host read per step, as the loss below is
-            width = bucketed_length(int(used_length(out.valid)), length, bucket)
-            batch = trim_length(batch, width)
-        state, metrics = step_fn(state, place(batch))
+        state, metrics = step_fn(state, place(sft_batch(out, soft_ids, bucket, length, system)))
         nll = float(metrics["nll"])
         infos.append(jax.device_get(out.info))
         step = index + 1

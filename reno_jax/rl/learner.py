@@ -18,13 +18,13 @@ Host syncs inside a step (everything else stays on the device; ``tests/test_lear
 ``jax.transfer_guard("disallow")`` with every other host read of a device value trapped), each read through
 ``host_sync(name, x)``:
 
-* ``LENGTHS_SYNC`` (only with ``share_prompt_prefix`` or ``length_bucket``): int32 scalars read in one transfer:
-  the batch's shortest prompt (with ``share_prompt_prefix``), how many leading tokens every row shares (with
-  ``share_common_prefix``) and one past its last real column (with ``length_bucket``). The shared-prefix cut and
-  the trimmed width are array *shapes* (``prefix_tokens [B, S]``), so they must be Python ints. S is the running
-  minimum over the run, so the train step recompiles only when a shorter prompt than any before shows up; the
-  width is rounded up to ``length_bucket`` x (1, 2, 3, 4, 6, 8, ...) (``batch.bucketed_length``), so it takes a few
-  values.
+* ``LENGTHS_SYNC`` (only with ``share_prompt_prefix``, ``share_common_prefix`` or ``length_bucket``): int32
+  scalars read in one transfer: the batch's shortest prompt (with a shared prefix), how many leading tokens every
+  row shares (with ``share_common_prefix``) and one past its last real column (with ``length_bucket``). The
+  shared-prefix cut and the trimmed width are array *shapes* (``prefix_tokens [B, S]``), so they must be Python
+  ints. S is the running minimum over the run, so the train step recompiles only when a shorter prompt than any
+  before shows up; the width is rounded up to ``length_bucket`` x (1, 2, 3, 4, 6, 8, ...)
+  (``batch.bucketed_length``), so it takes a few values.
 * ``ROLLOUT_WAIT`` (only ``run_step(time_rollout=True)``; a ``jax.block_until_ready``, not a read): waits for the
   rollout to finish so that its wall time can be reported apart from the train step's.
 
@@ -43,7 +43,8 @@ plus with ``turn_advantage_coef`` its turn's advantage (``turn_advantages`` over
 (``select_groups``). GSPO's sequence ratio is then per turn sample, and the loss is the mean over turn samples
 that have policy tokens (a padding row, a turn after the episode ended, has none): an episode weighs by the turns
 it played, as its tokens do in the whole conversation. ``share_prompt_prefix`` does not apply (the turn samples
-of a group do not share a prompt).
+of a group do not share a prompt); ``share_common_prefix`` alone does: every turn sample starts with the system
+prompt, which the train step then encodes once for the batch (``shared_prefix``, the common part alone).
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ class LearnerConfig:
       forking KL read it as a multiplier of their coefficient.
     num_steps, forking_entropy_hold, forking_entropy_end: the schedule, see ``forking_entropy_schedule``.
     share_prompt_prefix: score each group with its prompt encoded once (``reno_jax.rl.shared_prefix``).
-    share_common_prefix: with ``share_prompt_prefix``, also encode the part every row of the batch shares (the
-      system prompt and tool schema) once for the whole batch.
+    share_common_prefix: encode the part every row of the batch shares (the system prompt and tool schema) once
+      for the whole batch: before each group's prompt with ``share_prompt_prefix``; alone, every row continues
+      from it (turn samples: `shared_prefix`'s common part alone).
     num_minibatches, num_microbatches: passed to ``trainer.make_train_step``.
     max_logp_shift, shift_probe_groups: the update guard of ``trainer.make_train_step`` (0: off), probing the
       first ``shift_probe_groups`` groups of each minibatch (at most the groups of a micro-batch when the
@@ -93,7 +95,8 @@ class LearnerConfig:
       at ``TrainState.step - step_offset`` (its ``num_steps`` are the stage's).
     turn_advantage_coef, turn_discount: multi-turn credit: each policy token's advantage is its episode's plus
       ``turn_advantage_coef`` times its turn's advantage among the group's turns taken from the same state
-      (``losses.turn_advantages`` with ``turn_discount``; needs a loss that takes ``[B, L]`` advantages). 0: off.
+      (``losses.turn_advantages`` with ``turn_discount``; GiGPO's step credit, `turn_sample_advantages`; on whole
+      conversations it needs a loss that takes ``[B, L]`` advantages, on turn samples it is one per row). 0: off.
     turn_scope: "group": a turn is compared with its group's turns from the same state key; "batch": with every
       turn of the batch from that key (for keys that name what the agent knows, so that groups whose starts differ
       meet at the same decision; see ``TextEnv.state_key``).
@@ -129,8 +132,6 @@ class LearnerConfig:
             raise ValueError(f"train_groups must be >= 0 (0: every group), got {self.train_groups}")
         if self.num_minibatches < 1 or self.num_microbatches < 1:
             raise ValueError("num_minibatches and num_microbatches must be >= 1")
-        if self.share_common_prefix and not self.share_prompt_prefix:
-            raise ValueError("share_common_prefix needs share_prompt_prefix")
         if self.step_offset < 0:
             raise ValueError(f"step_offset must be >= 0, got {self.step_offset}")
         if not self.turn_advantage_coef >= 0.0 or not 0.0 < self.turn_discount <= 1.0:
@@ -243,9 +244,12 @@ class BatchStats:
     used_length: Array | None = None
 
 
-def common_prefix_length(tokens: Array) -> Array:
-    """int32 []: how many leading columns of `tokens [B, L]` are the same in every row."""
-    same = jnp.all(tokens == tokens[:1], axis=0).astype(jnp.int32)
+def common_prefix_length(tokens: Array, valid: Array | None = None) -> Array:
+    """int32 []: how many leading columns of `tokens [B, L]` are the same in every row; with `valid [B, L]`, in
+    every row that has a real token (a padding row, a turn an episode did not reach, holds pad ids)."""
+    real = jnp.ones(tokens.shape[:1], bool) if valid is None else valid[:, 0]
+    first = tokens[jnp.argmax(real)]
+    same = jnp.all((tokens == first[None, :]) | ~real[:, None], axis=0).astype(jnp.int32)
     return jnp.sum(jnp.cumprod(same))
 
 
@@ -284,8 +288,10 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
             scale = schedule(step - config.step_offset)
             batch = batch.replace(entropy_scale=jnp.full(batch.advantages.shape[:1], scale, jnp.float32))
         # over every rolled-out row, selected or not, as the cut always was
-        shortest = jnp.min(traj.prompt_length) if config.share_prompt_prefix else None
-        common = common_prefix_length(traj.tokens) if config.share_common_prefix else None
+        shared = config.share_prompt_prefix or config.share_common_prefix
+        real_prompt = jnp.where(traj.prompt_length > 0, traj.prompt_length, traj.tokens.shape[1])  # 0: padding
+        shortest = jnp.min(real_prompt) if shared else None
+        common = common_prefix_length(traj.tokens, traj.valid) if config.share_common_prefix else None
         used = used_length(batch.valid) if config.length_bucket else None
         return batch, BatchStats(
             informative_group_rate=informative, shortest_prompt=shortest, common_prefix=common, used_length=used
@@ -316,7 +322,13 @@ def _episode_advantages(config: LearnerConfig, traj) -> Array:
 
 def turn_sample_advantages(config: LearnerConfig, traj) -> Array:
     """``[B * T]`` advantages of turn samples (module docstring): the episode's group advantage on each of its T
-    rows, plus ``turn_advantage_coef`` times the turn's advantage among the turns from the same state key."""
+    rows, plus ``turn_advantage_coef`` times the turn's advantage among the turns from the same state key.
+
+    That is GiGPO's (arXiv 2505.10978) A = A_episode + w * A_step with w = ``turn_advantage_coef``: the anchor-state
+    groups are the turns of the group's G episodes (of the batch with ``turn_scope="batch"``) whose state key is
+    equal, a turn's step return is the ``turn_discount``-discounted sum of its episode's turn rewards from that turn
+    on, and A_step is that return minus its anchor group's mean, divided by the group's std with
+    ``normalize_adv_std`` (the paper's default normalisation; without it, centred only, as the episode part)."""
     t = traj.turn_reward.shape[1]
     episode_reward = traj.reward.reshape(-1, t)[:, 0]
     advantages = losses.group_advantages(episode_reward, config.group_size, normalize_std=config.normalize_adv_std)
@@ -427,18 +439,37 @@ class Learner:
     def batch_lengths(self, stats: BatchStats) -> tuple[int, int, int | None]:
         """LENGTHS_SYNC: reads this batch's lengths to the host (one transfer); returns `(prefix_len, common_len,
         used)`: the running minima of the shortest prompt and of the prefix every row shares (`common_len <
-        prefix_len`; 0 without ``share_common_prefix``; both 0 without ``share_prompt_prefix``) and one past the
-        batch's last real column (None without ``length_bucket``)."""
+        prefix_len`; 0 without ``share_common_prefix``; with it alone both are the common part, at most the
+        shortest prompt; both 0 without either) and one past the batch's last real column (None without
+        ``length_bucket``)."""
         wanted = {"shortest": stats.shortest_prompt, "common": stats.common_prefix, "used": stats.used_length}
         read = host_sync(LENGTHS_SYNC, {k: v for k, v in wanted.items() if v is not None})
         used = int(read["used"]) if "used" in read else None
-        if not self.config.share_prompt_prefix:
+        if not (self.config.share_prompt_prefix or self.config.share_common_prefix):
             return 0, 0, used
         shortest, common = int(read["shortest"]), int(read.get("common", 0))
+        if not self.config.share_prompt_prefix:  # the common part alone: it may reach the first policy token
+            common = min(common, shortest)
+            self.common_len = common if self.common_len is None else min(self.common_len, common)
+            return self.common_len, self.common_len, used
         self.prefix_len = shortest if self.prefix_len is None else min(self.prefix_len, shortest)
         common = min(common, self.prefix_len - 1)
         self.common_len = common if self.common_len is None else min(self.common_len, common)
         return self.prefix_len, self.common_len, used
+
+    def train_batch(self, traj, step: Array) -> tuple[TrainBatch, BatchStats]:
+        """`prepare_batch`, then trimmed (``length_bucket``) and cut at the shared prefix as configured: the batch
+        the train step takes (LENGTHS_SYNC when either applies)."""
+        batch, stats = self.prepare_batch(traj, step)
+        config = self.config
+        if config.share_prompt_prefix or config.share_common_prefix or config.length_bucket:
+            prefix_len, common_len, used = self.batch_lengths(stats)
+            if used is not None:
+                width = bucketed_length(max(used, prefix_len + 1), batch.tokens.shape[1], config.length_bucket)
+                batch = self._trim(batch, width)
+            if prefix_len:
+                batch = self._split(batch, prefix_len, common_len)
+        return batch, stats
 
     def learner_step(self, state: trainer.TrainState, traj) -> tuple[trainer.TrainState, dict]:
         """Trains on one trajectory; returns the new state and the step's metrics (device float32 scalars).
@@ -446,14 +477,7 @@ class Learner:
         `state` is donated to the train step. Metrics: `train/<k>` for every train-step metric `k` and
         `rollout/informative_group_rate`. The only host sync is LENGTHS_SYNC (shared prefix or trimming only).
         """
-        batch, stats = self.prepare_batch(traj, state.step)
-        if self.config.share_prompt_prefix or self.config.length_bucket:
-            prefix_len, common_len, used = self.batch_lengths(stats)
-            if used is not None:
-                width = bucketed_length(max(used, prefix_len + 1), batch.tokens.shape[1], self.config.length_bucket)
-                batch = self._trim(batch, width)
-            if self.config.share_prompt_prefix:
-                batch = self._split(batch, prefix_len, common_len)
+        batch, stats = self.train_batch(traj, state.step)
         if self._ref_logp is not None:
             batch = batch.replace(ref_logp=self._ref_logp(self.ref_params, batch))
         frozen = () if self.combine is None else (self.frozen,)

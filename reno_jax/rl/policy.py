@@ -126,9 +126,7 @@ def _shared_prefix_forward(
     `pad` = 0; `routing` (the forward's own, when the batch records the rollout's) and `full_recorded`, the
     rollout's routing over common tokens, prefix and continuation, are None when the batch records none.
     """
-    if batch.soft_target_weights is not None:
-        raise ValueError("soft targets are not supported with a shared-prefix batch")
-    if group_size is None:
+    if group_size is None and batch.prefix_tokens.shape[1]:  # the common part alone needs no groups
         raise ValueError("a shared-prefix batch needs make_logp_fn(..., group_size=G)")
     recorded = batch.routing is not None
     parts = dict(prefix_replay=batch.prefix_routing, replay=batch.routing) if replay else {}
@@ -142,7 +140,7 @@ def _shared_prefix_forward(
         batch.prefix_tokens,
         batch.tokens,
         batch.valid,
-        group_size,
+        group_size or 1,
         remat=remat,
         return_routing=recorded,
         apply_head=apply_head,

@@ -1,5 +1,6 @@
 """Supervised warm start pieces: a scripted teacher's calls as tokens (`CallTable`), whole teacher conversations
-written by stepping an environment in jit (`env_transcripts`), soft targets and the NLL loss.
+written by stepping an environment in jit (`env_transcripts`; cut into bounded-history turn samples:
+`window_transcripts`), soft targets and the NLL loss.
 
 A model initialised at random cannot write a well-formed tool call at all. A short supervised phase on
 conversations of a teacher that knows the format but no strategy (e.g. a uniformly random legal move) shows the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 from typing import Any
 
 import flax.struct
@@ -230,6 +232,102 @@ def env_transcripts(
         loss_mask=loss_mask,
         support=support,
         info=info,
+        target_weights=weights,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("teacher", "rollout_config", "soft_targets"))
+def window_transcripts(
+    key: jax.Array, starts, env, teacher, calls: CallTable, *, rollout_config, soft_targets: bool = False
+) -> Transcripts:
+    """A scripted teacher's episodes cut into turn samples, as a bounded-history rollout builds them.
+
+    With ``rollout_config.history = k`` (`reno_jax.rollout.rollout`, bounded history) the policy sees, at every
+    turn, the system prompt, the episode's last k exchanges and the current observation; this writes the teacher's
+    episodes in that format, so the warm start trains on the prompts the student will see: row ``b * T + t`` is
+    episode b's turn t, the turn prompt (`rollout.turn_prompt`, the same pieces and tables) followed by the
+    teacher's call (the loss mask; without its turn-end token when the rollout stops at "</tool_call>", as the
+    policy's turn then does), ``Lt = rollout.turn_length`` wide; a turn the episode did not reach is a
+    padding row (nothing valid). Episodes play at most `rollout.num_turns` turns. Runs in jit.
+
+    Args: as `env_transcripts`; `rollout_config` (static) the bounded-history rollout's (`history` set).
+
+    Returns:
+      `Transcripts` of ``B * T`` rows (``info`` per episode, ``[B]``).
+    """
+    if rollout_config.history is None:
+        raise ValueError("window_transcripts needs a bounded-history rollout config (history=k)")
+    tenv, b = env.env, jax.tree.leaves(starts)[0].shape[0]
+    turns, lt = rollout_lib.num_turns(env, rollout_config), rollout_lib.turn_length(env, rollout_config)
+    if soft_targets and not calls.choice_tokens:
+        raise ValueError("soft targets need call rows that differ (the call table has no choice tokens)")
+    setup = types.SimpleNamespace(env=env, rollout_config=rollout_config, batch=b)
+    state, _ = jax.vmap(tenv.reset)(starts)
+    k, e = int(rollout_config.history), rollout_lib.exchange_width(env, rollout_config)
+    window = types.SimpleNamespace(
+        env_state=state, ex_ids=jnp.full((b, k, e), env.pad_id, jnp.int32), ex_len=jnp.zeros((b, k), jnp.int32)
+    )
+    done = jnp.zeros((b,), jnp.bool_)
+    rows, info = [], None
+    for turn in range(turns):
+        live = ~done
+        out_t = jax.vmap(teacher)(window.env_state, jax.random.split(jax.random.fold_in(key, turn), b))
+        rows.append(_window_row(setup, window, calls, out_t, live, lt, soft_targets))
+        row = out_t[0]
+        call = interface.ToolCall(kind=jnp.zeros((b,), jnp.int32), tool=calls.tool[row], args=calls.args[row])
+        out = jax.vmap(tenv.step)(window.env_state, call)
+        cont = live & ~out.done
+        if k and turns > 1:  # the call and its tool response join the window, as in the rollout
+            turn_end = jnp.full((b,), not rollout_config.stop_at_tool_call)
+            n_gen = calls.length[row] - int(rollout_config.stop_at_tool_call)
+            decoded = types.SimpleNamespace(turn_end=turn_end, gen_tok=calls.ids[row], n_gen=n_gen)
+            new_ids, new_len = rollout_lib._new_exchange(setup, decoded, out.message)
+            window.ex_ids = jnp.where(
+                cont[:, None, None], jnp.concatenate([window.ex_ids[:, 1:], new_ids[:, None]], 1), window.ex_ids
+            )
+            window.ex_len = jnp.where(
+                cont[:, None], jnp.concatenate([window.ex_len[:, 1:], new_len[:, None]], 1), window.ex_len
+            )
+        window.env_state = rollout_lib._keep_where(live, out.state, window.env_state)
+        info = out.info if info is None else rollout_lib._keep_where(live, out.info, info)
+        done = done | (live & out.done)
+    info = jax.vmap(tenv.finish)(window.env_state, info, ~done)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape((b * turns,) + xs[0].shape[1:]), *rows)
+    return stacked.replace(info=info)
+
+
+def _window_row(setup, window, calls: CallTable, out_t, live, lt: int, soft_targets: bool) -> Transcripts:
+    """One turn of every episode as a `Transcripts` row (``[B, Lt]``; no info): the turn prompt, then the teacher's
+    call under the loss mask; nothing valid for an episode that has ended."""
+    b, r, pad_id = setup.batch, calls.ids.shape[0], setup.env.pad_id
+    row, sup = out_t[0], out_t[1]
+    ids, n = rollout_lib.turn_prompt(setup, window)
+    n = jnp.where(live, n, 0)
+    # A call row ends with the turn-end token; a rollout that stops at "</tool_call>" leaves it to the tool turn.
+    n_call = jnp.where(live, calls.length[row] - int(setup.rollout_config.stop_at_tool_call), 0)
+    zero = jnp.zeros((b,), jnp.int32)
+    tokens = rollout_lib.scatter_rows(jnp.full((b, lt), pad_id, jnp.int32), zero, ids, n)
+    tokens = rollout_lib.scatter_rows(tokens, n, calls.ids[row], n_call)
+    pos = jnp.arange(lt)[None, :]
+    valid = pos < (n + n_call)[:, None]
+    loss_mask = valid & (pos >= n[:, None])
+    support = jnp.zeros((b, lt, r), jnp.bool_)
+    if calls.choice_offset >= 0:
+        at = jnp.where(live, n + calls.choice_offset, lt)  # out of bounds -> dropped
+        support = support.at[jnp.arange(b), at].set(sup, mode="drop")
+    weights = None
+    if soft_targets:
+        targets = call_token_targets(calls, row, sup)
+        if len(out_t) > 2:
+            targets = targets * out_t[2].astype(jnp.float32)[:, None, None]
+        empty = jnp.zeros((b, lt, len(calls.choice_tokens)), jnp.float32)
+        weights = rollout_lib.scatter_rows(empty, n, targets, n_call)
+    return Transcripts(
+        tokens=jnp.where(valid, tokens, pad_id),
+        valid=valid,
+        loss_mask=loss_mask,
+        support=support,
+        info=None,
         target_weights=weights,
     )
 

@@ -10,8 +10,11 @@ Teachers (``sft.teacher``): "solver" (default: the first optimal move in tool or
 solver's table of moves-to-solve per position, `rooms.Split.distance`; the support is every optimal move) or
 "random" (a uniform direction; the support is all four). ``sft.explore`` (with ``sft.soft_targets``): the share of
 the solver's moves played as a uniform direction instead, while the target stays the optimal moves, so the warm
-start also sees positions off the optimal path (and rooms it then fails). Suites: ``heldout`` (default; every
-held-out room once, greedy) and ``train`` (as many train rooms, not run by default: the gap between the two).
+start also sees positions off the optimal path (and rooms it then fails). ``sft.wrong_rooms`` (solver only): on
+that share of the rooms (a fixed draw per room) the solver plays and teaches only moves that are not optimal (its
+support is every such move), so it never solves them: a warm start that leaves RL something to find. Suites:
+``heldout`` (default; every held-out room once, greedy) and ``train`` (as many train rooms, not run by default:
+the gap between the two).
 
 No play-page `BoardView`: the page's boards are two-sided games (a side to move, a winner, one placement per
 action), which a one-player puzzle with moves does not fit; the page shows Sokoban episodes as transcripts.
@@ -123,6 +126,13 @@ def optimal_moves(
     return left == jnp.min(left)
 
 
+def wrong_room(state: sokoban_env.SokobanState, share: float) -> jax.Array:
+    """``bool []``: whether the teacher errs in `state`'s room (`sft.wrong_rooms`): a fixed draw per split and room,
+    the same on every visit, true for about `share` of the rooms."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(57), state.split), state.room)
+    return jax.random.uniform(key) < share
+
+
 def make_teacher(config, env: sokoban_env.SokobanEnv) -> interface.Teacher:
     """`config.sft.teacher` (default "solver"); call row k is ``move(direction=rules.DIRECTIONS[k])``."""
     policy = config.sft.teacher or "solver"
@@ -137,6 +147,9 @@ def make_teacher(config, env: sokoban_env.SokobanEnv) -> interface.Teacher:
             "--config.sft.soft_targets=True (the explored move is played, the optimal ones are the "
             "target)"
         )
+    wrong = config.sft.wrong_rooms
+    if wrong and policy != "solver":
+        raise ConfigError(f"--config.sft.wrong_rooms={wrong} needs --config.sft.teacher=solver")
     train, heldout = splits(config.env)
     train_table, heldout_table = jnp.asarray(train.distance), jnp.asarray(heldout.distance)
     num_boxes = int(env.num_boxes)
@@ -146,6 +159,8 @@ def make_teacher(config, env: sokoban_env.SokobanEnv) -> interface.Teacher:
         if policy == "random":
             return jax.random.randint(key, (), 0, directions, jnp.int32), jnp.ones((directions,), bool)
         support = optimal_moves(state, train_table, heldout_table, num_boxes)
+        if wrong:
+            support = jnp.where(wrong_room(state, wrong) & ~jnp.all(support), ~support, support)
         row = jnp.argmax(support).astype(jnp.int32)
         if explore:
             k_coin, k_move = jax.random.split(key)
