@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from benchmarks import seed_sweep
+from reno_jax.loop import cli_runs
 
 CREDITS = {"trajectory": 0.0, "step": 1.0}  # rl.turn_advantage_coef of each credit
 FIGURE = "heldout/solved_rate"
@@ -48,10 +48,10 @@ def one_run(args, passthrough: list[str], credit: str, seed: int) -> dict:
     workdir = os.path.join(args.root, f"{credit}_s{seed}")
     flags = [f"--config={args.config}", f"--workdir={workdir}", f"--config.seed={seed}"]
     flags += [f"--config.eval_every={args.eval_every}", f"--config.rl.turn_advantage_coef={CREDITS[credit]}"]
-    _, wall = seed_sweep.run(
+    _, wall = cli_runs.run(
         [sys.executable, "-m", "experiments.train", *flags, *passthrough], os.path.join(workdir + ".train.log")
     )
-    warm_out, _ = seed_sweep.run(
+    warm_out, _ = cli_runs.run(
         [
             sys.executable,
             "-m",
@@ -62,10 +62,10 @@ def one_run(args, passthrough: list[str], credit: str, seed: int) -> dict:
         ],
         workdir + ".warm_start.log",
     )
-    rows = seed_sweep.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    rows = cli_runs.read_metrics(os.path.join(workdir, "metrics.jsonl"))
     key = f"eval/{args.suite}/solved_rate"
     steps, values = [r["step"] for r in rows if key in r], [r[key] for r in rows if key in r]
-    warm = seed_sweep.last_json_line(warm_out).get(f"{args.suite}/solved_rate")
+    warm = cli_runs.last_json_line(warm_out).get(f"{args.suite}/solved_rate")
     return {
         "credit": credit,
         "seed": seed,

@@ -28,26 +28,15 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import time
 
 import numpy as np
+
+from reno_jax.loop.cli_runs import last_json_line, read_metrics, run
 
 REWARD = "rollout/rewards_mean"
 WARM = "warm_start"
 VALID = "rollout/tool_call_valid_rate"
-
-
-def read_metrics(path: str) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-    if not rows:
-        raise SystemExit(f"{path}: no training steps were logged")
-    return rows
 
 
 def curve_figures(rows: list[dict], first: int = 5, last: int = 20) -> dict:
@@ -63,14 +52,6 @@ def curve_figures(rows: list[dict], first: int = 5, last: int = 20) -> dict:
     return out
 
 
-def last_json_line(text: str) -> dict:
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            return json.loads(line)
-    raise ValueError("no JSON line in the output")
-
-
 def eval_figures(name: str, figures: dict) -> dict:
     """An evaluation's last JSON line (`{"checkpoint_step", "env", "greedy", "<suite>/<figure>": ...}`) as the
     row's `<name>/<suite>/<figure>` numbers (the step, the environment and the decoding flag are left out)."""
@@ -79,19 +60,6 @@ def eval_figures(name: str, figures: dict) -> dict:
         for k, v in figures.items()
         if "/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)
     }
-
-
-def run(cmd: list[str], log_path: str) -> tuple[str, float]:
-    """Runs `cmd`, tees its output into `log_path`, returns (stdout+stderr, wall seconds); exits on failure."""
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        log.write(proc.stdout)
-    wall = time.perf_counter() - start
-    if proc.returncode:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
-        raise SystemExit(f"{shlex.join(cmd)} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
-    return proc.stdout, wall
 
 
 def parse_evals(specs: list[str]) -> list[tuple[str, list[str]]]:
