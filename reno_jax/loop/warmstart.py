@@ -362,6 +362,8 @@ class HeldLastRow:
 def compare_with_teacher(result: WarmStartResult, config, model_config, tokenizer, held=None) -> WarmStartResult:
     """`result` with the student's figures beside the teacher's (`against_teacher`), printed (`report_against_teacher`)
     and added to the warm start's last logged row (`held`, a `HeldLastRow`) as ``sft/<student|teacher>/<suite>/...``."""
+    if host_envs.is_host(config):  # `host_warmstart` plays the student beside the teacher itself (no registry entry)
+        return result
     compared = against_teacher(config, model_config, result.params, tokenizer, result.evaluated)
     report_against_teacher(compared, build.make_env(config))
     if held is not None:
