@@ -36,6 +36,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- supervised warm start on the teacher's conversations (format, the tool on half the questions) -------
     # Not tuned: sized for a run of <= 20 min on 2 cores (a step of 64 transcripts took ~4 s on 2 busy cores).
+    # It does not teach copying yet (the expression into calculate, the result into answer), up to 1000 steps of
+    # 16 tried: docs/benchmarks.md, "The calculator task against #56 5a's targets"; studies/copy_probe.py measures it.
     c.sft.num_steps = 150
     c.sft.batch_size = 32
 
