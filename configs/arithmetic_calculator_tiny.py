@@ -9,7 +9,7 @@ operands, `calculate(expression)` then `answer(value)`, scored by the dataset's 
 Needs the `tasks` extra (`pip install -e ".[tasks]"`). The warm start imitates a teacher that uses the calculator on
 half of the questions and answers the rest itself with a plausible wrong number, so RL has the tool's worth to
 discover. Texts with the shipped tokenizer: the prompt is at most 115 tokens (76 fixed: system turn with both tools,
-headers), a teacher's call at most 64 with its turn end, a calculator result at most 19; a teacher episode ~180
+headers), a teacher's call at most 73 with its turn end, a calculator result at most 19; a teacher episode ~180
 tokens.
 """
 
@@ -36,17 +36,22 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- supervised warm start on the teacher's conversations (format, the tool on half the questions) -------
     # Not tuned: sized for a run of <= 20 min on 2 cores (a step of 64 transcripts took ~4 s on 2 busy cores).
+    # It does not teach copying yet (the expression into calculate, the result into answer), up to 1000 steps of
+    # 16 tried: docs/benchmarks.md, "The calculator task against #56 5a's targets"; studies/copy_probe.py measures it.
     c.sft.num_steps = 150
     c.sft.batch_size = 32
 
     # --- rollout ----------------------------------------------------------------------------------------------
     c.rollout.boards_per_step = 16  # questions per step
     c.rollout.group_size = 8
-    # A call is at most 64 tokens with its turn end ('<tool_call>{"name": "calculate", "arguments": {"expression":
-    # "..."}}</tool_call>' with an expression of up to 39 tokens); the turn ends at '</tool_call>'.
-    c.rollout.max_new_tokens = 64
+    # A call is 25 tokens with its turn end around its argument ('<tool_call>{"name": "calculate", "arguments":
+    # {"expression": "..."}}</tool_call>'); the tool shows expressions of up to 48 tokens (EXPRESSION_MAX_TOKENS).
+    # The dataset's nested parentheses make a few long ones: 37 tokens at most in 20,000 training draws, but a
+    # warm start met a 40-token one (a 65-token call, which the former 64 refused mid-run), hence 25 + 48.
+    # The turn ends at '</tool_call>'.
+    c.rollout.max_new_tokens = 73
     c.rollout.max_turns = 2  # calculate, answer
-    # Prompt (<= 115) + two turns (128) + one tool turn (10 fixed + a response of up to 67 tokens): a longer
+    # Prompt (<= 115) + two turns (146) + one tool turn (10 fixed + a response of up to 67 tokens): a longer
     # response (a calculator error message) ends the episode as truncated.
-    c.rollout.max_length = 320
+    c.rollout.max_length = 338
     return c

@@ -138,6 +138,7 @@ def test_arithmetic_teacher_and_the_no_tool_control():
     infos, rewards, calls = _play(_configured(env_class, teacher_tool_rate=1.0), tasks)
     # Right by Reasoning Gym's own scorer every time, through the calculator.
     assert np.all(rewards == 1.0) and _mean(infos, "used_tool") == 1.0 and _mean(infos, "tool_calls") == 1.0
+    assert _mean(infos, "copied_expression") == 1.0 and _mean(infos, "copied_result") == 1.0
     assert [c.name for c in calls[0]] == ["calculate", "answer"]
     assert calls[0][0].arguments["expression"] == env_class().reset(tasks[0])
     infos, rewards, _ = _play(_configured(env_class, teacher_tool_rate=0.0), tasks)
@@ -181,6 +182,8 @@ def test_arithmetic_questions_are_large_held_out_and_invalid_calls_end_the_episo
             "tool_calls": 0,
             "invalid": True,
             "used_tool": False,
+            "copied_expression": False,
+            "copied_result": False,
         }
     assert host.host_entry("arithmetic_calculator").env_class is env_class
 

@@ -69,8 +69,27 @@ class ArithmeticCalculatorEnv(rge.ReasoningGymEnv):
     def question_text(cls, entry: Mapping[str, Any]) -> str:
         return str(entry["metadata"]["expression"])
 
+    def reset(self, task: Mapping[str, Any]) -> str:
+        self.copied_expression, self.copied_result = False, False
+        return super().reset(task)
+
+    def step(self, call: host.ToolCall) -> host.HostStep:
+        """The base class's step, noting whether the call copied what it should: the first calculate the question's
+        expression exactly, the answer the calculator's last result (what the warm start must teach)."""
+        if call.name == "calculate" and self.tool_calls == 0:
+            self.copied_expression = call.arguments.get("expression") == self.entry["metadata"]["expression"]
+        if call.name == "answer" and self.last_result is not None:
+            self.copied_result = str(call.arguments.get("value")) == self.last_result
+        return super().step(call)
+
     def episode_info(self, truncated: bool) -> dict:
-        return {**super().episode_info(truncated), "used_tool": self.tool_calls > 0}
+        """The base figures, `used_tool`, and the two copies (False on episodes without the tool)."""
+        return {
+            **super().episode_info(truncated),
+            "used_tool": self.tool_calls > 0,
+            "copied_expression": self.copied_expression,
+            "copied_result": self.copied_result,
+        }
 
     def teacher(self, rng: np.random.Generator) -> host.ToolCall:
         """Calculator then its result on `teacher_tool_rate` of the episodes, else a plausible wrong number."""
