@@ -28,8 +28,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import seed_sweep  # noqa: E402 (the sibling script: run, read_metrics, last_json_line)
+from reno_jax.loop import cli_runs
 
 ARMS = ("task", "control")
 RESULT = "tool_use_run.json"  # a finished run's figures, in its workdir
@@ -47,7 +46,7 @@ def tool_rate(figures: dict, prefix: str) -> float | None:
 def warm_start_figures(workdir: str) -> dict:
     """The warm start's last held-out figures (`eval/heldout/...` in `<workdir>/warmstart_log/metrics.jsonl`)."""
     path = os.path.join(workdir, "warmstart_log", "metrics.jsonl")
-    rows = seed_sweep.read_metrics(path) if os.path.exists(path) else []
+    rows = cli_runs.read_metrics(path) if os.path.exists(path) else []
     warm = [r for r in rows if f"eval/heldout/{ACCURACY}" in r]
     if not warm:
         return {}
@@ -68,13 +67,13 @@ def train_and_evaluate(args, arm: str, seed: int, overrides: list[str]) -> dict:
     logs = os.path.join(args.root, arm)
     os.makedirs(logs, exist_ok=True)
     cmd = [sys.executable, "-m", "experiments.train", f"--config={args.config}", f"--workdir={workdir}"]
-    _, wall = seed_sweep.run([*cmd, f"--config.seed={seed}", *overrides], os.path.join(logs, f"seed{seed}.train.log"))
-    out, _ = seed_sweep.run(
+    _, wall = cli_runs.run([*cmd, f"--config.seed={seed}", *overrides], os.path.join(logs, f"seed{seed}.train.log"))
+    out, _ = cli_runs.run(
         [sys.executable, "-m", "experiments.evaluate", f"--workdir={workdir}", f"--num_episodes={args.episodes}"]
         + ["--transcripts=8"],
         os.path.join(logs, f"seed{seed}.eval.log"),
     )
-    figures = seed_sweep.last_json_line(out)
+    figures = cli_runs.last_json_line(out)
     result = {
         "arm": arm,
         "seed": seed,
@@ -107,7 +106,7 @@ def plot(root: str, results: list[dict], path: str, title: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for r in results:
-        rows = seed_sweep.read_metrics(os.path.join(root, r["arm"], f"seed{r['seed']}", "metrics.jsonl"))
+        rows = cli_runs.read_metrics(os.path.join(root, r["arm"], f"seed{r['seed']}", "metrics.jsonl"))
         color, style = f"C{r['seed']}", "--" if r["arm"] == "control" else "-"
         for ax, name in zip(axes, (ACCURACY, TOOL_RATE)):
             steps, values = curve(rows, name)
