@@ -29,7 +29,7 @@ from reno_jax.errors import ConfigError, as_config_error
 from reno_jax.loop import evaluation, host_envs, hosts
 from reno_jax.protocol import toolcall
 from reno_jax.protocol.tokenizer import decode as decode_text
-from reno_jax.rl import policy, sft, trainer
+from reno_jax.rl import sft
 from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import host_rollout as H
 
@@ -166,18 +166,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, env_clas
     run = run_config.load(config)
     s = run.sft
     play = _play(run, tokenizer, model_config.vocab_size, env_class)
-    optimizer = trainer.make_optimizer(
-        s.learning_rate,
-        s.learning_rate * 0.1,
-        min(s.warmup_steps, s.num_steps),
-        s.num_steps,
-        weight_decay=0.0,
-        clip_norm=1.0,
-    )
-    state = trainer.create_train_state(params, optimizer, key)
-    state = state if layout is None else layout.place_state(state)
-    step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
-    place = (lambda batch: batch) if layout is None else layout.place_batch
+    state, step_fn, place = sft.supervised_trainer(s, params, model_config, key, layout)
     t0, nll, seen, eval_seconds = time.time(), float("nan"), [], 0.0
     rng = host_envs.numpy_rng(key)
     for index in (bar := hosts.progress(int(s.num_steps), desc="warm start")):

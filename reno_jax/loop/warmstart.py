@@ -36,7 +36,7 @@ from reno_jax.checkpoint import orbax as ckpt_lib
 from reno_jax.envs import interface
 from reno_jax.errors import ConfigError, as_config_error
 from reno_jax.loop import build, curriculum, evaluation, host_envs, host_warmstart, hosts
-from reno_jax.rl import policy, sft, shared_prefix, trainer
+from reno_jax.rl import sft, shared_prefix
 from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
 from reno_jax.rollout import rollout as rollout_lib
 from reno_jax.rollout import summary as summary_lib
@@ -251,18 +251,7 @@ def warm_start(
         else None
     )
     sampler = build.env_entry(config).make_sampler(config)
-    optimizer = trainer.make_optimizer(
-        s.learning_rate,
-        s.learning_rate * 0.1,
-        min(s.warmup_steps, s.num_steps),
-        s.num_steps,
-        weight_decay=0.0,
-        clip_norm=1.0,
-    )
-    state = trainer.create_train_state(params, optimizer, key)
-    state = state if layout is None else layout.place_state(state)
-    step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft.sft_loss, optimizer)
-    place = (lambda batch: batch) if layout is None else layout.place_batch
+    state, step_fn, place = sft.supervised_trainer(s, params, model_config, key, layout)
     bucket = config.rl.length_bucket
     pool = s.length_pool
     batches = teacher_batches(key, sampler, transcribe, batch_size=s.batch_size, pool=pool, rows=rows)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.envs import interface
+from reno_jax.rl import policy, trainer
 from reno_jax.rollout import rollout as rollout_lib
 
 
@@ -361,3 +362,23 @@ def sft_loss(logp, old_logp, advantages, mask, **unused):
     total = jnp.sum(mask)
     nll = -jnp.sum(logp * mask) / jnp.maximum(total, 1.0)
     return nll, {"nll": nll, "normalizer": total}
+
+
+def supervised_trainer(sft_config, params, model_config, key, layout=None):
+    """`(state, step_fn, place)` of a warm start (`sft_config`: the run config's `sft` section): AdamW decaying to a
+    tenth over `num_steps` after its warmup, clipped at norm 1, `sft_loss` on the policy's log-probs; `place` puts a
+    batch on `layout`'s mesh (the identity on one device)."""
+    s = sft_config
+    optimizer = trainer.make_optimizer(
+        s.learning_rate,
+        s.learning_rate * 0.1,
+        min(s.warmup_steps, s.num_steps),
+        s.num_steps,
+        weight_decay=0.0,
+        clip_norm=1.0,
+    )
+    state = trainer.create_train_state(params, optimizer, key)
+    state = state if layout is None else layout.place_state(state)
+    step_fn = trainer.make_train_step(policy.make_logp_fn(model_config, with_entropy=False), sft_loss, optimizer)
+    place = (lambda batch: batch) if layout is None else layout.place_batch
+    return state, step_fn, place
