@@ -22,6 +22,7 @@ from reno_jax.envs import interface
 from reno_jax.errors import ConfigError
 from reno_jax.loop import build, host_envs, hosts
 from reno_jax.rollout import rollout as rollout_lib
+from reno_jax.rollout import summary as summary_lib
 
 UNBOUNDED_TURNS = 1 << 30  # `TextEnv.max_turns`' default: the environment sets no bound
 
@@ -149,16 +150,7 @@ def run_suite(
         outs.append(jax.tree.map(lambda x: np.asarray(x)[:keep], traj))
     traj = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
     ids = np.arange(total)
-    stats = traj.stats
-    figures = {
-        "num_episodes": total,
-        "mean_reward": float(np.mean(traj.reward)),
-        "tool_call_valid_rate": float(np.mean(stats.valid_call)),
-        "cut_off_rate": float(np.mean(stats.truncated)),
-        "mean_turns": float(np.mean(stats.num_turns)),
-        "mean_generated_tokens": float(np.mean(stats.generated_tokens)),
-        "max_length": rollout_lib.conversation_length(env, rc),
-    }
+    figures = {**summary_lib.suite_figures(traj, total), "max_length": rollout_lib.conversation_length(env, rc)}
     info = {k: np.asarray(v) for k, v in traj.env_info.items()}
     figures.update(interface.summarize(env.env, info))
     if suite.extra is not None:

@@ -26,6 +26,7 @@ from reno_jax.envs import host, interface, registry
 from reno_jax.errors import ConfigError
 from reno_jax.rollout import host_rollout as H
 from reno_jax.rollout import rollout as rollout_lib
+from reno_jax.rollout import summary as summary_lib
 
 RESERVED_FIELDS = ("name", "module")  # the `env` fields that are not options of the environment
 HELDOUT = "heldout"
@@ -229,14 +230,8 @@ def run_heldout(
     traj = play_tasks(
         params, key, env_class.eval_tasks(total), env_class, chat=chat, programs=programs, batch_size=size
     )
-    stats = traj.stats
     figures = {
-        "num_episodes": total,
-        "mean_reward": float(np.mean(traj.reward)),
-        "tool_call_valid_rate": float(np.mean(stats.valid_call)),
-        "cut_off_rate": float(np.mean(stats.truncated)),
-        "mean_turns": float(np.mean(stats.num_turns)),
-        "mean_generated_tokens": float(np.mean(stats.generated_tokens)),
+        **summary_lib.suite_figures(traj, total),
         "max_length": H.conversation_length(chat, programs, H.num_turns([env_class()], rc)),
         **interface.summarize(HostStageEnv(env_class), traj.env_info),
         **host_stats_summary(traj, prefix=""),

@@ -37,3 +37,17 @@ def rollout_summary(traj, env: interface.TextEnv, prefix: str = "rollout/") -> d
 def plotted_metrics(env: interface.TextEnv, prefix: str = "rollout/") -> tuple[str, ...]:
     """The environment's figures that ask for a learning-curve panel."""
     return tuple(f"{prefix}{name}" for name, metric in env.episode_metrics().items() if metric.plot)
+
+
+def suite_figures(traj, num_episodes: int) -> dict[str, float]:
+    """An evaluation suite's rollout figures over its `num_episodes` episodes (jitted and host environments alike):
+    mean reward, valid calls, cut-off episodes, turns and generated tokens."""
+    stats = traj.stats
+    return {
+        "num_episodes": num_episodes,
+        "mean_reward": float(np.mean(traj.reward)),
+        "tool_call_valid_rate": float(np.mean(stats.valid_call)),
+        "cut_off_rate": float(np.mean(stats.truncated)),
+        "mean_turns": float(np.mean(stats.num_turns)),
+        "mean_generated_tokens": float(np.mean(stats.generated_tokens)),
+    }
