@@ -115,9 +115,15 @@ class SftSettings:
     num_steps: int = _field(0, "warm-start steps (0: none)", _at_least(0), "an integer >= 0 (0: no warm start)")
     batch_size: int = _field(64, "transcripts per step", *_INT_GE1)
     learning_rate: float = _field(
-        3e-3, "peak learning rate (warmup, then cosine to a tenth)", lambda v: v > 0, "a number > 0"
+        3e-3, "peak learning rate (warmup, then cosine to `final_lr_fraction` of it)", lambda v: v > 0, "a number > 0"
     )
     warmup_steps: int = _field(10, "linear warmup steps", _at_least(0), "an integer >= 0")
+    final_lr_fraction: float = _field(
+        0.1,
+        "the cosine decay's end as a share of the peak (1: constant after the warmup)",
+        lambda v: 0.0 <= v <= 1.0,
+        "in [0, 1]",
+    )
     length_pool: int = _field(
         1,
         "> 1: draw that many batches at once and train them as batches of similar lengths",

@@ -2,6 +2,7 @@
 (`env_transcripts`), with tic-tac-toe's warm-start teacher (`registration.random_legal_square`: a uniformly random
 legal square, the call format and no strategy); soft targets over the teacher's support."""
 
+import dataclasses
 import json
 import re
 
@@ -13,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reno_jax import run_config
 from reno_jax.envs.tictactoe import env as E
 from reno_jax.envs.tictactoe import registration, tasks, tool_parser
 from reno_jax.envs.tictactoe import wording as text
+from reno_jax.errors import ConfigError
 from reno_jax.models import ling3
 from reno_jax.protocol import toolcall
 from reno_jax.protocol.tokenizer import load_tokenizer
@@ -363,3 +366,21 @@ def test_length_sorted_batches_split_a_pool_into_batches_of_neighbours_in_length
 def test_length_sorted_batches_refuse_a_pool_that_does_not_split():
     with pytest.raises(ValueError, match="does not split into batches of 2"):
         sft.length_sorted_batches(_pool([3, 4, 5]), 2, jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize("fraction", [0.1, 1.0])
+def test_warm_start_schedule_ends_at_its_final_fraction_of_the_peak(fraction):
+    s = run_config.load(run_config.default_config_dict()).sft
+    s = dataclasses.replace(s, num_steps=100, warmup_steps=10, learning_rate=3e-3, final_lr_fraction=fraction)
+    schedule = sft.learning_rate_schedule(s)
+    assert float(schedule(10)) == pytest.approx(3e-3)
+    assert float(schedule(100)) == pytest.approx(3e-3 * fraction)
+    middle = float(schedule(55))
+    assert middle == pytest.approx(3e-3) if fraction == 1.0 else 3e-4 < middle < 3e-3
+
+
+def test_warm_start_final_fraction_outside_zero_one_is_one_config_error():
+    config = run_config.default_config_dict()
+    config.sft.final_lr_fraction = 1.5
+    with pytest.raises(ConfigError, match=r"sft\.final_lr_fraction.*\[0, 1\]"):
+        run_config.load(config)

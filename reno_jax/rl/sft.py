@@ -364,17 +364,24 @@ def sft_loss(logp, old_logp, advantages, mask, **unused):
     return nll, {"nll": nll, "normalizer": total}
 
 
+def learning_rate_schedule(sft_config):
+    """The warm start's learning rate per update: linear warmup to `learning_rate`, then cosine to
+    `final_lr_fraction` of it at `num_steps` (1: constant after the warmup)."""
+    s = sft_config
+    return trainer.make_lr_schedule(
+        s.learning_rate, s.learning_rate * s.final_lr_fraction, min(s.warmup_steps, s.num_steps), s.num_steps
+    )
+
+
 def supervised_trainer(sft_config, params, model_config, key, layout=None):
-    """`(state, step_fn, place)` of a warm start (`sft_config`: the run config's `sft` section): AdamW decaying to a
-    tenth over `num_steps` after its warmup, clipped at norm 1, `sft_loss` on the policy's log-probs; `place` puts a
-    batch on `layout`'s mesh (the identity on one device)."""
+    """`(state, step_fn, place)` of a warm start (`sft_config`: the run config's `sft` section): AdamW on
+    `learning_rate_schedule`, clipped at norm 1, `sft_loss` on the policy's log-probs; `place` puts a batch on
+    `layout`'s mesh (the identity on one device)."""
     s = sft_config
     optimizer = trainer.make_optimizer(
         s.learning_rate,
-        s.learning_rate * 0.1,
-        min(s.warmup_steps, s.num_steps),
-        s.num_steps,
         weight_decay=0.0,
+        schedule=learning_rate_schedule(s),
         clip_norm=1.0,
     )
     state = trainer.create_train_state(params, optimizer, key)
