@@ -114,7 +114,7 @@ def plot(root: str, results: list[dict], path: str, title: str) -> None:
                 continue
             window = max(1, min(10, len(values) // 5))
             smooth = np.convolve(values, np.ones(window) / window, mode="valid")
-            label = f"{r['arm']} seed {r['seed']} (held-out {r['accuracy']:.2f})" if name == ACCURACY else None
+            label = f"{r['arm']} seed {r['seed']} (held-out {r['accuracy']:.3f})" if name == ACCURACY else None
             ax.plot(steps[window - 1 :], smooth, style, color=color, label=label)
     for ax, name in zip(axes, ("accuracy (rollout/correct)", "tool-call rate (rollout/used_tool)")):
         ax.set_xlabel("GSPO step")
