@@ -15,6 +15,7 @@ calculator task"):
     python studies/copy_probe.py --train_steps=1000 --episodes=64                         # constant 3e-3
     python studies/copy_probe.py --train_steps=600 --episodes=64 --final_lr_fraction=0.1  # the cosine to a tenth
     python studies/copy_probe.py --train_steps=1000 --episodes=64 --optimizer=adamw       # optax.adamw, no clipping
+    python studies/copy_probe.py --train_steps=1000 --episodes=64 --set model.tiny.num_hidden_layers=3
 
 Prints one JSON line: per span the mean log-prob per token, the share of its tokens the student gives more than
 half its mass (`p_over_half`: greedy decoding picks them), and the share of spans with every token so
@@ -24,6 +25,7 @@ half its mass (`p_over_half`: greedy decoding picks them), and the share of span
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import time
@@ -165,11 +167,14 @@ def main(argv=None) -> None:
     parser.add_argument("--optimizer", choices=("warm_start", "adamw"), default="warm_start")
     parser.add_argument("--probe_every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], help="--train_steps: config override, a.b=value")
     args = parser.parse_args(argv)
     if not args.workdir:
         if args.train_steps <= 0:
             parser.error("give --workdir=W (probe a run) or --train_steps=N (train a fresh model)")
-        return train_fresh(args, arithmetic_calculator_tiny.get_config())
+        config = arithmetic_calculator_tiny.get_config()
+        config.update_from_flattened_dict({k: ast.literal_eval(v) for k, v in (p.split("=", 1) for p in args.set)})
+        return train_fresh(args, config)
     run = loop.load_warm_start(args.workdir) if args.step is None else loop.load_checkpoint(args.workdir, args.step)
     config, tokenizer, model_config, params = run.config, run.tokenizer, run.model_config, run.trained
     env_class = host.configured(host_envs.host_env_class(config), {"teacher_tool_rate": 1.0})
