@@ -132,7 +132,7 @@ def train_fresh(args, config) -> None:
         if index == args.train_steps:
             break
         tasks = [env_class.sample_task(rng) for _ in range(args.batch_size)]
-        state, _ = step(state, marked_batch(play, env_class, tasks, rng)[0])
+        state, _ = step(state, host_warmstart.teacher_batch(play.episodes(tasks, rng), play.length, play.chat.pad_id))
     print(json.dumps({**vars(args), "probes": probes}))
 
 
