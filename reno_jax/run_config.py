@@ -124,6 +124,12 @@ class SftSettings:
         lambda v: 0.0 <= v <= 1.0,
         "in [0, 1]",
     )
+    decay_steps: int = _field(
+        0,
+        "0: the cosine runs over every step after the warmup; N: the peak held until the last N steps, then the cosine",
+        _at_least(0),
+        "an integer >= 0 (0: the cosine over the whole warm start)",
+    )
     length_pool: int = _field(
         1,
         "> 1: draw that many batches at once and train them as batches of similar lengths",
@@ -553,6 +559,12 @@ def check(config: RunConfig) -> None:
         raise ConfigError(
             f"--config.model.quantize={config.model.quantize} needs --config.lora.rank > 0: an int8 "
             "base is frozen, so only LoRA adapters can be trained over it"
+        )
+    sft_steps = config.sft.num_steps - min(config.sft.warmup_steps, config.sft.num_steps)
+    if config.sft.decay_steps > sft_steps:
+        raise ConfigError(
+            f"--config.sft.decay_steps={config.sft.decay_steps} is more than the {sft_steps} warm-start steps after "
+            "the warmup (sft.num_steps - sft.warmup_steps)"
         )
     groups = rollout.boards_per_step
     trained = r.train_groups or groups

@@ -384,3 +384,23 @@ def test_warm_start_final_fraction_outside_zero_one_is_one_config_error():
     config.sft.final_lr_fraction = 1.5
     with pytest.raises(ConfigError, match=r"sft\.final_lr_fraction.*\[0, 1\]"):
         run_config.load(config)
+
+
+def test_warm_start_schedule_holds_the_peak_until_its_decay_steps():
+    s = run_config.load(run_config.default_config_dict()).sft
+    s = dataclasses.replace(s, num_steps=100, warmup_steps=10, learning_rate=3e-3, final_lr_fraction=0.1)
+    schedule = sft.learning_rate_schedule(dataclasses.replace(s, decay_steps=20))
+    whole = sft.learning_rate_schedule(s)  # decay_steps=0: the cosine over all 90 steps after the warmup
+    assert float(schedule(5)) == pytest.approx(float(whole(5)))  # the same warmup
+    assert float(schedule(10)) == pytest.approx(3e-3)
+    assert float(schedule(80)) == pytest.approx(3e-3)  # held until the last 20 steps
+    assert 3e-4 < float(schedule(90)) < 3e-3
+    assert float(schedule(100)) == pytest.approx(3e-4)
+    assert float(whole(80)) < 3e-3 * 0.5
+
+
+def test_warm_start_decay_longer_than_the_warm_start_is_one_config_error():
+    config = run_config.default_config_dict()
+    config.sft.num_steps, config.sft.warmup_steps, config.sft.decay_steps = 100, 10, 95
+    with pytest.raises(ConfigError, match=r"sft\.decay_steps=95 is more than the 90 warm-start steps"):
+        run_config.load(config)

@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from reno_jax.envs import interface
 from reno_jax.rl import policy, trainer
@@ -366,11 +367,17 @@ def sft_loss(logp, old_logp, advantages, mask, **unused):
 
 def learning_rate_schedule(sft_config):
     """The warm start's learning rate per update: linear warmup to `learning_rate`, then cosine to
-    `final_lr_fraction` of it at `num_steps` (1: constant after the warmup)."""
+    `final_lr_fraction` of it at `num_steps` (1: constant after the warmup); with `decay_steps` > 0 the peak is
+    held until the last `decay_steps` and the cosine runs over those only (warmup-stable-decay: a decay from the
+    start delays what a constant rate learns at once, e.g. copying, and a short one at the end still anneals)."""
     s = sft_config
-    return trainer.make_lr_schedule(
-        s.learning_rate, s.learning_rate * s.final_lr_fraction, min(s.warmup_steps, s.num_steps), s.num_steps
-    )
+    warmup = min(s.warmup_steps, s.num_steps)
+    end = s.learning_rate * s.final_lr_fraction
+    if not s.decay_steps:
+        return trainer.make_lr_schedule(s.learning_rate, end, warmup, s.num_steps)
+    stable_end = s.num_steps - s.decay_steps
+    decay = trainer.make_lr_schedule(s.learning_rate, end, 0, s.decay_steps)
+    return optax.join_schedules([trainer.make_lr_schedule(s.learning_rate, 0.0, warmup), decay], [stable_end])
 
 
 def supervised_trainer(sft_config, params, model_config, key, layout=None):
