@@ -39,6 +39,7 @@ class ArithmeticCalculatorEnv(rge.ReasoningGymEnv):
         "min_terms",
         "max_terms",
         "teacher_tool_rate",
+        "teacher_guess_kept",
         "tool_enabled",
         "eval_size",
     )
@@ -48,6 +49,7 @@ class ArithmeticCalculatorEnv(rge.ReasoningGymEnv):
     min_terms: ClassVar[int] = 2  # operands per question
     max_terms: ClassVar[int] = 3
     teacher_tool_rate: ClassVar[float] = 0.5  # share of teacher episodes that use the calculator
+    teacher_guess_kept: ClassVar[float] = 0.5  # share of the right answer's leading digits a teacher's guess keeps
     tool_enabled: ClassVar[bool] = True  # False: the no-tool control (answer only)
 
     @classmethod
@@ -104,10 +106,13 @@ class ArithmeticCalculatorEnv(rge.ReasoningGymEnv):
         return host.ToolCall("answer", {"value": self.last_result})
 
     def wrong_answer(self, rng: np.random.Generator) -> str:
-        """The right answer with its second half of digits redrawn (at least one, never the right answer)."""
+        """The right answer with its digits after the leading `teacher_guess_kept` share redrawn (at least one,
+        never the right answer)."""
+        if not 0.0 <= self.teacher_guess_kept < 1.0:
+            raise host.ConfigError(f"--config.env.teacher_guess_kept={self.teacher_guess_kept}: must be in [0, 1)")
         right = str(self.entry["answer"])
         sign, digits = ("-", right[1:]) if right.startswith("-") else ("", right)
-        keep = len(digits) // 2 if len(digits) > 1 else 0
+        keep = min(int(len(digits) * self.teacher_guess_kept), len(digits) - 1)
         while True:
             tail = "".join(str(d) for d in rng.integers(0, 10, len(digits) - keep))
             guess = (digits[:keep] + tail).lstrip("0")
