@@ -10,7 +10,7 @@ a greedy student that answers directly shows nothing of its copying at all; thes
 When does a warm start learn to copy? `--train_steps=N` trains a fresh tiny model
 (configs/arithmetic_calculator_tiny.py) on the teacher's batches, every episode through the tool, and prints the
 per-token figures on `--episodes` held-out conversations every `--probe_every` steps (docs/benchmarks.md, "The
-calculator task"):
+calculator task"); `--train_tool_rate=0.5` trains on the task's own mix instead (the probe stays all through the tool):
 
     python studies/copy_probe.py --train_steps=1000 --episodes=64                         # constant 3e-3
     python studies/copy_probe.py --train_steps=600 --episodes=64 --final_lr_fraction=0.1  # the cosine to a tenth
@@ -39,6 +39,7 @@ from configs import arithmetic_calculator_tiny
 from reno_jax import loop, run_config
 from reno_jax.envs import host
 from reno_jax.loop import build, host_envs, host_warmstart
+from reno_jax.protocol.tokenizer import decode
 from reno_jax.rl import policy, sft
 from reno_jax.rollout import host_rollout as H
 
@@ -46,18 +47,22 @@ SPANS = ("expression", "result", "format")
 
 
 def span_marks(chat: H.HostChat, episode: host_warmstart.TeacherEpisode, calls: list[host.ToolCall]) -> np.ndarray:
-    """int [L]: 1 on the expression's tokens, 2 on the answer value's, 3 on the calls' other loss tokens."""
+    """int [L]: 1 on the expression's tokens, 2 on the answer value's, 3 on the calls' other loss tokens. A token
+    is an argument's when its text overlaps the argument's characters in the call, so a token the tokenizer
+    merged across the call's skeleton and the argument (e.g. `expression": "-`) counts as the argument's."""
     marks = np.where(np.asarray(episode.loss), 3, 0)
     loss_starts = [i for i in range(len(episode.loss)) if episode.loss[i] and (i == 0 or not episode.loss[i - 1])]
     for start, call in zip(loss_starts, calls):
         argument = "expression" if call.name == "calculate" else "value"
-        text = str(call.arguments[argument])
         ids = host_warmstart.call_ids(chat, call)
-        inner = chat.encode(text)
-        for offset in range(len(ids) - len(inner) + 1):  # the argument's tokens inside the call's
-            if ids[offset : offset + len(inner)] == inner:
-                marks[start + offset : start + offset + len(inner)] = 1 if call.name == "calculate" else 2
-                break
+        ends = [len(decode(chat.tokenizer, ids[: k + 1])) for k in range(len(ids))]
+        text = decode(chat.tokenizer, ids)
+        quoted = json.dumps(str(call.arguments[argument]))
+        first = text.index(f'"{argument}": {quoted}') + len(f'"{argument}": ') + 1  # the value's characters
+        last = first + len(quoted) - 2
+        for k in range(len(ids)):
+            if (ends[k - 1] if k else 0) < last and ends[k] > first:
+                marks[start + k] = 1 if call.name == "calculate" else 2
     return marks
 
 
@@ -104,8 +109,10 @@ def train_fresh(args, config) -> None:
     tokenizer = build.build_tokenizer(config)
     model_config, params = build.build_model(config, jax.random.PRNGKey(args.seed), tokenizer)
     env_class = host.configured(host_envs.host_env_class(config), {"teacher_tool_rate": 1.0})
+    train_class = host.configured(host_envs.host_env_class(config), {"teacher_tool_rate": args.train_tool_rate})
     run = run_config.load(config)
     play = host_warmstart._play(run, tokenizer, model_config.vocab_size, env_class)
+    train_play = host_warmstart._play(run, tokenizer, model_config.vocab_size, train_class)
     rng = np.random.default_rng(args.seed + 1)
     probe_batch, probe_marks = marked_batch(play, env_class, env_class.eval_tasks(args.episodes), rng)
     logp_fn = jax.jit(policy.make_logp_fn(model_config, with_entropy=False))
@@ -131,8 +138,14 @@ def train_fresh(args, config) -> None:
             print(json.dumps(row), flush=True)
         if index == args.train_steps:
             break
-        tasks = [env_class.sample_task(rng) for _ in range(args.batch_size)]
-        state, _ = step(state, host_warmstart.teacher_batch(play.episodes(tasks, rng), play.length, play.chat.pad_id))
+        tasks = [train_class.sample_task(rng) for _ in range(args.batch_size)]
+        episodes = train_play.episodes(tasks, rng)
+        batch = host_warmstart.teacher_batch(episodes, play.length, play.chat.pad_id)
+        if run.rl.length_bucket:  # the warm start's widths
+            used = int(host_warmstart.used_length(batch.valid))
+            width = host_warmstart.bucketed_length(used, play.length, run.rl.length_bucket)
+            batch = host_warmstart.trim_length(batch, width)
+        state, _ = step(state, batch)
     print(json.dumps({**vars(args), "probes": probes}))
 
 
@@ -165,6 +178,7 @@ def main(argv=None) -> None:
     parser.add_argument("--learning_rate", type=float, default=3e-3)
     parser.add_argument("--final_lr_fraction", type=float, default=1.0, help="the warm start's cosine end")
     parser.add_argument("--optimizer", choices=("warm_start", "adamw"), default="warm_start")
+    parser.add_argument("--train_tool_rate", type=float, default=1.0, help="--train_steps: the teacher's tool share")
     parser.add_argument("--probe_every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], help="--train_steps: config override, a.b=value")
