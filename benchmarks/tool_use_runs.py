@@ -11,11 +11,12 @@ invocation at a time (`--arms=task --seeds=0`, then `--arms=control`, ...) and a
     python benchmarks/tool_use_runs.py --config=configs/arithmetic_calculator_tiny.py --root=workdir/tool_use \
         --seeds=0,1,2 --control_seeds=0 --plot=docs/images/arithmetic_tool_use.png
     python benchmarks/tool_use_runs.py --config=configs/two_hop_lookup_tiny.py --root=workdir/two_hop \
-        --control=--config.env.random_tool=True
+        --control=--config.env.random_tool=True --tool_figure=second_lookup
 
-The JSON line: per run the held-out `accuracy` (`heldout/correct`), `tool_call_rate` (`heldout/used_tool`,
-else `heldout/tool_calls`), the warm start's held-out figures the run logged, and `minutes` (the training process,
-compiles included); `summary` has each arm's mean / min / max. `--config.*` flags go to every training.
+The JSON line: per run the held-out `accuracy` (`heldout/correct`), `tool_call_rate` (`heldout/<--tool_figure>`,
+default `used_tool`, else `heldout/tool_calls`), the warm start's held-out figures the run logged, and `minutes`
+(the training process, compiles included); `summary` has each arm's mean / min / max. `--config.*` flags go to
+every training.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ RESULT = "tool_use_run.json"  # a finished run's figures, in its workdir
 ACCURACY, TOOL_RATE, TOOL_CALLS = "correct", "used_tool", "tool_calls"
 
 
-def tool_rate(figures: dict, prefix: str) -> float | None:
-    """The share of episodes that called a tool: `used_tool` where the environment reports it, else `tool_calls`."""
-    for name in (TOOL_RATE, TOOL_CALLS):
+def tool_rate(figures: dict, prefix: str, figure: str = TOOL_RATE) -> float | None:
+    """The share of episodes that called the tool: `figure` where the environment reports it, else `tool_calls`."""
+    for name in (figure, TOOL_CALLS):
         if f"{prefix}{name}" in figures:
             return float(figures[f"{prefix}{name}"])
     return None
 
 
-def warm_start_figures(workdir: str) -> dict:
+def warm_start_figures(workdir: str, figure: str = TOOL_RATE) -> dict:
     """The warm start's last held-out figures (`eval/heldout/...` in `<workdir>/warmstart_log/metrics.jsonl`)."""
     path = os.path.join(workdir, "warmstart_log", "metrics.jsonl")
     rows = cli_runs.read_metrics(path) if os.path.exists(path) else []
@@ -51,7 +52,8 @@ def warm_start_figures(workdir: str) -> dict:
     if not warm:
         return {}
     last = warm[-1]
-    return {"warm_accuracy": last[f"eval/heldout/{ACCURACY}"], "warm_tool_call_rate": tool_rate(last, "eval/heldout/")}
+    rate = tool_rate(last, "eval/heldout/", figure)
+    return {"warm_accuracy": last[f"eval/heldout/{ACCURACY}"], "warm_tool_call_rate": rate}
 
 
 def train_and_evaluate(args, arm: str, seed: int, overrides: list[str]) -> dict:
@@ -78,9 +80,9 @@ def train_and_evaluate(args, arm: str, seed: int, overrides: list[str]) -> dict:
         "arm": arm,
         "seed": seed,
         "accuracy": float(figures[f"heldout/{ACCURACY}"]),
-        "tool_call_rate": tool_rate(figures, "heldout/"),
+        "tool_call_rate": tool_rate(figures, "heldout/", args.tool_figure),
         "minutes": round(wall / 60, 2),
-        **warm_start_figures(workdir),
+        **warm_start_figures(workdir, args.tool_figure),
         "episodes": args.episodes,
         "heldout": {k: v for k, v in figures.items() if k.startswith("heldout/")},
     }
@@ -96,7 +98,7 @@ def curve(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot(root: str, results: list[dict], path: str, title: str) -> None:
+def plot(root: str, results: list[dict], path: str, title: str, tool_figure: str = TOOL_RATE) -> None:
     """Accuracy and tool-call rate per GSPO step (sampled rollouts, a 10-step mean), one line per run; control
     dashed."""
     import matplotlib
@@ -108,7 +110,7 @@ def plot(root: str, results: list[dict], path: str, title: str) -> None:
     for r in results:
         rows = cli_runs.read_metrics(os.path.join(root, r["arm"], f"seed{r['seed']}", "metrics.jsonl"))
         color, style = f"C{r['seed']}", "--" if r["arm"] == "control" else "-"
-        for ax, name in zip(axes, (ACCURACY, TOOL_RATE)):
+        for ax, name in zip(axes, (ACCURACY, tool_figure)):
             steps, values = curve(rows, name)
             if not steps:
                 continue
@@ -116,7 +118,7 @@ def plot(root: str, results: list[dict], path: str, title: str) -> None:
             smooth = np.convolve(values, np.ones(window) / window, mode="valid")
             label = f"{r['arm']} seed {r['seed']} (held-out {r['accuracy']:.3f})" if name == ACCURACY else None
             ax.plot(steps[window - 1 :], smooth, style, color=color, label=label)
-    for ax, name in zip(axes, ("accuracy (rollout/correct)", "tool-call rate (rollout/used_tool)")):
+    for ax, name in zip(axes, ("accuracy (rollout/correct)", f"tool-call rate (rollout/{tool_figure})")):
         ax.set_xlabel("GSPO step")
         ax.set_ylabel(name)
         ax.set_ylim(-0.02, 1.02)
@@ -150,6 +152,9 @@ def main(argv=None) -> None:
     parser.add_argument("--arms", default="task,control", help="arms to run now (the others are only collected)")
     parser.add_argument("--episodes", type=int, default=512, help="held-out tasks each evaluation plays")
     parser.add_argument("--plot", default="", help="the PNG (default: ROOT/tool_use.png)")
+    parser.add_argument(
+        "--tool_figure", default=TOOL_RATE, help="the episode figure giving the tool-call rate (two-hop: second_lookup)"
+    )
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -165,7 +170,8 @@ def main(argv=None) -> None:
             if arm in running or done:
                 results.append(train_and_evaluate(args, arm, seed, flags))
     plot_path = args.plot or os.path.join(args.root, "tool_use.png")
-    plot(args.root, results, plot_path, f"{os.path.basename(args.config)}: task (solid) vs control (dashed)")
+    title = f"{os.path.basename(args.config)}: task (solid) vs control (dashed)"
+    plot(args.root, results, plot_path, title, args.tool_figure)
     print(f"curves: {plot_path}")
     figures = {
         "config": args.config,

@@ -42,3 +42,5 @@ def test_tool_rate_prefers_used_tool():
     assert tool_use_runs.tool_rate({"heldout/used_tool": 0.5, "heldout/tool_calls": 2.0}, "heldout/") == 0.5
     assert tool_use_runs.tool_rate({"heldout/tool_calls": 0.25}, "heldout/") == 0.25
     assert tool_use_runs.tool_rate({}, "heldout/") is None
+    two_hop = {"heldout/second_lookup": 0.75, "heldout/lookups": 1.75}
+    assert tool_use_runs.tool_rate(two_hop, "heldout/", "second_lookup") == 0.75
