@@ -140,12 +140,9 @@ def train_fresh(args, config) -> None:
             break
         tasks = [train_class.sample_task(rng) for _ in range(args.batch_size)]
         episodes = train_play.episodes(tasks, rng)
-        batch = host_warmstart.teacher_batch(episodes, play.length, play.chat.pad_id)
-        if run.rl.length_bucket:  # the warm start's widths
-            used = int(host_warmstart.used_length(batch.valid))
-            width = host_warmstart.bucketed_length(used, play.length, run.rl.length_bucket)
-            batch = host_warmstart.trim_length(batch, width)
-        state, _ = step(state, batch)
+        state, _ = step(
+            state, host_warmstart.teacher_batch(episodes, play.length, play.chat.pad_id, run.rl.length_bucket)
+        )
     print(json.dumps({**vars(args), "probes": probes}))
 
 

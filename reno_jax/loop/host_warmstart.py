@@ -30,7 +30,7 @@ from reno_jax.loop import evaluation, host_envs, hosts
 from reno_jax.protocol import toolcall
 from reno_jax.protocol.tokenizer import decode as decode_text
 from reno_jax.rl import sft
-from reno_jax.rl.batch import TrainBatch, bucketed_length, trim_length, used_length
+from reno_jax.rl.batch import TrainBatch, bucketed_length
 from reno_jax.rollout import host_rollout as H
 
 
@@ -91,8 +91,12 @@ def play_teacher(env_class, task, rng, chat: H.HostChat, *, turns: int, length: 
     return TeacherEpisode(ids, loss, env.truncation_reward if truncated else reward, info)
 
 
-def teacher_batch(episodes: list[TeacherEpisode], length: int, pad_id: int) -> TrainBatch:
-    """The episodes as one supervised batch `[B, length]` (loss on the calls only)."""
+def teacher_batch(episodes: list[TeacherEpisode], length: int, pad_id: int, length_bucket: int = 0) -> TrainBatch:
+    """The episodes as one supervised batch `[B, length]` (loss on the calls only); with `length_bucket` `[B, W]`,
+    W the longest episode rounded up the `bucketed_length` ladder (what trimming the full batch would give, built
+    at that width on the host)."""
+    if length_bucket:
+        length = bucketed_length(max(len(ep.ids) for ep in episodes), length, length_bucket)
     tokens = np.full((len(episodes), length), pad_id, np.int32)
     valid, mask = np.zeros(tokens.shape, bool), np.zeros(tokens.shape, bool)
     for b, ep in enumerate(episodes):
@@ -172,11 +176,7 @@ def warm_start(config, model_config, params, tokenizer, key: jax.Array, env_clas
     for index in (bar := hosts.progress(int(s.num_steps), desc="warm start")):
         episodes = play.episodes([env_class.sample_task(rng) for _ in range(s.batch_size)], rng)
         seen += episodes
-        batch = teacher_batch(episodes, play.length, play.chat.pad_id)
-        if run.rl.length_bucket:
-            batch = trim_length(
-                batch, bucketed_length(int(used_length(batch.valid)), play.length, run.rl.length_bucket)
-            )
+        batch = teacher_batch(episodes, play.length, play.chat.pad_id, run.rl.length_bucket)
         state, metrics = step_fn(state, place(batch))
         nll = float(metrics["nll"])
         row = {"sft/nll": nll}
