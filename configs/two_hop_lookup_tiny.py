@@ -1,18 +1,20 @@
-"""Two-hop lookup over an invented knowledge base (`reno_jax.envs.two_hop_lookup`): "In which country was the
+"""Two-hop lookup over invented knowledge bases (`reno_jax.envs.two_hop_lookup`): "In which country was the
 employer of Alda Voren founded?" needs `lookup("Alda Voren: works_for")`, then a lookup of the organisation it
 names, then `answer(value)`.
 
   python -m experiments.train --config=configs/two_hop_lookup_tiny.py --workdir=workdir/two_hop
   python -m experiments.train --config=configs/two_hop_lookup_tiny.py --workdir=workdir/two_hop_random \
       --config.env.random_tool=True                      # the control: lookups answer at random, their rate must fall
-  python -m experiments.evaluate --workdir=workdir/two_hop --config.rollout.host_eval_episodes=100
+  python -m experiments.evaluate --workdir=workdir/two_hop --num_episodes=512
 
+Every question is asked in a small world of its own (`env.fresh_worlds`), so the policy must copy names from the
+question and the responses (a single fixed world is learnt by heart: docs/benchmarks.md, "The two-hop task"); the
+held-out suite's worlds come from seeds no training question uses. Each lookup costs `env.lookup_cost` of reward,
+which is what makes looking up worth less than answering at once when the tool answers at random (the control).
 The warm start imitates a teacher that always makes the first lookup and makes the second one on half of the
-questions (guessing an entity of the right kind on the rest). The held-out suite asks about subjects no training
-question asks about (100 questions with the default world). The run trains its own tokenizer on the task's text
-(`model.tokenizer="env"`): a teacher episode is ~118 tokens (170 at most in 64 draws) where the shipped one takes
-~237 (315). The lengths below are the shipped tokenizer's (the prompt at most 114 tokens, 67 fixed; a teacher's call
-at most 48; a lookup's fact at most 39), bounds for the run's own.
+questions (guessing an invented name of the right kind on the rest). The run trains its own tokenizer on the task's
+text (`model.tokenizer="env"`). The lengths below are the shipped tokenizer's (the prompt at most 114 tokens, 67
+fixed; a teacher's call at most 48; a lookup's fact at most 39), bounds for the run's own.
 """
 
 import ml_collections
@@ -28,8 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.env = ml_collections.ConfigDict()
     c.env.name = "two_hop_lookup"
     c.env.module = "reno_jax.envs.two_hop_lookup"
-    c.env.world_seed = 0
-    c.env.heldout_fraction = 0.2  # of each kind's entities: their questions are the held-out suite
+    c.env.fresh_worlds = True  # a world per question; False: one fixed world (names learnt by heart)
+    c.env.world_seed = 0  # the stream of worlds (or the fixed world)
+    c.env.heldout_fraction = 0.2  # fixed world: of each kind's entities, those whose questions are held out
+    c.env.lookup_cost = 0.05  # reward per lookup
     c.env.teacher_second_lookup_rate = 0.5  # warm start: share of the teacher's episodes with the second lookup
     c.env.random_tool = False  # True: the control (lookups answer a random entity of the right kind)
 

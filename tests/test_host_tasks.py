@@ -71,27 +71,65 @@ def _train_tasks(env_class, num, seed=0):
 
 def test_two_hop_teacher_solves_at_rate_one_and_mostly_guesses_wrong_at_rate_zero():
     env_class = two_hop.TwoHopLookupEnv
+    cost = env_class.lookup_cost
     tasks = _train_tasks(env_class, 200)
     infos, rewards, calls = _play(_configured(env_class, teacher_second_lookup_rate=1.0), tasks)
-    assert np.all(rewards == 1.0) and _mean(infos, "correct") == 1.0
+    np.testing.assert_allclose(rewards, 1.0 - 2 * cost)
+    assert _mean(infos, "correct") == 1.0
     assert _mean(infos, "lookups") == 2.0 and _mean(infos, "second_lookup") == 1.0 and _mean(infos, "invalid") == 0
-    assert [c.arguments["query"] for c in calls[0][:2]] == list(tasks[0].gold_queries)
+    assert [c.arguments["query"] for c in calls[0][:2]] == list(tasks[0].question.gold_queries)
     infos, rewards, _ = _play(_configured(env_class, teacher_second_lookup_rate=0.0), tasks)
-    assert _mean(infos, "correct") < 0.3 and _mean(infos, "lookups") == 1.0 and _mean(infos, "second_lookup") == 0
+    assert _mean(infos, "correct") < 0.5 and _mean(infos, "lookups") == 1.0 and _mean(infos, "second_lookup") == 0
     infos, _, _ = _play(env_class, tasks)  # the default: about half make the second lookup
     assert 0.35 < _mean(infos, "second_lookup") < 0.65
+    fixed = _configured(env_class, fresh_worlds=False, teacher_second_lookup_rate=0.0)
+    infos, _, _ = _play(fixed, _train_tasks(fixed, 200))
+    assert _mean(infos, "correct") < 0.3
+
+
+def test_two_hop_fresh_worlds_are_a_world_per_question_and_held_out_worlds_are_never_trained_on():
+    env_class = two_hop.TwoHopLookupEnv
+    tasks = _train_tasks(env_class, 300)
+    assert len({t.question.subject for t in tasks}) > 290, "names repeat across fresh worlds"
+    again = _train_tasks(env_class, 3)
+    assert [t.question.question for t in again] == [t.question.question for t in tasks[:3]]
+    suite = env_class.eval_tasks(50)
+    assert [t.question for t in env_class.eval_tasks(50)] == [t.question for t in suite]
+    assert {t.question.question for t in suite}.isdisjoint(t.question.question for t in tasks)
+    for task in tasks[:20] + suite[:20]:  # each world holds its question, and its teacher solves it
+        solution = kb_lib.solve_two_hop(task.question, task.world.lookup)
+        assert solution.answer == task.question.answer
+    other_stream = _configured(env_class, world_seed=1)
+    assert {t.question.question for t in _train_tasks(other_stream, 20)}.isdisjoint(t.question.question for t in tasks)
 
 
 def test_two_hop_random_tool_answers_facts_of_the_right_kind_that_are_mostly_wrong():
-    env_class = _configured(two_hop.TwoHopLookupEnv, random_tool=True, teacher_second_lookup_rate=1.0)
-    tasks = _train_tasks(env_class, 200)
-    infos, _, _ = _play(env_class, tasks)
-    assert _mean(infos, "correct") < 0.3 and _mean(infos, "lookups") == 2.0
-    env = env_class()
-    env.reset(tasks[0])
-    step = env.step(host.ToolCall("lookup", {"query": tasks[0].gold_queries[0]}))
-    assert kb_lib.parse_fact(step.text, tasks[0].relations[0]) is not None and not step.done
-    assert env.step(host.ToolCall("lookup", {"query": "Nobody Atall: born_in"})).text.startswith("no entry")
+    for fresh_worlds in (True, False):
+        env_class = _configured(
+            two_hop.TwoHopLookupEnv, random_tool=True, teacher_second_lookup_rate=1.0, fresh_worlds=fresh_worlds
+        )
+        tasks = _train_tasks(env_class, 200)
+        infos, rewards, _ = _play(env_class, tasks)
+        assert _mean(infos, "correct") < (0.05 if fresh_worlds else 0.3) and _mean(infos, "lookups") == 2.0
+        assert _mean(infos, "second_lookup") == 1.0  # the teacher followed each random first answer
+        assert np.mean(rewards) < 0.3 - 2 * env_class.lookup_cost
+        task = tasks[0]
+        env = env_class()
+        env.reset(task)
+        step = env.step(host.ToolCall("lookup", {"query": task.question.gold_queries[0]}))
+        assert kb_lib.parse_fact(step.text, task.question.relations[0]) is not None and not step.done
+        assert step.reward == -env_class.lookup_cost
+        unknown = env.step(host.ToolCall("lookup", {"query": "Nobody Atall: born_in"})).text
+        if fresh_worlds:  # the chain goes on at random
+            assert kb_lib.parse_fact(unknown, "born_in")[0] == "Nobody Atall"
+        else:
+            assert unknown.startswith("no entry")
+        env = env_class()
+        env.reset(task)
+        assert env.step(host.ToolCall("lookup", {"query": "no colon"})).text.startswith("error")
+        assert env.step(host.ToolCall("lookup", {"query": f"{task.question.subject}: capital"})).text.startswith(
+            "no entry for 'capital'"
+        )
 
 
 def test_two_hop_invalid_arguments_end_the_episode():
@@ -101,7 +139,7 @@ def test_two_hop_invalid_arguments_end_the_episode():
         host.ToolCall("lookup", {"query": 3}),
         host.ToolCall("lookup", {"query": "a: born_in", "extra": 1}),
         host.ToolCall("answer", {"value": ["x"]}),
-        host.ToolCall("answer", {"text": task.answer}),
+        host.ToolCall("answer", {"text": task.question.answer}),
     ]:
         env = env_class()
         env.reset(task)
@@ -111,18 +149,19 @@ def test_two_hop_invalid_arguments_end_the_episode():
     env.reset(task)
     assert env.invalid_call(host.InvalidCall(host.KIND_NO_CALL, "hm", "no call")).done
     env.reset(task)  # an answer written differently (case, spaces, a full stop) is still the answer
-    assert env.step(host.ToolCall("answer", {"value": f" {task.answer.upper()}."})) == ("Correct.", 1.0, True)
+    answer = f" {task.question.answer.upper()}."
+    assert env.step(host.ToolCall("answer", {"value": answer})) == ("Correct.", 1.0, True)
     assert host.host_entry("two_hop_lookup").env_class is env_class
 
 
-def test_two_hop_held_out_questions_ask_about_other_subjects():
-    env_class = two_hop.TwoHopLookupEnv
+def test_two_hop_fixed_world_held_out_questions_ask_about_other_subjects():
+    env_class = _configured(two_hop.TwoHopLookupEnv, fresh_worlds=False)
     _, train, heldout = env_class.world()
     assert len(heldout) >= 80 and len(train) >= 4 * len(heldout) // 2
     assert not {q.subject for q in train} & {q.subject for q in heldout}
-    suite = env_class.eval_tasks(50)
-    assert suite == list(heldout[:50]) and env_class.eval_tasks(50) == suite
-    assert not {q.question for q in _train_tasks(env_class, 300)} & {q.question for q in heldout}
+    suite = [t.question for t in env_class.eval_tasks(50)]
+    assert suite == list(heldout[:50]) and [t.question for t in env_class.eval_tasks(50)] == suite
+    assert not {t.question.question for t in _train_tasks(env_class, 300)} & {q.question for q in heldout}
 
 
 # ------------------------------------------------------------------------------------------------- arithmetic
@@ -283,7 +322,7 @@ def _roll(model, env_class, tasks):
     )
     traj = jax.device_get(traj)
     assert traj.stats.responses_cut.sum() == 0 and traj.stats.tool_errors.sum() == 0
-    np.testing.assert_allclose(traj.reward[:2], 1.0)  # the teacher's episodes are right
+    np.testing.assert_allclose(traj.env_info["correct"][:2], 1.0)  # the teacher's episodes are right
     assert not traj.info["truncated"][:2].any()
     return traj
 
@@ -293,6 +332,7 @@ def test_two_hop_plays_through_host_rollout(model):
     traj = _roll(model, env_class, _train_tasks(env_class, 2))
     np.testing.assert_array_equal(traj.env_info["lookups"][:2], [2, 2])
     np.testing.assert_array_equal(traj.info["num_turns"][:2], [3, 3])
+    np.testing.assert_allclose(traj.reward[:2], 1.0 - 2 * env_class.lookup_cost, rtol=1e-6)
     assert set(traj.env_info) == {"correct", "lookups", "second_lookup", "invalid"}
 
 

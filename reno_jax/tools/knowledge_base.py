@@ -26,9 +26,9 @@ entity the first one answered ("Alda Voren: works_for" -> "Alda Voren works for 
 "Dravik Guild: founded_in"). Each carries its gold queries and its gold answer; `solve_two_hop` is the teacher: it
 makes the two lookups, reading the bridge entity from the first response's text.
 
-The control (`random_lookup(kb, query, rng)`): the same query format and the same errors as the real tool, but a
-valid query is answered with a fact of the right relation about the asked entity whose object is drawn uniformly
-from every entity of the right kind (so it is right only by chance).
+The control (`random_lookup(kb, query, rng, invent)`): the same query format and the same errors as the real tool, but
+a valid query is answered with a fact of the right relation about the asked entity whose object is drawn uniformly
+from every entity of the right kind (so it is right only by chance), or with `invent` is a name invented afresh.
 """
 
 from __future__ import annotations
@@ -177,6 +177,14 @@ def _organisation_name(rng: random.Random) -> str:
     return f"{_syllables(rng, 2).capitalize()} {rng.choice(_ORGANISATION_WORDS)}"
 
 
+_NAME_DRAWS = {PERSON: _person_name, CITY: _city_name, COUNTRY: _country_name, ORGANISATION: _organisation_name}
+
+
+def invent_name(kind: str, rng: random.Random) -> str:
+    """A name of `kind` drawn as the world's names are (not checked against any world)."""
+    return _unique_name(rng, set(), _NAME_DRAWS[kind])
+
+
 def _unique_name(rng: random.Random, taken: set[str], draw) -> str:
     """A name from `draw(rng)` not yet in `taken` (compared as `normalize` writes them); adds it."""
     for _ in range(_MAX_NAME_DRAWS):
@@ -202,16 +210,25 @@ def format_query(subject: str, relation: str) -> str:
     return f"{subject}: {relation}"
 
 
+def split_query(query: str) -> tuple[str, str] | None:
+    """(entity as written, relation as `RELATIONS` names it if it is one) of a query with a ":", else None."""
+    if not isinstance(query, str) or ":" not in query:
+        return None
+    entity_text, relation_text = query.rsplit(":", 1)
+    return entity_text, normalize(relation_text).replace(" ", "_")
+
+
 def resolve_query(kb: KnowledgeBase, query: str) -> tuple[str, str] | str:
     """(subject as the world spells it, relation name) of a well-formed query, else the tool's response saying what
     is wrong."""
-    if not isinstance(query, str) or ":" not in query:
+    split = split_query(query)
+    if split is None:
         return f"error: a query is {QUERY_FORMAT}"
-    entity_text, relation_text = query.rsplit(":", 1)
+    entity_text, relation = split
+    relation_text = query.rsplit(":", 1)[1]
     subject = _names(kb).get(normalize(entity_text))
     if subject is None:
         return f"no entry for '{entity_text.strip()}'"
-    relation = normalize(relation_text).replace(" ", "_")
     kind = kb.kinds[subject]
     if (subject, relation) not in kb.facts:
         return (
@@ -327,9 +344,19 @@ def solve_two_hop(question: TwoHopQuestion, lookup) -> TeacherSolution:
 # --------------------------------------------------------------------------------------------------- control
 
 
-def random_lookup(kb: KnowledgeBase, query: str, rng: random.Random) -> str:
+def random_lookup(kb: KnowledgeBase, query: str, rng: random.Random, invent: bool = False) -> str:
     """The control tool: `kb.lookup`'s format and errors, but the object of a valid query is drawn uniformly from
-    every entity of the relation's object kind (the asked entity excluded), from `rng`."""
+    every entity of the relation's object kind (the asked entity excluded), from `rng`. With `invent` the object is
+    a name of that kind invented afresh (`invent_name`), and a query about an entity the world does not know is
+    answered the same way (so a chain of lookups goes on at random instead of ending at "no entry")."""
+    if invent:
+        split = split_query(query)
+        if split is not None and split[1] in RELATIONS:
+            subject = _names(kb).get(normalize(split[0]), split[0].strip())
+            if subject in kb.kinds and (subject, split[1]) not in kb.facts:
+                return resolve_query(kb, query)  # a relation the known entity's kind does not have
+            relation = RELATIONS[split[1]]
+            return relation.template.format(subject=subject, object=invent_name(relation.object_kind, rng))
     resolved = resolve_query(kb, query)
     if isinstance(resolved, str):
         return resolved
