@@ -120,11 +120,11 @@ def test_rollout_records_each_turns_reward_and_state_key(tok, params):
 
 def test_guess_number_transcripts_step_the_environment(tok):
     env = R.compile_env(guess_number.GuessNumberEnv(), tok)
-    teacher = guess_number.make_teacher(None, env.env)
+    teacher = env.env.teacher()
     assert isinstance(teacher, interface.Teacher)
     table = sft.build_call_table(tok, teacher.calls, env.chat.turn_end_id, env.pad_id, ["guess"])
     assert table.ids.shape[0] == guess_number.MAX_NUMBER
-    starts = guess_number.sample_starts(jax.random.PRNGKey(0), 16)
+    starts = guess_number.GuessNumberEnv().sample_starts(jax.random.PRNGKey(0), 16)
     length = R.conversation_length(env, R.RolloutConfig(max_new_tokens=16, max_turns=5))
     out = jax.device_get(
         sft.env_transcripts(jax.random.PRNGKey(1), starts, env, teacher.policy, table, max_turns=5, length=length)

@@ -30,8 +30,8 @@ ECHO_ENV = textwrap.dedent("""
             "parameters": {"type": "object", "properties": {
                 "number": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["number"]}}},),
         user=(("The number is ", Slot(0, NUMBERS), "."),),
-        tool=(("Right.",), ("Wrong.",)),
-        tool_continues=(False, False),
+        tool=(("Right.",), ("Wrong.",), ("Invalid call.",)),
+        tool_continues=(False, False, False),
         num_values=1)
 
 
@@ -40,8 +40,12 @@ ECHO_ENV = textwrap.dedent("""
         number: jax.Array
 
 
+    @registry.register_env
     @flax.struct.dataclass
     class EchoEnv(interface.TextEnv):
+        name = "echo"
+        numbers: int = flax.struct.field(pytree_node=False, default=10)  # an option: --config.env.numbers=5
+
         def chat(self):
             return CHAT
 
@@ -51,33 +55,24 @@ ECHO_ENV = textwrap.dedent("""
         def reset(self, start):
             return start.number, interface.Message(jnp.int32(0), start.number[None].astype(jnp.int32))
 
-        def step(self, state, call):
-            right = call.ok & (call.args[0] == state)
+        def apply(self, state, call):  # a valid call; an invalid one is the base class's (-1, the last template)
+            right = call.args[0] == state
             return interface.Step(state=state, message=interface.Message(jnp.where(right, 0, 1), state[None]),
-                                  reward=jnp.where(right, 1.0, 0.0), done=jnp.bool_(True),
-                                  info={"right": right, "invalid": ~call.ok})
+                                  reward=jnp.where(right, 1.0, 0.0), done=jnp.bool_(True), info={"right": right})
 
         def episode_metrics(self):
             return {"right_rate": interface.rate("right", plot=True), "invalid_rate": interface.rate("invalid")}
 
+        def sample_starts(self, key, num_groups):
+            return Start(number=jax.random.randint(key, (num_groups,), 0, self.numbers))
 
-    def make_sampler(config):  # config.env.numbers: the option below, its default filled in
-        return lambda key, num_groups: Start(number=jax.random.randint(key, (num_groups,), 0, config.env.numbers))
+        def teacher(self):  # the right answer: row k is answer(number=k)
+            policy = lambda state, key: (state.astype(jnp.int32), jnp.arange(10) == state)
+            return interface.Teacher(policy, tuple(("answer", {"number": k}) for k in range(10)))
 
-
-    def teacher(state, key):  # the right answer: row k is answer(number=k)
-        return state.astype(jnp.int32), jnp.arange(10) == state
-
-
-    def suites(config):
-        return {"all": interface.EvalSuite(num_episodes=10,
-                                           starts=lambda key, ids: Start(number=jnp.asarray(ids % 10)))}
-
-
-    ENTRY = registry.register(
-        "echo", lambda env_config, **overrides: EchoEnv(), make_sampler,
-        lambda config, env: interface.Teacher(teacher, tuple(("answer", {"number": k}) for k in range(10))),
-        eval_suites=suites, options={"numbers": 10})
+        def eval_suites(self):
+            return {"all": interface.EvalSuite(num_episodes=10,
+                                               starts=lambda key, ids: Start(number=jnp.asarray(ids % 10)))}
 """)
 
 SMALL = [
@@ -189,7 +184,7 @@ def test_the_loop_is_a_library_call(user_package, tmp_path, monkeypatch):
     config.sft.num_steps, config.sft.batch_size, config.sft.learning_rate = 30, 4, 1e-2
     config.rollout.boards_per_step, config.rollout.group_size = 4, 2
     config.rollout.max_new_tokens, config.rollout.max_turns = 16, 1
-    rows = loop.train(config, str(tmp_path), env=echo.ENTRY)  # the entry the user's code registered
+    rows = loop.train(config, str(tmp_path), env=echo.EchoEnv)  # the class the user's code registered
     assert [row["step"] for row in rows] == [1, 2] and "rollout/right_rate" in rows[0]
     # The warm start's end: the student's greedy figures beside the teacher's on the first suite's episodes.
     logged = json.loads(open(os.path.join(str(tmp_path), warmstart.LOG_SUBDIR, "metrics.jsonl")).readlines()[-1])
@@ -201,5 +196,5 @@ def test_the_loop_is_a_library_call(user_package, tmp_path, monkeypatch):
     assert results["all"].figures["tool_call_valid_rate"] > 0.5
     assert loop.flat_figures(results)["all/right_rate"] == results["all"].figures["right_rate"]
     # Resuming is a no-op (the run is complete) and the cached warm start is reused.
-    assert loop.train(config, str(tmp_path), env=echo.ENTRY) == []
+    assert loop.train(config, str(tmp_path), env=echo.EchoEnv) == []
     assert os.path.isdir(os.path.join(str(tmp_path), warmstart.CACHE_SUBDIR))

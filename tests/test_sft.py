@@ -255,7 +255,7 @@ def test_soft_targets_of_a_choice_spelt_over_several_tokens():
 
     tok = load_tokenizer(None)
     env = R.compile_env(gn.GuessNumberEnv(), tok)
-    teacher = gn.make_teacher(None, env.env)
+    teacher = env.env.teacher()
     calls = _call_table(tok, env, teacher)
     assert calls.choice_offset == -1  # "1" and "12" differ in more than one token
     choice = list(calls.choice_tokens)

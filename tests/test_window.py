@@ -394,7 +394,7 @@ def _guess_teacher_transcripts(guess_world, soft_targets=False):
     from reno_jax.rl import sft
 
     tok, env = guess_world["tok"], guess_world["env"]
-    teacher = gn.make_teacher(None, env.env)
+    teacher = env.env.teacher()
     schemas = env.env.chat().tools
     calls = sft.build_call_table(
         tok, teacher.calls, int(env.chat.turn_end_id), env.pad_id, [t["function"]["name"] for t in schemas], schemas

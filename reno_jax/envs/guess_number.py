@@ -89,9 +89,15 @@ class State:
     wasted: jax.Array  # int32 []: guesses the answers before them had already ruled out
 
 
+@registry.register_env
 @flax.struct.dataclass
 class GuessNumberEnv(interface.TextEnv):
+    """The whole environment in one class: the episode (`reset`, `apply`) and what the loop needs beside it
+    (`sample_starts`, `teacher`, `eval_suites`); an invalid call is the base class's (-1, the last tool template)."""
+
+    name = "guess_number"
     truncation_reward = 0.0
+    invalid_call_reward = INVALID_REWARD
 
     def chat(self):
         return CHAT
@@ -110,22 +116,20 @@ class GuessNumberEnv(interface.TextEnv):
         )
         return state, interface.Message(jnp.int32(0), jnp.zeros((3,), jnp.int32))
 
-    def step(self, state: State, call: interface.ToolCall) -> interface.Step:
+    def apply(self, state: State, call: interface.ToolCall) -> interface.Step:
         guess = call.args[0]
         guesses = state.guesses + 1
-        found = call.ok & (guess == state.secret)
-        out = call.ok & ~found & (guesses >= MAX_GUESSES)
-        template = jnp.select([~call.ok, found, out, guess > state.secret], [INVALID, FOUND, OUT, TOO_HIGH], TOO_LOW)
-        reward = jnp.where(found, FOUND_REWARD - GUESS_COST * (guesses - 1), jnp.where(call.ok, 0.0, INVALID_REWARD))
-        low = jnp.where(call.ok & (guess < state.secret), jnp.maximum(state.low, guess + 1), state.low)
-        high = jnp.where(call.ok & (guess > state.secret), jnp.minimum(state.high, guess - 1), state.high)
-        wasted = state.wasted + (call.ok & ((guess < state.low) | (guess > state.high))).astype(jnp.int32)
+        found = guess == state.secret
+        out = ~found & (guesses >= MAX_GUESSES)
+        template = jnp.select([found, out, guess > state.secret], [FOUND, OUT, TOO_HIGH], TOO_LOW)
+        reward = jnp.where(found, FOUND_REWARD - GUESS_COST * (guesses - 1), 0.0)
+        low = jnp.where(guess < state.secret, jnp.maximum(state.low, guess + 1), state.low)
+        high = jnp.where(guess > state.secret, jnp.minimum(state.high, guess - 1), state.high)
+        wasted = state.wasted + ((guess < state.low) | (guess > state.high)).astype(jnp.int32)
         new = State(secret=state.secret, guesses=guesses, found=found, low=low, high=high, wasted=wasted)
-        info = dict(found=found, invalid=~call.ok, guesses=guesses, wasted=wasted)
+        info = dict(found=found, guesses=guesses, wasted=wasted)
         message = interface.Message(template.astype(jnp.int32), jnp.stack([guess, low, high]))
-        return interface.Step(
-            state=new, message=message, reward=reward.astype(jnp.float32), done=found | out | ~call.ok, info=info
-        )
+        return interface.Step(state=new, message=message, reward=reward, done=found | out, info=info)
 
     def observation(self, state: State) -> interface.Message:
         """Before the first guess ``reset``'s message; then the interval the answers leave and the guesses left."""
@@ -145,6 +149,18 @@ class GuessNumberEnv(interface.TextEnv):
             "wasted_mean": interface.mean_of("wasted"),
         }
 
+    def sample_starts(self, key: jax.Array, num_groups: int) -> Start:
+        return Start(secret=jax.random.randint(key, (num_groups,), 1, MAX_NUMBER + 1, jnp.int32))
+
+    def teacher(self) -> interface.Teacher:
+        """Warm start: `consistent_guess` transcripts; call-table row k is `guess(number=k + 1)`."""
+        return interface.Teacher(consistent_guess, tuple(("guess", {"number": k}) for k in range(1, MAX_NUMBER + 1)))
+
+    def eval_suites(self) -> dict[str, interface.EvalSuite]:
+        """Every secret once."""
+        starts = lambda key, ids: Start(secret=jnp.asarray(np.asarray(ids) % MAX_NUMBER + 1, jnp.int32))  # noqa: E731
+        return {"secrets": interface.EvalSuite(num_episodes=MAX_NUMBER, starts=starts)}
+
 
 def consistent_guess(state: State, key: jax.Array):
     """Warm-start teacher: a uniformly random number the answers so far allow (call-table row k = number k+1),
@@ -153,29 +169,3 @@ def consistent_guess(state: State, key: jax.Array):
     support = (numbers >= state.low) & (numbers <= state.high)
     noise = jax.random.uniform(key, support.shape)
     return jnp.argmax(jnp.where(support, noise, -1.0)).astype(jnp.int32), support
-
-
-def sample_starts(key: jax.Array, num_groups: int) -> Start:
-    return Start(secret=jax.random.randint(key, (num_groups,), 1, MAX_NUMBER + 1, jnp.int32))
-
-
-def make_teacher(config, env) -> interface.Teacher:
-    """Warm start: `consistent_guess` transcripts; call-table row k is `guess(number=k + 1)`."""
-    del config, env
-    return interface.Teacher(consistent_guess, tuple(("guess", {"number": k}) for k in range(1, MAX_NUMBER + 1)))
-
-
-def eval_suites(config) -> dict[str, interface.EvalSuite]:
-    """Every secret once."""
-    del config
-    starts = lambda key, ids: Start(secret=jnp.asarray(np.asarray(ids) % MAX_NUMBER + 1, jnp.int32))  # noqa: E731
-    return {"secrets": interface.EvalSuite(num_episodes=MAX_NUMBER, starts=starts)}
-
-
-registry.register(
-    "guess_number",
-    lambda env_config, **overrides: GuessNumberEnv(),
-    lambda config: sample_starts,
-    make_teacher,
-    eval_suites=eval_suites,
-)

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from reno_jax.protocol.messages import Message, ToolCall  # noqa: F401  (the interface speaks them)
@@ -69,6 +70,10 @@ class TextEnv(abc.ABC):
 
     #: reward given to an episode that runs out of conversation length or turns before it is done
     truncation_reward: float = -1.0
+    #: the default `step`'s reward for a call `call_valid` rejects, and the tool template it answers with (an index
+    #: into ``chat().tool``; negative from the end)
+    invalid_call_reward: float = -1.0
+    invalid_message: int = -1
 
     @abc.abstractmethod
     def chat(self):
@@ -78,9 +83,83 @@ class TextEnv(abc.ABC):
     def reset(self, start: PyTree) -> tuple[PyTree, Message]:
         """``start`` (one episode's slice of the environment's start record) -> ``(state, first user message)``."""
 
-    @abc.abstractmethod
     def step(self, state: PyTree, call: ToolCall) -> Step:
-        """Applies the agent's parsed call (any kind: invalid calls are the environment's to judge)."""
+        """Applies the agent's parsed call (any kind). Default: `apply` for the calls `call_valid` accepts; any
+        other call ends the episode with `invalid_call_reward`, the state unchanged, the tool template
+        `invalid_message` and the info of `apply` with every figure 0 and ``invalid`` True (so `apply`'s info must
+        be a dict without an ``invalid`` key). An environment that judges invalid calls itself overrides `step`."""
+        applied = self.apply(state, call)
+        if not isinstance(applied.info, dict) or "invalid" in applied.info:
+            raise TypeError(
+                f"{type(self).__name__}.apply must return a Step whose info is a dict without an 'invalid' key (the "
+                "default step adds it); override step to judge invalid calls yourself"
+            )
+        bad = ~self.call_valid(state, call)
+        where = lambda new, old: jnp.where(bad, old, new)  # noqa: E731
+        template = self.invalid_message % len(self.chat().tool)
+        message = applied.message.replace(
+            template=where(applied.message.template, jnp.int32(template)),
+            values=where(applied.message.values, jnp.zeros_like(applied.message.values)),
+        )
+        info = {k: where(v, jnp.zeros_like(v)) for k, v in applied.info.items()}
+        return Step(
+            state=jax.tree.map(where, applied.state, state),
+            message=message,
+            reward=where(applied.reward, jnp.float32(self.invalid_call_reward)).astype(jnp.float32),
+            done=applied.done | bad,
+            info={**info, "invalid": bad},
+        )
+
+    def apply(self, state: PyTree, call: ToolCall) -> Step:
+        """The step of a call `call_valid` accepts (what the default `step` calls; it is traced for every call, and
+        its result is replaced for invalid ones, whose arguments are 0)."""
+        raise NotImplementedError(f"{type(self).__name__} must define step(state, call) or apply(state, call)")
+
+    def call_valid(self, state: PyTree, call: ToolCall) -> jax.Array:
+        """``bool []``: the call is one `apply` takes. Default: the tool-call automaton accepted it (a known tool,
+        arguments of the schema's types and ranges)."""
+        del state
+        return call.ok
+
+    # ---- what the loop needs beyond the episode: one object answers all of it (`registry.register_env`) ----
+
+    @classmethod
+    def from_options(cls, **options) -> "TextEnv":
+        """The environment with its options (`option_defaults` names them) set; override to build tables from them.
+        Default: ``cls(**options)``."""
+        return cls(**options)
+
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """The settings ``--config.env.NAME=value`` may change: the dataclass fields that are not pytree leaves
+        and have a default, with those defaults (a value must have its default's type)."""
+        return {
+            f.name: f.default
+            for f in dataclasses.fields(cls)
+            if not f.metadata.get("pytree_node", True) and f.default is not dataclasses.MISSING
+        }
+
+    def sample_starts(self, key: jax.Array, num_groups: int) -> PyTree:
+        """Host, once per training step: the step's start records, one per group (arrays with a leading group
+        axis; `reset` gets one group's slice)."""
+        raise NotImplementedError(f"{type(self).__name__} must define sample_starts(key, num_groups)")
+
+    def teacher(self) -> "Teacher | None":
+        """The scripted policy of the supervised warm start, or None (no warm start)."""
+        return None
+
+    def eval_suites(self) -> Mapping[str, "EvalSuite"]:
+        """The evaluations the environment offers, by name. Default: none."""
+        return {}
+
+    def board_view(self) -> "BoardView | None":
+        """How the play page draws the board and lets a person play on it, or None (transcripts only)."""
+        return None
+
+    def tokenizer_corpus(self) -> Iterable[str]:
+        """Texts of the environment's own for a per-run tokenizer (``model.tokenizer="env"``), beside its
+        rendered chat. Default: none."""
+        return ()
 
     def for_member(self, state: PyTree, member: jax.Array) -> PyTree:
         """The state after ``reset`` of a group's ``member``-th episode (``int32 []``, 0..G-1): where the

@@ -50,6 +50,7 @@ class Entry:
     options: the `env` section's settings and their defaults (None: not declared, the section goes as written).
     tokenizer_corpus: optional ``config -> iterable of str``: texts of the environment's own for the tokenizer
       `model.tokenizer="env"` builds (`reno_jax.loop.tokenizers`), beside its rendered chat.
+    env_class: the `TextEnv` class the entry was made from (`register_env`), else None.
     """
 
     name: str
@@ -60,6 +61,7 @@ class Entry:
     board_view: Callable[[Any], interface.BoardView] | None = None
     options: Mapping[str, Any] | None = None
     tokenizer_corpus: Callable[[Any], Iterable[str]] | None = None
+    env_class: type | None = None
 
 
 _ENTRIES: dict[str, Entry] = {}
@@ -102,6 +104,63 @@ def register(
     if options is not None:
         entry = with_options(entry, dict(options))
     _ENTRIES[name] = entry
+    return entry
+
+
+def register_env(env_class: type[interface.TextEnv]) -> type[interface.TextEnv]:
+    """Registers a `TextEnv` class that declares everything the loop needs itself (usable as a class decorator):
+    its ``name`` (a class attribute), its options (`TextEnv.option_defaults`: the non-pytree fields with defaults,
+    settable as ``--config.env.NAME=value``), and the methods `sample_starts`, `teacher`, `eval_suites`,
+    `board_view`, `tokenizer_corpus` of the environment built from the config (`TextEnv.from_options`)."""
+    name = getattr(env_class, "name", None)
+    if not (isinstance(env_class, type) and issubclass(env_class, interface.TextEnv)):
+        raise TypeError(f"register_env takes a TextEnv subclass, got {env_class!r}")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{env_class.__name__} needs a class attribute name (a non-empty string) to be registered")
+    if not dataclasses.is_dataclass(env_class):
+        raise TypeError(f"{env_class.__name__} must be a flax.struct.dataclass (a pytree argument of the rollout)")
+    options = env_class.option_defaults()
+    clash = sorted(set(options) & set(RESERVED))
+    if clash:
+        raise TypeError(f"{env_class.__name__}: the option names {clash} are the env section's own; rename them")
+
+    def make_env(env_config, **overrides):
+        values = {k: env_config[k] for k in options}
+        return env_class.from_options(**{**values, **overrides})
+
+    def own(method: str) -> bool:
+        return getattr(env_class, method) is not getattr(interface.TextEnv, method)
+
+    def built(config) -> interface.TextEnv:  # from a whole config (None: every option at its default)
+        return make_env(option_values(None if config is None else config.env, options, name))
+
+    def of_env(method: str):
+        return (lambda config: getattr(built(config), method)()) if own(method) else None
+
+    entry = register(
+        name,
+        make_env,
+        lambda config: built(config).sample_starts,
+        (lambda config, env: env.teacher()) if own("teacher") else None,
+        eval_suites=of_env("eval_suites"),
+        board_view=of_env("board_view"),
+        options=options,
+        tokenizer_corpus=of_env("tokenizer_corpus"),
+    )
+    _ENTRIES[name] = dataclasses.replace(entry, env_class=env_class)
+    return env_class
+
+
+def entry_of(env: Entry | type) -> Entry:
+    """The registered entry of `env`: an `Entry` (`register`'s) or a class `register_env` registered."""
+    if isinstance(env, Entry):
+        return env
+    entry = _ENTRIES.get(getattr(env, "name", None)) if isinstance(env, type) else None
+    if entry is None or entry.env_class is not env:
+        raise ValueError(
+            f"{env!r} is not a registered environment: pass registry.register(...)'s entry, or a class "
+            "registry.register_env registered"
+        )
     return entry
 
 

@@ -92,23 +92,25 @@ class StartPoint:
     base: Any
 
 
-def with_env(config, env: registry.Entry | None) -> run_config.RunConfig:
-    """The config to run: as given, or with `env.name` set to `env`'s (an entry registered from the caller's code)."""
+def with_env(config, env: registry.Entry | type | None) -> run_config.RunConfig:
+    """The config to run: as given, or with `env.name` set to `env`'s (an entry registered from the caller's code,
+    or a `TextEnv` class `registry.register_env` registered)."""
     config = run_config.load(config)
     if env is None:
         return config
+    env = registry.entry_of(env)
     if registry.get(env.name) is not env:
         raise ValueError(f"environment {env.name!r} is not the registered one; pass registry.register(...)'s entry")
     return dataclasses.replace(config, env=ml_collections.ConfigDict({**config.env.to_dict(), "name": env.name}))
 
 
-def train(config, workdir: str, *, env: registry.Entry | None = None) -> list[dict]:
+def train(config, workdir: str, *, env: registry.Entry | type | None = None) -> list[dict]:
     """Runs (or resumes) the experiment; returns the metric rows written in this call.
 
     `config`: a `run_config.RunConfig`, or a ConfigDict / dict of one. `env`: an environment registered by the
-    caller (`registry.register(...)` returns it); default: the one `config.env.name` names (after importing
-    `config.env.module`). Raises `ConfigError` (naming the flag) for a config that cannot run, before anything is
-    written.
+    caller (`registry.register(...)`'s entry, or a class `registry.register_env` registered); default: the one
+    `config.env.name` names (after importing `config.env.module`). Raises `ConfigError` (naming the flag) for a
+    config that cannot run, before anything is written.
     """
     config = validate_config(with_env(config, env))
     if os.path.exists(workdir) and not os.path.isdir(workdir):
