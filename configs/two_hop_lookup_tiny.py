@@ -24,7 +24,7 @@ from configs import tictactoe_tiny
 
 def get_config() -> ml_collections.ConfigDict:
     c = tictactoe_tiny.get_config()
-    c.num_steps = 80  # GSPO steps
+    c.num_steps = 120  # GSPO steps
 
     # --- task: every option of the environment at its default, so the command line can set each ---------------
     c.env = ml_collections.ConfigDict()
@@ -37,12 +37,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.teacher_second_lookup_rate = 0.5  # warm start: share of the teacher's episodes with the second lookup
     c.env.random_tool = False  # True: the control (lookups answer a random entity of the right kind)
 
-    # --- supervised warm start on the teacher's conversations: the calculator task's recipe (a long warm start at
-    # a constant rate, so the copying of names arrives; the run's own tokenizer for shorter conversations)
+    # --- supervised warm start on the teacher's conversations: the calculator task's recipe (the peak rate held
+    # until the copying of names has arrived, then a decay that makes it exact; the run's own tokenizer for shorter
+    # conversations)
     c.model.tokenizer = "env"
-    c.sft.num_steps = 2000
+    c.sft.num_steps = 2500
     c.sft.batch_size = 32
-    c.sft.final_lr_fraction = 1.0
+    c.sft.decay_steps = 800  # the peak held, then the cosine to a tenth over the last 800 steps
 
     # --- rollout ----------------------------------------------------------------------------------------------
     c.rollout.boards_per_step = 16  # questions per step
