@@ -12,21 +12,25 @@ token automaton compiled from the environment's tool schemas (`reno_jax.protocol
 a few pure functions over its own state pytree, and the same environment drives the rollout, the supervised
 warm-start transcripts (`reno_jax.rl.sft`) and evaluation.
 
-Writing one (see `reno_jax.envs.tictactoe.env` and `reno_jax.envs.connect4.env`, and the README):
+Writing one (see `reno_jax.envs.guess_number`, a whole environment in one class, and docs/environments.md):
 
   * subclass `TextEnv` as a `flax.struct.dataclass`: array fields (lookup tables, datasets) are pytree leaves,
-    everything else is `flax.struct.field(pytree_node=False)`;
+    everything else is `flax.struct.field(pytree_node=False)` (with a default, such a field is an option the
+    command line sets: ``--config.env.NAME=value``);
   * `chat()` declares the system prompt, the tool schemas and the message templates (host, once);
-  * `reset(start)` and `step(state, call)` are per episode (the rollout vmaps them), branch-free (`jnp.where`,
-    `lax.select`), and take their randomness from keys inside `start` / `state` (no hidden RNG);
-  * `info` is the environment's own pytree of per-episode figures (`[]` leaves, the same structure every step);
+  * `reset(start)` and `apply(state, call)` (the step of a well-formed call; the base class's `step` ends the
+    episode on any other) are per episode (the rollout vmaps them), branch-free (`jnp.where`, `lax.select`), and
+    take their randomness from keys inside `start` / `state` (no hidden RNG);
+  * `info` is the environment's own dict of per-episode figures (`[]` leaves, the same structure every step);
     `finish` may fix it up at the end (e.g. mark truncation); `episode_metrics` declares the figures a batch of it
-    reduces to, each with its reduction (`Metric`).
+    reduces to, each with its reduction (`Metric`);
+  * `sample_starts(key, num_groups)` draws a training step's start records; `teacher()`, `eval_suites()`,
+    `board_view()` and `tokenizer_corpus()` optionally give the warm start's scripted policy (`Teacher`), the
+    evaluations (`EvalSuite`), the play page's board (`BoardView`) and tokenizer texts;
+  * a class attribute `name` and `@registry.register_env` make it what ``--config.env.name`` looks up.
 
-What the training loop, the evaluation and the warm start need beyond the episode itself (how a step's start
-records are drawn, an optional scripted teacher, the evaluation suites) an environment declares in its registry
-entry (`reno_jax.envs.registry.register`), with the `EvalSuite` and `Teacher` types below; a board game may also
-declare how the play page draws its board and lets a person play on it (`BoardView`).
+The built-in board games judge invalid calls in their own `step` (their outcome codes fold them in) and register
+through the lower-level `registry.register`, whose factories take the config.
 """
 
 from __future__ import annotations
