@@ -140,6 +140,25 @@ def test_register_env_refuses_what_it_cannot_use():
         registry.entry_of(Unregistered)
 
 
+def test_invalid_info_keeps_what_the_environment_says():
+    @flax.struct.dataclass
+    class Counting(Counter):
+        def invalid_info(self, state, info):
+            return {"count": state, "reached": jnp.bool_(False)}
+
+    state, _ = Counting().reset(jnp.int32(4))
+    bad = jax.jit(Counting().step)(state, _call(toolcall.KIND_BAD_CALL, 0))
+    assert int(bad.info["count"]) == 4 and bad.info["count"].dtype == jnp.int32 and bool(bad.info["invalid"])
+
+    @flax.struct.dataclass
+    class Missing(Counter):
+        def invalid_info(self, state, info):
+            return {"count": state}
+
+    with pytest.raises(TypeError, match="invalid_info must return a dict with apply's info keys"):
+        Missing().step(state, _call(toolcall.KIND_BAD_CALL, 0))
+
+
 def test_apply_may_not_report_invalid_itself_and_an_env_needs_step_or_apply():
     @flax.struct.dataclass
     class Reports(Counter):

@@ -131,6 +131,11 @@ class GuessNumberEnv(interface.TextEnv):
         message = interface.Message(template.astype(jnp.int32), jnp.stack([guess, low, high]))
         return interface.Step(state=new, message=message, reward=reward, done=found | out, info=info)
 
+    def invalid_info(self, state: State, info: dict) -> dict:
+        """An invalid call counts as a guess (as the host version, `guess_number_host`, counts it)."""
+        del info
+        return dict(found=jnp.bool_(False), guesses=state.guesses + 1, wasted=state.wasted)
+
     def observation(self, state: State) -> interface.Message:
         """Before the first guess ``reset``'s message; then the interval the answers leave and the guesses left."""
         values = jnp.stack([MAX_GUESSES - state.guesses, state.low, state.high]).astype(jnp.int32)

@@ -90,8 +90,8 @@ class TextEnv(abc.ABC):
     def step(self, state: PyTree, call: ToolCall) -> Step:
         """Applies the agent's parsed call (any kind). Default: `apply` for the calls `call_valid` accepts; any
         other call ends the episode with `invalid_call_reward`, the state unchanged, the tool template
-        `invalid_message` and the info of `apply` with every figure 0 and ``invalid`` True (so `apply`'s info must
-        be a dict without an ``invalid`` key). An environment that judges invalid calls itself overrides `step`."""
+        `invalid_message` and the figures `invalid_info` gives, with ``invalid`` True (so `apply`'s info must be a
+        dict without an ``invalid`` key). An environment that judges invalid calls itself overrides `step`."""
         applied = self.apply(state, call)
         if not isinstance(applied.info, dict) or "invalid" in applied.info:
             raise TypeError(
@@ -105,7 +105,10 @@ class TextEnv(abc.ABC):
             template=where(applied.message.template, jnp.int32(template)),
             values=where(applied.message.values, jnp.zeros_like(applied.message.values)),
         )
-        info = {k: where(v, jnp.zeros_like(v)) for k, v in applied.info.items()}
+        figures = self.invalid_info(state, applied.info)
+        if not isinstance(figures, dict) or set(figures) != set(applied.info):
+            raise TypeError(f"{type(self).__name__}.invalid_info must return a dict with apply's info keys")
+        info = {k: where(v, jnp.asarray(figures[k], v.dtype)) for k, v in applied.info.items()}
         return Step(
             state=jax.tree.map(where, applied.state, state),
             message=message,
@@ -118,6 +121,12 @@ class TextEnv(abc.ABC):
         """The step of a call `call_valid` accepts (what the default `step` calls; it is traced for every call, and
         its result is replaced for invalid ones, whose arguments are 0)."""
         raise NotImplementedError(f"{type(self).__name__} must define step(state, call) or apply(state, call)")
+
+    def invalid_info(self, state: PyTree, info: dict) -> dict:
+        """The figures of an episode that ends on an invalid call at `state` (`info`: what `apply` computed, for
+        its keys and dtypes). Default: every figure 0; override to keep counts the episode made before it."""
+        del state
+        return {k: jnp.zeros_like(v) for k, v in info.items()}
 
     def call_valid(self, state: PyTree, call: ToolCall) -> jax.Array:
         """``bool []``: the call is one `apply` takes. Default: the tool-call automaton accepted it (a known tool,
