@@ -277,6 +277,12 @@ class RlSettings:
         lambda v: v in learner_lib.TURN_SCOPES,
         "'group' or 'batch'",
     )
+    turn_weight: str = _field(
+        _LEARNER.turn_weight,
+        "turn samples: every 'turn' weighs the same, or every 'episode' (its turns share its weight)",
+        lambda v: v in learner_lib.TURN_WEIGHTS,
+        "'turn' or 'episode'",
+    )
     kl_coef: float = _field(0.0, "KL penalty to the behaviour policy", *_NUM_GE0)
     entropy_coef: float = _field(0.0, "entropy bonus on every response token", *_NUM_GE0)
     forking_entropy_coef: float = _field(0.0, "entropy bonus on each response's highest-entropy token(s)", *_NUM_GE0)
@@ -441,6 +447,7 @@ class RunConfig:
             turn_advantage_coef=r.turn_advantage_coef,
             turn_discount=r.turn_discount,
             turn_scope=r.turn_scope,
+            turn_weight=r.turn_weight,
             length_bucket=r.length_bucket,
         )
 

@@ -457,3 +457,44 @@ def test_the_teachers_turn_samples_equal_the_forced_bounded_rollout_id_for_id(gu
     np.testing.assert_array_equal(out.loss_mask, traj.loss_mask)
     # soft targets sit on the calls' tokens only
     assert np.all(np.asarray(out.target_weights).sum(-1)[~np.asarray(out.loss_mask)] == 0)
+
+
+def test_episode_turn_weight_makes_every_episode_weigh_the_same():
+    """`turn_weight="episode"`: a turn sample's advantage times the batch's mean turns per episode over its
+    episode's turns, so a group's advantages sum to zero over its real turn samples again (with "turn" the long
+    failed episode outweighs the short solved one)."""
+    from reno_jax.rl import learner
+
+    # One group of two episodes, up to four turns: episode 0 solves in 1 move, episode 1 fails after 4.
+    b, t, width = 2, 4, 3
+    turns = np.array([1, 4])
+    loss_mask = np.zeros((b, t, width), bool)
+    for i, n in enumerate(turns):
+        loss_mask[i, :n, 1] = True
+    reward = np.array([1.0, -0.04], np.float32)
+    traj = R.Trajectory(
+        tokens=None,
+        valid=None,
+        loss_mask=jnp.asarray(loss_mask.reshape(b * t, width)),
+        behaviour_logp=None,
+        turn_id=None,
+        prompt_length=None,
+        reward=jnp.repeat(reward, t),
+        group_id=None,
+        stats=None,
+        env_info=None,
+        turn_reward=jnp.zeros((b, t)),
+        turn_key=jnp.full((b, t), -1, jnp.int32),
+        episode_id=jnp.repeat(jnp.arange(b), t),
+        turn_index=jnp.tile(jnp.arange(t), b),
+    )
+    real = loss_mask.any(-1).reshape(-1)
+    per_turn = np.asarray(learner.turn_sample_advantages(learner.LearnerConfig(group_size=b), traj))
+    np.testing.assert_allclose(per_turn, np.repeat([1.0, -1.0], t), atol=1e-6)
+    assert per_turn[real].sum() == pytest.approx(-3.0)  # the failed episode's four turns outweigh the solved one
+    config = learner.LearnerConfig(group_size=b, turn_weight="episode")
+    per_episode = np.asarray(learner.turn_sample_advantages(config, traj))
+    np.testing.assert_allclose(per_episode, np.repeat([2.5 / 1, -2.5 / 4], t), atol=1e-6)  # mean turns 2.5
+    assert per_episode[real].sum() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="turn_weight must be one of"):
+        learner.LearnerConfig(group_size=b, turn_weight="token")

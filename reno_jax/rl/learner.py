@@ -68,6 +68,7 @@ Array = jax.Array
 LENGTHS_SYNC = "batch_lengths"
 ROLLOUT_WAIT = "rollout_wait"
 TURN_SCOPES = ("group", "batch")
+TURN_WEIGHTS = ("turn", "episode")  # `LearnerConfig.turn_weight`
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -100,6 +101,11 @@ class LearnerConfig:
     turn_scope: "group": a turn is compared with its group's turns from the same state key; "batch": with every
       turn of the batch from that key (for keys that name what the agent knows, so that groups whose starts differ
       meet at the same decision; see ``TextEnv.state_key``).
+    turn_weight: turn samples only: "turn": every turn sample weighs the same in the loss (an episode of 15 turns
+      15 times one of 5); "episode": each turn sample's advantage is scaled by the batch's mean turns per episode
+      over its episode's turns, so every episode weighs the same (as one whole-conversation row does) and a
+      group's advantages sum to zero again: with "turn" the long episodes (often the failed ones) outweigh the
+      short solved ones and push down every move they made, the good early ones too.
     length_bucket: > 0: train on the batch's columns up to its last real token, rounded up to this times 1, 2, 3,
       4, 6, 8, ... (`batch.bucketed_length`, `batch.trim_length`; exact), instead of the whole conversation
       length: for multi-turn episodes whose length varies (a game won in 6 moves or drawn in 21). Each width
@@ -123,6 +129,7 @@ class LearnerConfig:
     turn_advantage_coef: float = 0.0
     turn_discount: float = 1.0
     turn_scope: str = "group"
+    turn_weight: str = "turn"
     length_bucket: int = 0
 
     def __post_init__(self):
@@ -141,6 +148,8 @@ class LearnerConfig:
             )
         if self.turn_scope not in TURN_SCOPES:
             raise ValueError(f"turn_scope must be one of {TURN_SCOPES}, got {self.turn_scope!r}")
+        if self.turn_weight not in TURN_WEIGHTS:
+            raise ValueError(f"turn_weight must be one of {TURN_WEIGHTS}, got {self.turn_weight!r}")
         if self.length_bucket < 0:
             raise ValueError(f"length_bucket must be >= 0 (0: off), got {self.length_bucket}")
         if self.shift_probe_groups < 1:  # max_logp_shift itself: `trainer.make_train_step`'s check
@@ -328,7 +337,9 @@ def turn_sample_advantages(config: LearnerConfig, traj) -> Array:
     groups are the turns of the group's G episodes (of the batch with ``turn_scope="batch"``) whose state key is
     equal, a turn's step return is the ``turn_discount``-discounted sum of its episode's turn rewards from that turn
     on, and A_step is that return minus its anchor group's mean, divided by the group's std with
-    ``normalize_adv_std`` (the paper's default normalisation; without it, centred only, as the episode part)."""
+    ``normalize_adv_std`` (the paper's default normalisation; without it, centred only, as the episode part).
+    With ``turn_weight="episode"`` each row's advantage is then scaled by the mean turns per episode over its
+    episode's turns (every episode weighs the same)."""
     t = traj.turn_reward.shape[1]
     episode_reward = traj.reward.reshape(-1, t)[:, 0]
     advantages = losses.group_advantages(episode_reward, config.group_size, normalize_std=config.normalize_adv_std)
@@ -339,6 +350,10 @@ def turn_sample_advantages(config: LearnerConfig, traj) -> Array:
             traj.turn_reward, traj.turn_key, peers, config.turn_discount, normalize_std=config.normalize_adv_std
         )
         advantages = advantages + jnp.float32(config.turn_advantage_coef) * turn_adv.reshape(-1)
+    if config.turn_weight == "episode":
+        turns = jnp.sum(jnp.any(traj.loss_mask.reshape(-1, t, traj.loss_mask.shape[-1]), axis=-1), axis=-1)  # [B]
+        mean_turns = jnp.sum(turns) / jnp.maximum(jnp.sum(turns > 0), 1)
+        advantages = advantages * jnp.repeat(mean_turns / jnp.maximum(turns, 1), t)
     return advantages.astype(jnp.float32)
 
 

@@ -12,7 +12,9 @@ solver's table of moves-to-solve per position, `rooms.Split.distance`; the suppo
 the solver's moves played as a uniform direction instead, while the target stays the optimal moves, so the warm
 start also sees positions off the optimal path (and rooms it then fails). ``sft.wrong_rooms`` (solver only): on
 that share of the rooms (a fixed draw per room) the solver plays and teaches only moves that are not optimal (its
-support is every such move), so it never solves them: a warm start that leaves RL something to find. Suites:
+support is every such move), so it never solves them; as played (the first such move in tool order, mostly into a
+wall, until the budget ends) those rooms fill most of the warm start's turn samples, and at 0.3 the student learnt to
+walk into walls (docs/benchmarks.md), so `configs/sokoban_tiny.py` leaves RL its margin with a short warm start. Suites:
 ``heldout`` (default; every held-out room once, greedy) and ``train`` (as many train rooms, not run by default:
 the gap between the two).
 
