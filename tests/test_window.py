@@ -498,3 +498,6 @@ def test_episode_turn_weight_makes_every_episode_weigh_the_same():
     assert per_episode[real].sum() == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match="turn_weight must be one of"):
         learner.LearnerConfig(group_size=b, turn_weight="token")
+    whole_rows = traj.replace(episode_id=None, turn_index=None)  # whole conversations: one row per episode already
+    with pytest.raises(ValueError, match="applies to turn samples only"):
+        learner.make_prepare_batch(config)(whole_rows, 0)

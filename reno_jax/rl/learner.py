@@ -309,6 +309,11 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
     def prepare_batch(traj, step):
         if getattr(traj, "episode_id", None) is not None and config.share_prompt_prefix:
             raise ValueError("share_prompt_prefix does not apply to turn samples (rollout.history): turn it off")
+        if getattr(traj, "episode_id", None) is None and config.turn_weight != "turn":
+            raise ValueError(
+                f"turn_weight={config.turn_weight!r} applies to turn samples only (rollout.history >= 0); a whole "
+                "conversation is one row already"
+            )
         # The figures of the trajectory stay out of the program: it reads the token fields and rewards only.
         return assemble(traj.replace(stats=None, env_info=None), step)
 
