@@ -134,27 +134,34 @@ def test_turn_sample_logp_equals_the_train_forward(guess_world):
     assert np.all(np.asarray(traj.behaviour_logp)[~mask] == 0)
 
 
+def turn_samples(episode_reward, turn_reward, turn_key, loss_mask=None) -> R.Trajectory:
+    """A turn-sample trajectory of ``[B, T]`` turn rewards and keys with only the fields the advantages read (row
+    ``b * T + t`` is episode b's turn t; every row carries its episode's reward)."""
+    b, t = np.shape(turn_reward)
+    return R.Trajectory(
+        tokens=None,
+        valid=None,
+        loss_mask=loss_mask,
+        behaviour_logp=None,
+        turn_id=None,
+        prompt_length=None,
+        reward=jnp.repeat(jnp.asarray(episode_reward, jnp.float32), t),
+        group_id=None,
+        stats=None,
+        env_info=None,
+        turn_reward=jnp.asarray(turn_reward, jnp.float32),
+        turn_key=jnp.asarray(turn_key, jnp.int32),
+        episode_id=jnp.repeat(jnp.arange(b), t),
+        turn_index=jnp.tile(jnp.arange(t), b),
+    )
+
+
 def test_turn_sample_advantages_are_the_episodes():
     from reno_jax.rl import learner
 
     b, t, g = 4, 3, 2
     reward = np.array([1.0, 0.0, 0.5, 0.5], np.float32)
-    traj = R.Trajectory(
-        tokens=None,
-        valid=None,
-        loss_mask=None,
-        behaviour_logp=None,
-        turn_id=None,
-        prompt_length=None,
-        reward=jnp.repeat(reward, t),
-        group_id=None,
-        stats=None,
-        env_info=None,
-        turn_reward=jnp.zeros((b, t)).at[:, -1].set(reward),
-        turn_key=jnp.full((b, t), -1, jnp.int32),
-        episode_id=jnp.repeat(jnp.arange(b), t),
-        turn_index=jnp.tile(jnp.arange(t), b),
-    )
+    traj = turn_samples(reward, jnp.zeros((b, t)).at[:, -1].set(reward), jnp.full((b, t), -1, jnp.int32))
     adv = learner.turn_sample_advantages(learner.LearnerConfig(group_size=g), traj)
     np.testing.assert_allclose(adv, np.repeat([1.0, -1.0, 0.0, 0.0], t), atol=1e-6)
 
@@ -170,22 +177,7 @@ def test_step_credit_on_turn_samples_is_gigpo_by_hand(normalize):
     turn_reward = np.array([[-0.01, -0.01, 1.0], [-0.01, -0.01, -0.01]], np.float32)
     turn_key = np.array([[5, 7, 9], [5, 8, 7]], np.int32)
     b, t = turn_reward.shape
-    traj = R.Trajectory(
-        tokens=None,
-        valid=None,
-        loss_mask=None,
-        behaviour_logp=None,
-        turn_id=None,
-        prompt_length=None,
-        reward=jnp.repeat(turn_reward.sum(1), t),
-        group_id=None,
-        stats=None,
-        env_info=None,
-        turn_reward=jnp.asarray(turn_reward),
-        turn_key=jnp.asarray(turn_key),
-        episode_id=jnp.repeat(jnp.arange(b), t),
-        turn_index=jnp.tile(jnp.arange(t), b),
-    )
+    traj = turn_samples(turn_reward.sum(1), turn_reward, turn_key)
     # Returns: episode 0: R2 = 1, R1 = -0.01 + 0.95 * 1 = 0.94, R0 = -0.01 + 0.95 * 0.94 = 0.883;
     # episode 1: R2 = -0.01, R1 = -0.0195, R0 = -0.028525. Anchor state 5: 0.883 vs -0.028525 (each
     # +-0.4557625 from the mean); state 7: 0.94 (episode 0, turn 1) vs -0.01 (episode 1, turn 2): +-0.475.
@@ -472,21 +464,11 @@ def test_episode_turn_weight_makes_every_episode_weigh_the_same():
     for i, n in enumerate(turns):
         loss_mask[i, :n, 1] = True
     reward = np.array([1.0, -0.04], np.float32)
-    traj = R.Trajectory(
-        tokens=None,
-        valid=None,
+    traj = turn_samples(
+        reward,
+        jnp.zeros((b, t)),
+        jnp.full((b, t), -1, jnp.int32),
         loss_mask=jnp.asarray(loss_mask.reshape(b * t, width)),
-        behaviour_logp=None,
-        turn_id=None,
-        prompt_length=None,
-        reward=jnp.repeat(reward, t),
-        group_id=None,
-        stats=None,
-        env_info=None,
-        turn_reward=jnp.zeros((b, t)),
-        turn_key=jnp.full((b, t), -1, jnp.int32),
-        episode_id=jnp.repeat(jnp.arange(b), t),
-        turn_index=jnp.tile(jnp.arange(t), b),
     )
     real = loss_mask.any(-1).reshape(-1)
     per_turn = np.asarray(learner.turn_sample_advantages(learner.LearnerConfig(group_size=b), traj))
