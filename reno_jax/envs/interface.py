@@ -26,7 +26,8 @@ Writing one (see `reno_jax.envs.guess_number`, a whole environment in one class,
     reduces to, each with its reduction (`Metric`);
   * `sample_starts(key, num_groups)` draws a training step's start records; `teacher()`, `eval_suites()`,
     `board_view()` and `tokenizer_corpus()` optionally give the warm start's scripted policy (`Teacher`), the
-    evaluations (`EvalSuite`), the play page's board (`BoardView`) and tokenizer texts;
+    evaluations (`EvalSuite`), the play page's board (`BoardView`, or `PuzzleView` for a one-player puzzle) and
+    tokenizer texts;
   * a class attribute `name` and `@registry.register_env` make it what ``--config.env.name`` looks up.
 
 The built-in board games judge invalid calls in their own `step` (their outcome codes fold them in) and register
@@ -165,8 +166,9 @@ class TextEnv(abc.ABC):
         """The evaluations the environment offers, by name. Default: none."""
         return {}
 
-    def board_view(self) -> "BoardView | None":
-        """How the play page draws the board and lets a person play on it, or None (transcripts only)."""
+    def board_view(self) -> "BoardView | PuzzleView | None":
+        """How the play page draws the board and lets a person play on it (a two-sided game's `BoardView`, a
+        one-player puzzle's `PuzzleView`), or None (transcripts only)."""
         return None
 
     def tokenizer_corpus(self) -> Iterable[str]:
@@ -325,17 +327,69 @@ class EvalSuite:
             raise ValueError(f"an EvalSuite needs at least one episode, got {self.num_episodes}")
 
 
-# ---------------------------------------------------------------------------------------------- board view
+# ---------------------------------------------------------------------------------------------- play-page views
 
 ONGOING = 0  # `BoardView.result`: the game goes on
 DRAW = -1  # `BoardView.result`: nobody won; k >= 1: side k won
 INPUTS = ("cell", "column")
+SOLVED, OUT_OF_MOVES = "solved", "out_of_moves"  # `PuzzleView.status`, beside "ongoing"
+
+
+class _Grid:
+    """What the play page's two views share: a board is a NumPy ``int8 [rows, cols]`` array of cell values, in the
+    API the string of its `chars` row by row from the top left; an action is an int 0..num_actions-1 with a label.
+    Uses the view's fields ``rows``, ``cols``, ``chars``, ``symbols``, ``colors``, ``call_actions``, ``check``,
+    ``action_labels`` and its ``num_actions``."""
+
+    def _check_grid(self) -> None:
+        """Raises ValueError for a geometry, a cell alphabet or labels that do not fit together."""
+        name = type(self).__name__
+        if int(self.rows) < 1 or int(self.cols) < 1:
+            raise ValueError(f"{name} needs rows, cols >= 1, got {self.rows} x {self.cols}")
+        values = len(self.chars)
+        if len(set(self.chars)) != values or len(self.symbols) != values or len(self.colors) != values:
+            raise ValueError(f"{name}.chars (distinct), symbols and colors need one entry per cell value")
+
+    def label(self, action: int) -> str:
+        return str(self.action_labels[action]) if self.action_labels is not None else str(int(action) + 1)
+
+    def actions_of_rows(self, num_rows: int) -> np.ndarray:
+        """``int32 [num_rows]``: the action of each teacher call row; raises ValueError when they do not fit."""
+        actions = np.arange(num_rows) if self.call_actions is None else np.asarray(self.call_actions)
+        if actions.shape != (num_rows,) or np.any(actions < 0) or np.any(actions >= self.num_actions):
+            raise ValueError(
+                f"{type(self).__name__}.call_actions must give one action in 0..{self.num_actions - 1} per "
+                f"teacher call row ({num_rows} rows)"
+            )
+        return actions.astype(np.int32)
+
+    def format(self, board) -> str:
+        return "".join(self.chars[int(v)] for v in np.asarray(board).reshape(-1))
+
+    def parse(self, text: str) -> np.ndarray:
+        """``int8 [rows, cols]`` of a board string; raises ValueError (one line) for a malformed or impossible one.
+        Letters of either case are read when the characters are all of one case (X and x alike)."""
+        n = self.rows * self.cols
+        if not isinstance(text, str) or len(text) != n:
+            raise ValueError(f"a board is {n} characters of {self.chars!r}, row by row from the top left; got {text!r}")
+        if self.chars == self.chars.lower():
+            text = text.lower()
+        elif self.chars == self.chars.upper():
+            text = text.upper()
+        bad = sorted({c for c in text if c not in self.chars})
+        if bad:
+            raise ValueError(f"a board is {n} characters of {self.chars!r}; {text!r} has {''.join(bad)!r}")
+        board = np.array([self.chars.index(c) for c in text], np.int8).reshape(self.rows, self.cols)
+        if self.check is not None:
+            self.check(board)
+        return board
 
 
 @dataclasses.dataclass(frozen=True)
-class BoardView:
+class BoardView(_Grid):
     """How a person plays an environment's board on the play page (`reno_jax.play`), declared by the environment
-    (``registry.register(board_view=lambda config: BoardView(...))``) so that the page itself knows no game.
+    (``registry.register(board_view=lambda config: BoardView(...))``) so that the page itself knows no game. For a
+    two-sided placement game; a one-player puzzle declares a `PuzzleView` instead.
 
     A board is a NumPy ``int8 [rows, cols]`` array of cell values (0 empty, k a piece of side k); in the API it is
     the string of its `chars`, row by row from the top left. An action is an int: the cell ``r * cols + c``
@@ -391,13 +445,9 @@ class BoardView:
     def __post_init__(self):
         if self.input not in INPUTS:
             raise ValueError(f"BoardView.input must be one of {list(INPUTS)}, got {self.input!r}")
-        if int(self.rows) < 1 or int(self.cols) < 1:
-            raise ValueError(f"BoardView needs rows, cols >= 1, got {self.rows} x {self.cols}")
-        values = len(self.chars)
-        if len(set(self.chars)) != values or len(self.symbols) != values or len(self.colors) != values:
-            raise ValueError("BoardView.chars (distinct), symbols and colors need one entry per cell value")
-        if len(self.sides) != values - 1:
-            raise ValueError(f"BoardView.sides names sides 1..{values - 1} (cell values after empty)")
+        self._check_grid()
+        if len(self.sides) != len(self.chars) - 1:
+            raise ValueError(f"BoardView.sides names sides 1..{len(self.chars) - 1} (cell values after empty)")
         if self.trained_side is not None and not 1 <= int(self.trained_side) <= len(self.sides):
             raise ValueError(f"BoardView.trained_side must be in 1..{len(self.sides)} or None")
         if self.action_labels is not None and len(self.action_labels) != self.num_actions:
@@ -407,36 +457,6 @@ class BoardView:
     def num_actions(self) -> int:
         return int(self.rows * self.cols if self.input == "cell" else self.cols)
 
-    def label(self, action: int) -> str:
-        return str(self.action_labels[action]) if self.action_labels is not None else str(int(action) + 1)
-
-    def actions_of_rows(self, num_rows: int) -> np.ndarray:
-        """``int32 [num_rows]``: the action of each teacher call row; raises ValueError when they do not fit."""
-        actions = np.arange(num_rows) if self.call_actions is None else np.asarray(self.call_actions)
-        if actions.shape != (num_rows,) or np.any(actions < 0) or np.any(actions >= self.num_actions):
-            raise ValueError(
-                f"BoardView.call_actions must give one action in 0..{self.num_actions - 1} per "
-                f"teacher call row ({num_rows} rows)"
-            )
-        return actions.astype(np.int32)
-
-    def format(self, board) -> str:
-        return "".join(self.chars[int(v)] for v in np.asarray(board).reshape(-1))
-
-    def parse(self, text: str) -> np.ndarray:
-        """``int8 [rows, cols]`` of a board string; raises ValueError (one line) for a malformed or impossible one."""
-        n = self.rows * self.cols
-        if not isinstance(text, str) or len(text) != n:
-            raise ValueError(f"a board is {n} characters of {self.chars!r}, row by row from the top left; got {text!r}")
-        lowered = text.lower() if self.chars == self.chars.lower() else text  # X and x alike, unless they differ
-        bad = sorted({c for c in lowered if c not in self.chars})
-        if bad:
-            raise ValueError(f"a board is {n} characters of {self.chars!r}; {text!r} has {''.join(bad)!r}")
-        board = np.array([self.chars.index(c) for c in lowered], np.int8).reshape(self.rows, self.cols)
-        if self.check is not None:
-            self.check(board)
-        return board
-
     def status(self, board) -> str:
         """``"ongoing"``, ``"draw"`` or ``"<side>_won"`` (the side's name in lower case)."""
         code = int(self.result(board))
@@ -445,3 +465,94 @@ class BoardView:
         if code == DRAW:
             return "draw"
         return f"{self.sides[code - 1].lower()}_won"
+
+
+@dataclasses.dataclass(frozen=True)
+class PuzzleView(_Grid):
+    """How a person plays a one-player puzzle on the play page: a board from the environment's own puzzles, moves
+    made one at a time against a move budget, until it is solved or the budget is spent. Declared like a
+    `BoardView` (``registry.register(board_view=lambda config: PuzzleView(...))``: the page tells the two apart).
+
+    Boards and actions are written as in `BoardView`; an action is a move (``action_labels[a]``). Every move may be
+    made on every board that is not solved (`legal` is all true): a blocked one leaves the board as it is and still
+    counts, as in the environment's episode.
+
+    The model is asked through the environment itself: `start` is the start record of the environment's episode
+    at a board with some moves of the budget already made. Its first turn is the model's move (the heat map and the
+    reply, as for a board); the whole episode is the model playing from there to the end, within the moves left.
+
+    Attributes:
+      rows, cols: the board's geometry.
+      chars: one character per cell value in board strings.
+      symbols: what a cell of each value shows; colors: a CSS colour per value (its symbol's).
+      fills: optional CSS background per cell value (None: the page's).
+      action_labels: each move's name (e.g. ``("up", "down", "left", "right")``); their number is `num_actions`.
+      action_symbols: optional, what the page's move buttons show beside the label (e.g. arrows).
+      action_keys: optional, the keyboard key of each move (``KeyboardEvent.key`` names, e.g. ``"ArrowUp"``).
+      max_moves: the move budget (the environment's).
+      apply: ``(board, action) -> board`` after the move (a new array; the same cells when the move is blocked).
+      solved: ``board -> bool``.
+      puzzles: the environment's puzzles, ``{suite name: count}`` (the first is the page's default).
+      puzzle: ``(suite, index) -> board``, 0 <= index < ``puzzles[suite]``.
+      start: ``(board, moves) -> start record`` (leading axis 1) of the episode at ``board`` with ``moves`` of the
+        budget made.
+      decision_overrides: ``make_env`` overrides of that episode's environment.
+      call_actions: the action of each `Teacher.calls` row; None: row k is action k.
+      check: optional ``board -> None`` raising ValueError (one line) for a board no puzzle has.
+      moves_to_solve: optional ``board -> int | None``: the fewest moves that solve it (None: it cannot be solved
+        any more).
+      best_actions: optional ``board -> [actions]``: the moves on a shortest solution (starred on the page).
+    """
+
+    rows: int
+    cols: int
+    chars: str
+    symbols: tuple
+    colors: tuple
+    action_labels: tuple
+    max_moves: int
+    apply: Callable[[np.ndarray, int], np.ndarray]
+    solved: Callable[[np.ndarray], bool]
+    puzzles: Mapping[str, int]
+    puzzle: Callable[[str, int], np.ndarray]
+    start: Callable[[np.ndarray, int], Any]
+    fills: tuple | None = None
+    action_symbols: tuple | None = None
+    action_keys: tuple | None = None
+    decision_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    call_actions: tuple | None = None
+    check: Callable[[np.ndarray], None] | None = None
+    moves_to_solve: Callable[[np.ndarray], int | None] | None = None
+    best_actions: Callable[[np.ndarray], Any] | None = None
+
+    def __post_init__(self):
+        self._check_grid()
+        if not self.action_labels:
+            raise ValueError("PuzzleView.action_labels needs one label per move (at least one)")
+        for what in ("fills", "action_symbols", "action_keys"):
+            given, want = getattr(self, what), len(self.chars) if what == "fills" else self.num_actions
+            if given is not None and len(given) != want:
+                raise ValueError(f"PuzzleView.{what} needs {want} entries, got {len(given)}")
+        if int(self.max_moves) < 1:
+            raise ValueError(f"PuzzleView.max_moves must be >= 1, got {self.max_moves}")
+        if not self.puzzles or any(int(n) < 1 for n in self.puzzles.values()):
+            raise ValueError(f"PuzzleView.puzzles needs suites with at least one puzzle each, got {dict(self.puzzles)}")
+
+    @property
+    def num_actions(self) -> int:
+        return len(self.action_labels)
+
+    def legal(self, board) -> np.ndarray:
+        """``bool [num_actions]``: every move (a blocked one leaves the board as it is)."""
+        del board
+        return np.ones((self.num_actions,), bool)
+
+    def decision_start(self, board) -> Any:
+        """The episode at ``board`` with no move made (the heat map's prompt: the move count is not shown)."""
+        return self.start(board, 0)
+
+    def status(self, board, moves: int) -> str:
+        """``"solved"``, ``"out_of_moves"`` (``moves`` reached the budget unsolved) or ``"ongoing"``."""
+        if bool(self.solved(board)):
+            return SOLVED
+        return OUT_OF_MOVES if int(moves) >= int(self.max_moves) else "ongoing"

@@ -10,6 +10,7 @@ an environment (`reno_jax.envs.interface`):
         make_teacher=lambda config, env: interface.Teacher(...),         # optional: the supervised warm start
         eval_suites=lambda config: {"all": interface.EvalSuite(...)},    # optional: evaluation
         board_view=lambda config: interface.BoardView(...),              # optional: the play page's board
+                                                                         #   (a one-player puzzle: PuzzleView)
         options={"size": 4, "random_map": False},                        # optional: the env section's settings
     )
 
@@ -45,8 +46,9 @@ class Entry:
       host function called once per step outside jit; the returned starts are arrays with a leading group axis).
     make_teacher: optional ``(config, env) -> interface.Teacher``: the scripted policy of the warm start.
     eval_suites: optional ``config -> {name: interface.EvalSuite}``: the evaluations the environment offers.
-    board_view: optional ``config -> interface.BoardView``: how the play page draws the board and lets a person
-      play on it; without one the page shows episodes as transcripts.
+    board_view: optional ``config -> interface.BoardView`` (a two-sided game) or ``interface.PuzzleView`` (a
+      one-player puzzle): how the play page draws the board and lets a person play on it; without one the page
+      shows episodes as transcripts.
     options: the `env` section's settings and their defaults (None: not declared, the section goes as written).
     tokenizer_corpus: optional ``config -> iterable of str``: texts of the environment's own for the tokenizer
       `model.tokenizer="env"` builds (`reno_jax.loop.tokenizers`), beside its rendered chat.
@@ -58,7 +60,7 @@ class Entry:
     make_sampler: Callable[[Any], Callable[[Any, int], Any]]
     make_teacher: Callable[[Any, interface.TextEnv], interface.Teacher] | None = None
     eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None
-    board_view: Callable[[Any], interface.BoardView] | None = None
+    board_view: Callable[[Any], interface.BoardView | interface.PuzzleView] | None = None
     options: Mapping[str, Any] | None = None
     tokenizer_corpus: Callable[[Any], Iterable[str]] | None = None
     env_class: type | None = None
@@ -80,7 +82,7 @@ def register(
     make_teacher: Callable[[Any, interface.TextEnv], interface.Teacher] | None = None,
     *,
     eval_suites: Callable[[Any], Mapping[str, interface.EvalSuite]] | None = None,
-    board_view: Callable[[Any], interface.BoardView] | None = None,
+    board_view: Callable[[Any], interface.BoardView | interface.PuzzleView] | None = None,
     options: Mapping[str, Any] | None = None,
     tokenizer_corpus: Callable[[Any], Iterable[str]] | None = None,
 ) -> Entry:
