@@ -16,11 +16,12 @@ prompt length, so one program serves all boards and all checkpoints of a run):
   rollout that wrote the common prefix gives row r.
 
 * `model_reply`: the model's own answer on a board through the real rollout path (`rollout.rollout` on the
-  one-decision episode: its prompt, its generated text, the jitted tool-call parser) and the environment's own
-  step on the parsed call (its reward and tool response).
+  one-decision episode, one turn: its prompt, its generated text, the jitted tool-call parser) and the
+  environment's own step on the parsed call (its reward and tool response).
 
-* `model_episode`: a whole episode of any environment (the transcript view): the rollout, then the environment
-  replayed over the calls it parsed, for the tool responses the rollout does not render after the last turn.
+* `model_episode`: a whole episode of any environment (the transcript view, and a puzzle played to the end): the
+  rollout, then the environment replayed over the calls it parsed, for the tool responses the rollout does not
+  render after the last turn.
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def model_reply(
     model_config: ling3.Ling3Config,
     rollout_config: rollout_lib.RolloutConfig,
 ) -> dict:
-    """One one-decision episode at ``start``: the generated tokens, the parsed call, the episode's reward and the
-    environment's tool response (its step on the parsed call) as a message."""
+    """One one-decision episode at ``start`` (``rollout_config.max_turns`` 1): the generated tokens, the parsed call,
+    the environment's step on it (its reward, the episode's for a one-turn episode, and its tool response as a
+    message)."""
     traj = rollout_lib.rollout(params, key, start, model_config=model_config, rollout_config=rollout_config, env=env)
     m = rollout_config.max_new_tokens
     n = traj.info["generated_tokens"][0]
@@ -113,7 +115,7 @@ def model_reply(
         kind=call.kind,
         tool=call.tool,
         args=call.args,
-        reward=traj.reward[0],
+        reward=step.reward,  # the move's own (the rollout's episode reward is cut short after one turn)
         template=step.message.template,
         values=step.message.values,
     )
@@ -129,12 +131,14 @@ def model_episode(
     rollout_config: rollout_lib.RolloutConfig,
 ) -> dict:
     """One whole episode at ``start`` (leading axis 1): the conversation's tokens, which of them the model wrote
-    and in which turn, the reward and the environment's final info."""
+    and in which turn (``[rows, width]``: one row, or with bounded history one turn sample per turn), the reward and
+    the environment's final info."""
     traj = rollout_lib.rollout(params, key, start, model_config=model_config, rollout_config=rollout_config, env=env)
+    rows = traj.tokens.shape[0] // traj.stats.num_turns.shape[0]  # the episode's rows come first (T with history)
     return dict(
-        tokens=traj.tokens[0],
-        loss_mask=traj.loss_mask[0],
-        turn_id=traj.turn_id[0],
+        tokens=traj.tokens[:rows],
+        loss_mask=traj.loss_mask[:rows],
+        turn_id=traj.turn_id[:rows],
         num_turns=traj.info["num_turns"][0],
         reward=traj.reward[0],
         info=_first(traj.info),
@@ -161,13 +165,14 @@ def _text(tokenizer, ids) -> str:
 
 @dataclasses.dataclass
 class Decisions:
-    """A board environment's one-decision episodes for one run's model: the heat map and the model's reply."""
+    """A board or puzzle environment's one-decision episodes for one run's model: the heat map and the model's
+    reply (one turn of the episode the view starts, whatever the environment's own turn budget)."""
 
     config: object
     tokenizer: object
     model_config: ling3.Ling3Config
     entry: object
-    view: interface.BoardView
+    view: interface.BoardView | interface.PuzzleView
 
     def __post_init__(self):
         self.env = build.make_compiled_env(
@@ -199,7 +204,7 @@ class Decisions:
 
     def _reply_fn(self, greedy: bool):
         if greedy not in self._replies:
-            rc = build.rollout_config(self.config, greedy=greedy, group_size=1)
+            rc = dataclasses.replace(build.rollout_config(self.config, greedy=greedy, group_size=1), max_turns=1)
             self._replies[greedy] = jax.jit(
                 functools.partial(model_reply, model_config=self.model_config, rollout_config=rc)
             )
@@ -215,11 +220,13 @@ class Decisions:
         rows = np.flatnonzero(same)
         return int(self.row_actions[rows[0]]) if rows.size else None
 
-    def reply(self, params, board: np.ndarray, greedy: bool = True, seed: int = 0) -> dict:
+    def reply(self, params, board: np.ndarray, greedy: bool = True, seed: int = 0, start=None) -> dict:
         """The model's turn on ``board`` (the side to move): its text, the parsed call, the action it names, the
         page's verdict ("legal", "illegal": the board refuses that action, "invalid": no call the board knows),
-        the board after it, the environment's reward and tool response."""
-        out = self._reply_fn(greedy)(params, jax.random.PRNGKey(seed), self.view.decision_start(board), self.env)
+        the board after it, the environment's reward and tool response. ``start``: the episode's start record
+        (default: the view's `decision_start` of ``board``; a puzzle's counts the moves already made)."""
+        start = self.view.decision_start(board) if start is None else start
+        out = self._reply_fn(greedy)(params, jax.random.PRNGKey(seed), start, self.env)
         out = jax.tree.map(np.asarray, out)
         kind = int(out["kind"])
         action = self.action_of_call(kind, int(out["tool"]), out["args"])
@@ -274,9 +281,12 @@ class Episodes:
             )
         return self._fns[greedy]
 
-    def play(self, params, start, overrides: dict, greedy: bool = True, seed: int = 0) -> dict:
+    def play(
+        self, params, start, overrides: dict, greedy: bool = True, seed: int = 0, with_calls: bool = False
+    ) -> dict:
         """The episode at ``start`` as chat messages: system, user, then per turn the model's text and the tool's
-        response (with that step's reward), the episode's reward and the environment's info figures."""
+        response (with that step's reward), the episode's reward and the environment's info figures; with
+        ``with_calls`` also ``calls``, each turn's parsed call as ``(kind, tool, args)`` (for a view to replay)."""
         env = self._env(dict(overrides))
         episode_fn, replay_fn, parse_fn, rc = self._fn(greedy)
         out = jax.tree.map(np.asarray, episode_fn(params, jax.random.PRNGKey(seed), start, env))
@@ -311,10 +321,14 @@ class Episodes:
                 }
             )
         info = {k: float(v) for k, v in out["info"].items() if np.ndim(v) == 0}
-        return {
+        answer = {
             "messages": messages,
             "num_turns": turns,
             "reward": float(out["reward"]),
             "info": info,
             "greedy": greedy,
         }
+        if with_calls:
+            parsed = jax.tree.map(np.asarray, calls)
+            answer["calls"] = [(int(parsed.kind[t]), int(parsed.tool[t]), parsed.args[t]) for t in range(turns)]
+        return answer
