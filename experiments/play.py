@@ -7,10 +7,13 @@ The page (no network needed: plain HTML/JS/CSS shipped in `reno_jax/play/static`
 One that declares a board view (`reno_jax.envs.interface.BoardView`) gets its board: you play the model by
 clicking a cell or dropping in a column (the model plays the side the run trained it on), with the policy's
 probability for each move at its decision token before each of its moves (best moves starred, where the game
-declares them) and the model's raw turn and the environment's answer. Any other environment gets transcripts: an
-episode of its sampler or of an evaluation suite, played by the chosen checkpoint. Both show the run's curves
-refreshed live from `metrics.jsonl` and pick among the saved checkpoints (0 = the supervised warm start). The
-workdir may still be training. The JSON API the page uses is described in `reno_jax/play/app.py` and docs/play.md.
+declares them) and the model's raw turn and the environment's answer. One that declares a puzzle view
+(`interface.PuzzleView`, a one-player puzzle) gets its puzzles: you move with the arrow keys against the move
+budget, ask the model for a move (with the same heat map) or let it play on to the end. Any other environment gets
+transcripts: an episode of its sampler or of an evaluation suite, played by the chosen checkpoint. All show the
+run's curves refreshed live from `metrics.jsonl` and pick among the saved checkpoints (0 = the supervised warm
+start). The workdir may still be training. The JSON API the page uses is described in `reno_jax/play/app.py` and
+docs/play.md.
 """
 
 from __future__ import annotations

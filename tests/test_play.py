@@ -564,12 +564,12 @@ registry.register("letters", registration.make_env, registration.make_sampler, r
 
 def test_the_page_imports_no_game():
     """`reno_jax/play` and `experiments/play.py` name no environment: everything game-specific is declared by
-    the environment (`BoardView`)."""
+    the environment (`BoardView`, `PuzzleView`)."""
     files = glob.glob(os.path.join(REPO, "reno_jax", "play", "**", "*.*"), recursive=True)
     files.append(os.path.join(REPO, "experiments", "play.py"))
     pattern = re.compile(
         r"tictactoe|tic-tac-toe|connect ?4|connect four|guess_number|guess the number|"
-        r"choose_square|drop_piece|minimax",
+        r"choose_square|drop_piece|minimax|sokoban",
         re.IGNORECASE,
     )
     for path in files:

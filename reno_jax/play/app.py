@@ -1,16 +1,27 @@
 """FastAPI app of the play page: the static page and its JSON API over a `service.PlayService`.
 
   GET  /                       the page (static/index.html; its JS and CSS under /static)
-  GET  /api/run                workdir, env, view ("board" or "transcript"), the board's geometry, input kind,
-                               symbols and sides (`board`, null for transcripts), the suites, saved checkpoint
-                               steps (0 = warm start), training or finished
+  GET  /api/run                workdir, env, view ("board", "puzzle" or "transcript"), the board's geometry, input
+                               kind, symbols and sides (`board`, null otherwise), the puzzle's geometry, symbols,
+                               moves (labels, keys), move budget and suites (`puzzle`, null otherwise), the
+                               suites, saved checkpoint steps (0 = warm start), training or finished
   GET  /api/policy?board=...&step=N[&sampled=true&seed=S]
-                               board view: {"probs": [num_actions], "mass", "best": [actions], "action", "label",
-                                "text", "verdict", "tool_response", ...}: the policy at the decision token and the
-                                model's reply
+                               board or puzzle view: {"probs": [num_actions], "mass", "best": [actions], "action",
+                                "label", "text", "verdict", "tool_response", ...}: the policy at the decision token
+                                and the model's reply
   POST /api/play               board view: {"board", "action" (0-based, or null: the model moves first), "step",
                                "sampled"} -> the board after the person's and the model's moves, the status, the
                                model's turn
+  GET  /api/puzzle?suite=NAME&index=K   (suite: default the first)
+                               puzzle view: {"board", "moves": 0, "max_moves", "status", "moves_to_solve", "best"}
+  POST /api/puzzle/move        puzzle view: {"board", "action", "moves"} -> the person's move: the position after it
+                               (`moves` + 1, "status": ongoing / solved / out_of_moves, "moves_to_solve": null when
+                               it cannot be solved any more) and whether it was "blocked"
+  POST /api/puzzle/model       puzzle view: {"board", "moves", "step", "sampled", "seed"} -> the model's move (`model`:
+                               as /api/policy) and the position after it
+  POST /api/puzzle/solve       puzzle view: the same body -> the model plays on to the end (the environment's episode
+                               with `moves` of its budget made): each turn's move, text, board after it, reward and
+                               tool response, why it "ended", the final position
   GET  /api/episode?step=N&suite=NAME&episode=K[&sampled=true&seed=S]
                                any environment: one episode (suite "sampler": the run's training sampler) as chat
                                messages with each step's reward
@@ -40,6 +51,24 @@ class PlayRequest(pydantic.BaseModel):
 
     board: str | None = None  # None: the empty board
     action: int | None = None
+    step: int | None = None
+    sampled: bool = False
+    seed: int = 0
+
+
+class PuzzleMoveRequest(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    board: str
+    action: int
+    moves: int = 0  # made before this one
+
+
+class PuzzleModelRequest(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    board: str
+    moves: int = 0  # made so far (the model's episode counts them against the budget)
     step: int | None = None
     sampled: bool = False
     seed: int = 0
@@ -86,6 +115,26 @@ def create_app(service: service_lib.PlayService) -> fastapi.FastAPI:
     def play(request: PlayRequest):
         board = request.board if request.board is not None else service.empty_board()
         return service.play(board, request.action, request.step, sampled=request.sampled, seed=request.seed)
+
+    @app.get("/api/puzzle")
+    def puzzle(suite: str | None = None, index: int = 0):
+        return service.puzzle(suite, index)
+
+    @app.post("/api/puzzle/move")
+    def puzzle_move(request: PuzzleMoveRequest):
+        return service.puzzle_move(request.board, request.action, request.moves)
+
+    @app.post("/api/puzzle/model")
+    def puzzle_model(request: PuzzleModelRequest):
+        return service.puzzle_model(
+            request.board, request.moves, request.step, sampled=request.sampled, seed=request.seed
+        )
+
+    @app.post("/api/puzzle/solve")
+    def puzzle_solve(request: PuzzleModelRequest):
+        return service.puzzle_solve(
+            request.board, request.moves, request.step, sampled=request.sampled, seed=request.seed
+        )
 
     @app.get("/api/episode")
     def episode(

@@ -1,8 +1,10 @@
 """The page's operations on one run, independent of HTTP: every failure is a `PlayError(status, message)`.
 
 The run's environment decides the view: one that declares a board view (`interface.BoardView`, in its registry
-entry) gets the board (a person plays the model, the heat map, the model's turns); any other gets transcripts
-(one episode of its sampler or of an evaluation suite, played by the chosen checkpoint).
+entry) gets the board (a person plays the model, the heat map, the model's turns); one that declares a puzzle view
+(`interface.PuzzleView`) gets the puzzle (a person moves in one of its puzzles, asks the model for a move with its
+heat map, or lets the model play on to the end); any other gets transcripts (one episode of its sampler or of an
+evaluation suite, played by the chosen checkpoint).
 
 Model calls are serialised by one lock (JAX on a CPU gains nothing from concurrent calls, and the restored
 parameters' LRU is shared); a request that cannot get the lock within `lock_timeout` seconds is answered "busy"
@@ -21,6 +23,7 @@ import time
 import jax
 import numpy as np
 
+from reno_jax.envs import interface
 from reno_jax.loop import build, curriculum, host_envs
 from reno_jax.play import host_episodes
 from reno_jax.play import policy as policy_lib
@@ -61,13 +64,20 @@ class PlayService:
         self._lock_timeout = lock_timeout
 
     @property
+    def is_puzzle(self) -> bool:
+        return isinstance(self.view, interface.PuzzleView)
+
+    def _no_view(self) -> PlayError:
+        return PlayError(
+            404,
+            f"environment {self.entry.name!r} declares no board view; its episodes are shown as transcripts "
+            "(/api/episode)",
+        )
+
+    @property
     def decisions(self) -> policy_lib.Decisions:
         if self.view is None:
-            raise PlayError(
-                404,
-                f"environment {self.entry.name!r} declares no board view; its episodes are shown "
-                "as transcripts (/api/episode)",
-            )
+            raise self._no_view()
         if self._decisions is None:
             self._decisions = policy_lib.Decisions(
                 self.run.config, self.run.tokenizer, self.run.model_config, self.entry, self.view
@@ -86,9 +96,9 @@ class PlayService:
 
     # -- run information ------------------------------------------------------------------------------------
     def board_info(self) -> dict | None:
-        """The board view as the page draws it (None: the transcript view)."""
+        """The board view as the page draws it (None: a puzzle or the transcript view)."""
         v = self.view
-        if v is None:
+        if v is None or self.is_puzzle:
             return None
         empty = np.zeros((v.rows, v.cols), np.int8)
         first = int(v.to_move(empty))
@@ -108,6 +118,27 @@ class PlayService:
             "first_side": first,
             "trained_side": v.trained_side,
             "model_side": model_side,
+        }
+
+    def puzzle_info(self) -> dict | None:
+        """The puzzle view as the page draws it (None: a board or the transcript view)."""
+        v = self.view
+        if not self.is_puzzle:
+            return None
+        return {
+            "rows": v.rows,
+            "cols": v.cols,
+            "chars": v.chars,
+            "symbols": list(v.symbols),
+            "colors": list(v.colors),
+            "fills": None if v.fills is None else list(v.fills),
+            "num_actions": v.num_actions,
+            "labels": [v.label(a) for a in range(v.num_actions)],
+            "action_symbols": None if v.action_symbols is None else list(v.action_symbols),
+            "keys": None if v.action_keys is None else list(v.action_keys),
+            "max_moves": int(v.max_moves),
+            "suites": [{"name": name, "count": int(n)} for name, n in v.puzzles.items()],
+            "solver": v.moves_to_solve is not None,
         }
 
     @property
@@ -138,8 +169,9 @@ class PlayService:
             "workdir": self.run.workdir,
             "env": self.entry.name,
             "task": str(self.run.config.env.get("task", "")),
-            "view": "board" if self.view is not None else "transcript",
+            "view": "transcript" if self.view is None else ("puzzle" if self.is_puzzle else "board"),
             "board": self.board_info(),
+            "puzzle": self.puzzle_info(),
             "suites": self.suites(),
             "num_steps": num_steps,
             "last_metrics_step": last,
@@ -211,52 +243,86 @@ class PlayService:
         finally:
             self._lock.release()
 
-    def empty_board(self) -> str:
+    def _board_view(self) -> interface.BoardView:
         view = self.decisions.view
+        if self.is_puzzle:
+            raise PlayError(
+                404,
+                f"environment {self.entry.name!r} is a one-player puzzle, not a two-sided game: play it through "
+                "/api/puzzle, /api/puzzle/move, /api/puzzle/model and /api/puzzle/solve",
+            )
+        return view
+
+    def _puzzle_view(self) -> interface.PuzzleView:
+        if self.view is None:
+            raise self._no_view()
+        if not self.is_puzzle:
+            raise PlayError(404, f"environment {self.entry.name!r} declares a board, not a puzzle: use /api/play")
+        return self.view
+
+    def empty_board(self) -> str:
+        view = self._board_view()
         return view.format(np.zeros((view.rows, view.cols), np.int8))
 
     def _board(self, text: str) -> np.ndarray:
-        view = self.decisions.view
+        view = self.view
+        if view is None:
+            raise self._no_view()
         try:
             return view.parse(text)
         except ValueError as e:
             raise PlayError(400, str(e)) from None
 
-    def policy(self, board: str, step: int | None = None, *, sampled: bool = False, seed: int = 0) -> dict:
+    def policy(
+        self, board: str, step: int | None = None, *, sampled: bool = False, seed: int = 0, moves: int = 0
+    ) -> dict:
         """Heat map over the actions, the best actions and the model's reply on `board` (it plays the side to
-        move)."""
+        move; on a puzzle, the next move, with `moves` of the budget already made)."""
         decisions = self.decisions
         view = decisions.view
         cells = self._board(board)
         _check_seed(seed)
-        status = view.status(cells)
-        if status != "ongoing":
-            raise PlayError(409, f"board {board!r} is finished ({status.replace('_', ' ')}): there is no move to make")
+        if self.is_puzzle:
+            self._check_moves(cells, moves)
+        else:
+            status = view.status(cells)
+            if status != "ongoing":
+                raise PlayError(
+                    409, f"board {board!r} is finished ({status.replace('_', ' ')}): there is no move to make"
+                )
         step = self.resolve_step(step)
+        start = view.start(cells, int(moves)) if self.is_puzzle else None
 
         def run():
             params = self._params_at(step)
-            return decisions.heat_map(params, cells), decisions.reply(params, cells, greedy=not sampled, seed=seed)
+            heat = decisions.heat_map(params, cells)
+            return heat, decisions.reply(params, cells, greedy=not sampled, seed=seed, start=start)
 
         heat, reply = self._model_call(run)
-        side = int(view.to_move(cells))
-        best = [int(a) for a in view.best_actions(cells)] if view.best_actions is not None else []
+        side = None if self.is_puzzle else int(view.to_move(cells))
         return {
             "board": view.format(cells),
             "step": step,
-            "side": view.sides[side - 1],
+            "side": None if side is None else view.sides[side - 1],
             "side_index": side,
             "legal": [bool(x) for x in view.legal(cells)],
-            "best": best,
+            "best": self._best(cells),
             **heat,
             **reply,
         }
+
+    def _best(self, cells: np.ndarray) -> list[int]:
+        view = self.view
+        return [int(a) for a in view.best_actions(cells)] if view.best_actions is not None else []
 
     def warm_up(self) -> None:
         """Builds the jitted functions and compiles them on the default checkpoint (if there is one yet), so the
         person's first click does not wait for XLA."""
         try:
-            if self.view is not None:
+            if self.is_puzzle:
+                suite = next(iter(self.view.puzzles))
+                self.policy(self.view.format(self.view.puzzle(suite, 0)))
+            elif self.view is not None:
                 self.policy(self.empty_board())
             else:
                 self.episode()
@@ -272,7 +338,7 @@ class PlayService:
         "model_illegal" / "model_invalid": the model's call was refused, which loses the game as in training)
         and the model's turn (`model`, the `policy` answer for the position it faced; None if it did not move).
         """
-        view = self.decisions.view
+        view = self._board_view()
         cells = self._board(board)
         status = view.status(cells)
         if status != "ongoing":
@@ -299,6 +365,143 @@ class PlayService:
             "person_label": None if action is None else view.label(action),
             "status": status,
             "model": model,
+        }
+
+    # -- puzzles --------------------------------------------------------------------------------------------
+    def _check_moves(self, cells: np.ndarray, moves: int) -> None:
+        """Refuses a puzzle that is over: solved, or `moves` at the budget (409), or a move count outside it (400)."""
+        view = self._puzzle_view()
+        if not 0 <= int(moves) <= int(view.max_moves):
+            raise PlayError(400, f"moves must be in 0..{view.max_moves} (the move budget), got {moves}")
+        status = view.status(cells, moves)
+        if status == interface.SOLVED:
+            raise PlayError(409, f"board {view.format(cells)!r} is solved: there is no move to make; load a puzzle")
+        if status == interface.OUT_OF_MOVES:
+            raise PlayError(409, f"out of moves ({moves} / {view.max_moves}): load the puzzle again")
+
+    def _position(self, cells: np.ndarray, moves: int) -> dict:
+        """What the page shows of a puzzle position: the board, the moves made, the status, the solver's count."""
+        view = self._puzzle_view()
+        left = view.moves_to_solve(cells) if view.moves_to_solve is not None else None
+        return {
+            "board": view.format(cells),
+            "moves": int(moves),
+            "max_moves": int(view.max_moves),
+            "status": view.status(cells, moves),
+            "moves_to_solve": None if left is None else int(left),
+            "best": self._best(cells),
+        }
+
+    def puzzle(self, suite: str | None = None, index: int = 0) -> dict:
+        """The `index`-th puzzle of `suite` (None: the view's first suite), no move made."""
+        view = self._puzzle_view()
+        suite = next(iter(view.puzzles)) if suite is None else suite
+        if suite not in view.puzzles:
+            raise PlayError(404, f"no puzzle suite {suite!r}; choose one of {list(view.puzzles)}")
+        count = int(view.puzzles[suite])
+        if not 0 <= index < count:
+            raise PlayError(400, f"index must be in 0..{count - 1} for suite {suite!r}, got {index}")
+        return {"suite": suite, "index": index, **self._position(view.puzzle(suite, index), 0)}
+
+    def puzzle_move(self, board: str, action: int, moves: int = 0) -> dict:
+        """The person's move `action` on `board` with `moves` made: the position after it (`blocked`: the move left
+        the board as it was, and counts)."""
+        view = self._puzzle_view()
+        cells = self._board(board)
+        self._check_moves(cells, moves)
+        if not 0 <= int(action) < view.num_actions:
+            raise PlayError(400, f"action must be 0..{view.num_actions - 1}, got {action}")
+        after = view.apply(cells, int(action))
+        return {
+            **self._position(after, moves + 1),
+            "before": view.format(cells),
+            "action": int(action),
+            "label": view.label(action),
+            "blocked": bool(np.array_equal(after, cells)),
+        }
+
+    def puzzle_model(
+        self, board: str, moves: int = 0, step: int | None = None, *, sampled: bool = False, seed: int = 0
+    ) -> dict:
+        """The model's move on `board` with `moves` made (the `policy` answer: heat map, text, verdict, the
+        environment's answer) and the position after it; a call the puzzle does not know moves nothing."""
+        model = self.policy(board, step, sampled=sampled, seed=seed, moves=moves)
+        view = self.view
+        cells = view.parse(model["board"])
+        moved = model["verdict"] == "legal"
+        after = view.parse(model["board_after"]) if moved else cells
+        return {
+            **self._position(after, moves + int(moved)),
+            "blocked": moved and bool(np.array_equal(after, cells)),
+            "model": model,
+        }
+
+    def puzzle_solve(
+        self, board: str, moves: int = 0, step: int | None = None, *, sampled: bool = False, seed: int = 0
+    ) -> dict:
+        """The model plays from `board` to the end: the environment's episode from there with `moves` of its budget
+        already made (`PuzzleView.start`), through the real rollout. Per turn: the model's text, the move it names,
+        the board after it (its calls replayed through the view's rules), the environment's reward and tool
+        response, and the heat map (with the best moves) on the board it faced. `ended` says why the model's play
+        stopped: "solved", "out_of_moves", "invalid" (a call the puzzle does not know: the episode ends there, as
+        in training) or "turn_limit" (the run's rollout.max_turns ran out first)."""
+        view = self._puzzle_view()
+        decisions = self.decisions
+        cells = self._board(board)
+        _check_seed(seed)
+        self._check_moves(cells, moves)
+        step = self.resolve_step(step)
+        start, first = view.start(cells, int(moves)), cells
+
+        def run():
+            params = self._params_at(step)
+            out = self.episodes.play(
+                params, start, dict(view.decision_overrides), greedy=not sampled, seed=seed, with_calls=True
+            )
+            actions = [decisions.action_of_call(*call) for call in out["calls"]]
+            boards = [first]  # the board each turn faced (an invalid call moves nothing)
+            for action in actions[:-1]:
+                boards.append(boards[-1] if action is None else view.apply(boards[-1], action))
+            return out, actions, boards, [decisions.heat_map(params, b) for b in boards]
+
+        out, actions, boards, heats = self._model_call(run)
+        texts = [m for m in out["messages"] if m["role"] == "assistant"]
+        answers = [m for m in out["messages"] if m["role"] == "tool"]
+        turns, ended = [], "turn_limit"
+        for t, (action, before, heat) in enumerate(zip(actions, boards, heats)):
+            if action is not None:
+                cells, moves = view.apply(before, action), moves + 1
+            turns.append(
+                {
+                    "turn": t,
+                    "board": view.format(before),
+                    "best": self._best(before),
+                    **heat,
+                    "text": texts[t]["content"],
+                    "parse": texts[t]["parse"],
+                    "action": action,
+                    "label": None if action is None else view.label(action),
+                    "verdict": "invalid" if action is None else "legal",
+                    "blocked": action is not None and bool(np.array_equal(cells, before)),
+                    "board_after": view.format(cells),
+                    "moves": int(moves),
+                    "reward": answers[t]["reward"],
+                    "tool_response": answers[t]["content"],
+                }
+            )
+            status = view.status(cells, moves)
+            if action is None or status != "ongoing":
+                ended = "invalid" if action is None else status
+                break
+        return {
+            "step": step,
+            "greedy": out["greedy"],
+            "start_board": view.format(first),
+            "turns": turns,
+            "ended": ended,
+            "reward": out["reward"],
+            "info": out["info"],
+            **self._position(cells, moves),
         }
 
     def episode(

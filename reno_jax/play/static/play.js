@@ -1,17 +1,21 @@
 // The play page: plain JS over the JSON API in reno_jax/play/app.py (no libraries, nothing fetched from the web).
 // It knows no game: /api/run says which view the environment has and, for a board, its geometry, input kind
-// ("cell": click a cell, "column": drop in a column), symbols, colours and sides.
+// ("cell": click a cell, "column": drop in a column), symbols, colours and sides; for a puzzle, its geometry,
+// symbols, colours, moves (labels, keys), move budget and puzzle suites.
 "use strict";
 
 const POLL_MS = 3000;      // metrics refresh while the run trains
 const RUN_POLL_MS = 10000; // new checkpoints
+const SOLVE_STEP_MS = 200; // the pause between the moves of the model's path when it plays to the end
 const $ = (id) => document.getElementById(id);
 
 const state = {
   run: null,
-  view: null,          // the run's board view (null: transcripts)
+  kind: "transcript",  // the run's view: "board", "puzzle" or "transcript"
+  view: null,          // the run's board or puzzle view (null: transcripts)
   steps: [],
   board: "",
+  moves: 0,            // puzzle: moves made
   personSide: 1,
   over: false,
   busy: false,
@@ -39,7 +43,15 @@ const postJSON = (path, data) => api(path, {
 // ------------------------------------------------------------------------------------------------ boards
 
 const sideName = (k) => state.view.sides[k - 1];
-const moveName = (action) => `${state.view.input} ${state.view.labels[action]}`;
+const moveName = (action) => `${state.view.input || "move"} ${state.view.labels[action]}`;
+
+// Board strings are read in either case when the view's characters are all of one case (as the server does).
+function normalise(board) {
+  const chars = state.view.chars;
+  if (chars === chars.toLowerCase()) return board.toLowerCase();
+  if (chars === chars.toUpperCase()) return board.toUpperCase();
+  return board;
+}
 
 function gridStyle(container, rows, cols, size) {
   container.style.gridTemplateColumns = `repeat(${cols}, ${size}px)`;
@@ -60,6 +72,7 @@ function renderBoard(container, board, { clickable = false, mini = false } = {})
     cell.dataset.value = String(value);
     cell.textContent = v.symbols[value];
     if (value) cell.style.color = v.colors[value];
+    if (v.fills) cell.style.background = v.fills[value];
     const action = v.input === "cell" ? i : i % v.cols;
     if (!mini) {
       if (state.lastCells.includes(i)) cell.classList.add("last");
@@ -96,8 +109,8 @@ function renderHeatmap(container, board, result) {
   container.dataset.step = String(result.step);
   if (!result.probs) { container.textContent = result.heat_error || "no heat map"; return; }
   const cellInput = v.input === "cell";
-  const size = v.cols > 4 ? 52 : 64;
-  gridStyle(container, cellInput ? v.rows : 1, v.cols, size);
+  const size = (cellInput ? v.cols : v.num_actions) > 4 ? 52 : 64;
+  gridStyle(container, cellInput ? v.rows : 1, cellInput ? v.cols : v.num_actions, size);
   const top = Math.max(...result.probs);
   for (let a = 0; a < v.num_actions; a++) {
     const p = result.probs[a];
@@ -114,7 +127,8 @@ function renderHeatmap(container, board, result) {
     if (result.action === a) cell.classList.add("chosen");
     if (!result.legal[a]) cell.classList.add("illegal");
     const value = cellInput ? Math.max(v.chars.indexOf(board[a]), 0) : 0;
-    const stone = value ? `<span class="stone">${v.symbols[value]}</span>` : "";
+    const stone = value ? `<span class="stone">${v.symbols[value]}</span>`
+      : (v.action_symbols ? `<span class="stone">${v.action_symbols[a]}</span>` : "");
     cell.innerHTML = `<span class="num">${v.labels[a]}</span>${best ? '<span class="star">&#9733;</span>' : ""}` +
       `<b>${(100 * p).toFixed(1)}%</b>${stone}`;
     cell.title = `${moveName(a)}: ${(100 * p).toFixed(2)}% of the move mass` + (best ? " (best)" : "");
@@ -146,11 +160,11 @@ function setStatus(text, kind = "") {
   el.className = "status" + (kind ? " " + kind : "");
 }
 
-function log(text) {
+function log(text, list = "move-log") {
   const li = document.createElement("li");
   li.textContent = text;
-  $("move-log").appendChild(li);
-  $("move-log").scrollTop = $("move-log").scrollHeight;
+  $(list).appendChild(li);
+  $(list).scrollTop = $(list).scrollHeight;
 }
 
 function selectedStep() {
@@ -225,7 +239,8 @@ function newGame() {
 }
 
 function showThinking(m) {
-  $("thinks-step").textContent = `(step ${m.step}, ${m.greedy ? "greedy" : "sampled"}, ${m.side} to move)`;
+  const who = m.side ? `, ${m.side} to move` : "";
+  $("thinks-step").textContent = `(step ${m.step}, ${m.greedy ? "greedy" : "sampled"}${who})`;
   renderHeatmap($("heatmap"), m.board, m);
   $("heat-mass").textContent = m.mass === null ? "-" : m.mass.toFixed(3);
   $("model-choice").textContent = describeChoice(m);
@@ -248,6 +263,192 @@ function setUpBoard(view) {
   $("sharpen-board").value = view.empty;
   $("sharpen-board").maxLength = view.empty.length;
   newGame();
+}
+
+// ------------------------------------------------------------------------------------------------ puzzles
+
+function setPuzzleStatus(text, kind = "") {
+  const el = $("puzzle-status");
+  el.textContent = text;
+  el.className = "status" + (kind ? " " + kind : "");
+}
+
+function drawPuzzle() {
+  renderBoard($("puzzle-board"), state.board);
+  $("puzzle-board").dataset.moves = String(state.moves);
+  $("puzzle-counter").textContent = `${state.moves} / ${state.view.max_moves}`;
+}
+
+// The person's next step at a position: over, stuck (per the solver, where the environment has one), or a move.
+function positionText(out) {
+  const left = state.view.max_moves - out.moves;
+  if (out.status === "solved") return [`Solved in ${out.moves} moves!`, "over"];
+  if (out.status === "out_of_moves") return ["Out of moves. Load the puzzle again or another one.", "over"];
+  if (state.view.solver && out.moves_to_solve === null) {
+    return ["No longer solvable (per the solver): load the puzzle again.", "error"];
+  }
+  if (state.view.solver && out.moves_to_solve > left) {
+    return [`Not solvable in the ${left} moves left (the solver needs ${out.moves_to_solve}).`, "error"];
+  }
+  return ["Your move: the arrow keys or the buttons.", ""];
+}
+
+function showPosition(out) {
+  state.board = out.board;
+  state.moves = out.moves;
+  state.over = out.status !== "ongoing";
+  drawPuzzle();
+  $("puzzle-status").dataset.game = out.status;
+  $("puzzle-solver").textContent = !state.view.solver ? ""
+    : out.moves_to_solve === null ? "(the solver: no longer solvable)"
+    : `(the solver: ${out.moves_to_solve} more move${out.moves_to_solve === 1 ? "" : "s"})`;
+  const [text, kind] = positionText(out);
+  setPuzzleStatus(text, kind);
+}
+
+// While a request runs nothing else starts; the model's buttons also wait for a checkpoint.
+function setPuzzleBusy(busy) {
+  state.busy = busy;
+  $("puzzle-load").disabled = busy;
+  for (const id of ["puzzle-model-move", "puzzle-model-solve"]) $(id).disabled = busy || !state.steps.length;
+}
+
+async function loadPuzzle() {
+  if (state.busy || !state.view) return;
+  const params = new URLSearchParams({ suite: $("puzzle-suite").value, index: $("puzzle-index").value || "0" });
+  try {
+    const out = await api(`/api/puzzle?${params}`);
+    $("puzzle-log").innerHTML = "";
+    state.lastCells = [];
+    showPosition(out);
+    $("puzzle-board").dataset.puzzle = `${out.suite}/${out.index}`;
+    if ($("sharpen-board").value.length !== out.board.length) {
+      $("sharpen-board").value = out.board;
+      updateSharpening();
+    }
+  } catch (e) {
+    setPuzzleStatus(e.message, "error");
+  }
+}
+
+async function puzzleMove(action) {
+  if (state.busy || !state.board) return;
+  if (state.over) { setPuzzleStatus("The puzzle is over. Load it again or another one.", "error"); return; }
+  setPuzzleBusy(true);
+  try {
+    const out = await postJSON("/api/puzzle/move", { board: state.board, action, moves: state.moves });
+    state.lastCells = changedCells(out.before, out.board);
+    log(`You: ${moveName(action)}` + (out.blocked ? " (blocked)" : ""), "puzzle-log");
+    showPosition(out);
+  } catch (e) {
+    setPuzzleStatus(e.message, "error");
+  } finally {
+    setPuzzleBusy(false);
+  }
+}
+
+const modelRequest = () => ({ board: state.board, moves: state.moves, step: selectedStep(),
+                              sampled: $("sampled-check").checked });
+
+async function puzzleModelMove() {
+  if (state.busy || !state.board) return;
+  if (state.over) { setPuzzleStatus("The puzzle is over. Load it again or another one.", "error"); return; }
+  setPuzzleBusy(true);
+  setPuzzleStatus("The model is thinking...");
+  try {
+    const out = await postJSON("/api/puzzle/model", modelRequest());
+    const m = out.model;
+    showThinking(m);
+    state.lastCells = changedCells(m.board, out.board);
+    log(`Model (step ${m.step}): ${describeChoice(m)}` + (out.blocked ? " (blocked)" : ""), "puzzle-log");
+    showPosition(out);
+  } catch (e) {
+    setPuzzleStatus(e.message, "error");
+  } finally {
+    setPuzzleBusy(false);
+  }
+}
+
+// Why the model's play to the end stopped (the server's `ended`), then what the person may do.
+function endedText(out) {
+  const again = "Load the puzzle again or another one.";
+  if (out.ended === "solved") return [`The model solved it: ${out.moves} moves in all.`, "over"];
+  if (out.ended === "out_of_moves") return [`The model ran out of moves (${out.moves} / ${state.view.max_moves}). ${again}`, "over"];
+  const why = out.ended === "invalid" ? "The model's call was not a move: its episode ended there, as in training."
+    : "The run's turn limit (rollout.max_turns) stopped the model.";
+  const [text, kind] = positionText(out);
+  return [`${why} ${text}`, kind || "error"];
+}
+
+async function puzzleSolve() {
+  if (state.busy || !state.board) return;
+  if (state.over) { setPuzzleStatus("The puzzle is over. Load it again or another one.", "error"); return; }
+  setPuzzleBusy(true);
+  setPuzzleStatus("The model is playing to the end...");
+  $("puzzle-status").dataset.ended = "";
+  try {
+    const out = await postJSON("/api/puzzle/solve", modelRequest());
+    for (const t of out.turns) {  // its path, one move at a time, each with the heat map on the board it faced
+      showThinking({ ...t, step: out.step, greedy: out.greedy, side: null, legal: state.view.labels.map(() => true) });
+      $("thinks-step").textContent = `(step ${out.step}, ${out.greedy ? "greedy" : "sampled"}, ` +
+        `turn ${t.turn + 1} of its play to the end)`;
+      state.lastCells = changedCells(state.board, t.board_after);
+      state.board = t.board_after;
+      state.moves = t.moves;
+      drawPuzzle();
+      log(`Model (step ${out.step}), turn ${t.turn + 1}: ${describeChoice(t)}` + (t.blocked ? " (blocked)" : ""),
+          "puzzle-log");
+      await new Promise((resolve) => setTimeout(resolve, SOLVE_STEP_MS));
+    }
+    showPosition(out);
+    const [text, kind] = endedText(out);
+    setPuzzleStatus(text, kind);
+    $("puzzle-status").dataset.ended = out.ended;
+  } catch (e) {
+    setPuzzleStatus(e.message, "error");
+  } finally {
+    setPuzzleBusy(false);
+  }
+}
+
+function onKey(event) {
+  if (state.kind !== "puzzle" || !state.view.keys || event.altKey || event.ctrlKey || event.metaKey) return;
+  const tag = event.target && event.target.tagName;
+  if (tag === "INPUT" || tag === "SELECT" || tag === "TEXTAREA") return;  // the key is for that control
+  const action = state.view.keys.indexOf(event.key);
+  if (action < 0) return;
+  event.preventDefault();  // no scrolling
+  puzzleMove(action);
+}
+
+function setUpPuzzle(view) {
+  const select = $("puzzle-suite");
+  select.innerHTML = "";
+  for (const s of view.suites) {
+    const o = document.createElement("option");
+    o.value = s.name;
+    o.textContent = `${s.name} (${s.count})`;
+    select.appendChild(o);
+  }
+  const fitIndex = () => {
+    const suite = view.suites.find((s) => s.name === select.value);
+    $("puzzle-index").max = String(suite.count - 1);
+  };
+  select.addEventListener("change", fitIndex);
+  fitIndex();
+  const row = $("puzzle-moves");
+  row.innerHTML = "";
+  view.labels.forEach((label, a) => {
+    const button = document.createElement("button");
+    button.dataset.action = String(a);
+    button.textContent = view.action_symbols ? `${view.action_symbols[a]} ${label}` : label;
+    if (view.keys) button.title = `key: ${view.keys[a]}`;
+    button.addEventListener("click", () => puzzleMove(a));
+    row.appendChild(button);
+  });
+  $("sharpen-board").maxLength = view.rows * view.cols;
+  $("sharpen-board").size = Math.min(view.rows * view.cols, 40);
+  loadPuzzle();
 }
 
 // ------------------------------------------------------------------------------------------------ transcripts
@@ -426,12 +627,19 @@ function describeRun(run) {
   $("run-info").textContent = `${run.workdir}  -  ${run.env}${run.task ? ` (${run.task} task)` : ""}  -  ${ckpts}`;
 }
 
+const VIEW_TITLES = {
+  board: "play it on its board", puzzle: "play its puzzles", transcript: "its episodes as transcripts" };
+
 function showView(run) {
-  state.view = run.board;
-  $("env-name").textContent = `${run.env}: ` + (run.board ? "play it on its board" : "its episodes as transcripts");
-  for (const el of document.querySelectorAll(".board-only")) el.hidden = !run.board;
-  for (const el of document.querySelectorAll(".transcript-only")) el.hidden = !!run.board;
-  if (run.board) setUpBoard(run.board);
+  state.kind = run.view;
+  state.view = run.board || run.puzzle || null;
+  $("env-name").textContent = `${run.env}: ${VIEW_TITLES[run.view] || run.view}`;
+  for (const el of document.querySelectorAll(".board-only")) el.hidden = run.view !== "board";
+  for (const el of document.querySelectorAll(".puzzle-only")) el.hidden = run.view !== "puzzle";
+  for (const el of document.querySelectorAll(".model-view")) el.hidden = run.view === "transcript";
+  for (const el of document.querySelectorAll(".transcript-only")) el.hidden = run.view !== "transcript";
+  if (run.view === "board") setUpBoard(run.board);
+  else if (run.view === "puzzle") setUpPuzzle(run.puzzle);
   else setUpTranscripts(run);
 }
 
@@ -443,6 +651,10 @@ async function pollRun() {
     describeRun(run);
     if (first) showView(run);
     setSteps(run.steps, run.default_step);
+    if (state.kind === "puzzle") {  // the person's moves need no checkpoint; the model's buttons wait for one
+      if (!state.busy) setPuzzleBusy(false);
+      return;
+    }
     if (!state.view) return;
     if (!run.steps.length) setStatus("No checkpoint yet: the run is still starting. This page updates by itself.", "error");
     else if ($("status").classList.contains("error") && $("status").textContent.startsWith("No checkpoint")) setStatus(yourMove());
@@ -456,10 +668,12 @@ async function updateSharpening() {
   if (!state.view) return;
   const slider = $("ckpt-slider");
   const step = state.steps[Number(slider.value)];
-  const board = $("sharpen-board").value.trim().toLowerCase();
+  const board = normalise($("sharpen-board").value.trim());
+  const size = state.view.rows * state.view.cols;
   $("slider-step").textContent = step === undefined ? "-" : (step === 0 ? "0 (warm start)" : String(step));
-  renderBoard($("sharpen-board-view"), board.length === state.view.empty.length ? board : state.view.empty, { mini: true });
-  if (step === undefined) return;
+  const shown = board.length === size ? board : (state.view.empty || (state.board.length === size ? state.board : ""));
+  if (shown) renderBoard($("sharpen-board-view"), shown, { mini: true });
+  if (step === undefined || !board) return;
   const token = ++sharpenToken;  // only the answer to the latest slider position is shown
   try {
     const out = await api(`/api/policy?board=${encodeURIComponent(board)}&step=${step}`);
@@ -488,6 +702,11 @@ function start() {
     updateSharpening();
   });
   $("episode-play").addEventListener("click", playEpisode);
+  $("puzzle-load").addEventListener("click", loadPuzzle);
+  $("puzzle-index").addEventListener("change", loadPuzzle);
+  $("puzzle-model-move").addEventListener("click", puzzleModelMove);
+  $("puzzle-model-solve").addEventListener("click", puzzleSolve);
+  document.addEventListener("keydown", onKey);
   $("curve-select").addEventListener("change", (e) => {
     const key = e.target.value;
     if (key && !state.shownCurves.includes(key)) { state.shownCurves.push(key); drawCurves(); }
