@@ -39,6 +39,7 @@ SLOW = {
         "drives a headless Chromium through chromedriver",
     "tests/test_play.py::test_browser_plays_connect4_with_column_buttons":
         "drives a headless Chromium through chromedriver",
+    "tests/test_play_puzzle.py::test_browser_plays_a_puzzle": "drives a headless Chromium through chromedriver",
     # several processes or devices
     "tests/test_play.py::test_cli_serves_a_run_and_prints_its_url":
         "starts the play server (uvicorn) in a second process and talks to it over HTTP",
@@ -81,6 +82,11 @@ SLOW = {
         "a Connect Four run for the page (~45 s)",
     "tests/test_play.py::test_api_connect4_board": "the same Connect Four run",
     "tests/test_play.py::test_api_board_less_environment_shows_transcripts": "a guess_number run for the page (~45 s)",
+    "tests/test_play_puzzle.py::test_api_puzzle_run_and_the_persons_moves":
+        "a Sokoban run for the page's puzzle board (~50-85 s on 2 cores)",
+    "tests/test_play_puzzle.py::test_api_model_move_and_model_plays_to_the_end": "the same Sokoban run",
+    "tests/test_play_puzzle.py::test_api_puzzle_refusals_are_clear": "the same Sokoban run",
+    "tests/test_play_puzzle.py::test_api_transcripts_of_a_bounded_history_run_show_every_turn": "the same Sokoban run",
     "tests/test_gpu_check.py::test_runs_every_phase_on_the_tiny_model":
         "benchmarks/gpu_check.py's three phases: three XLA compilations (~50 CPU-s; the fast tier runs its rollout)",
     # heavy equivalence checks of alternative layouts (each tens of CPU-seconds: a second program compiled and
@@ -154,6 +160,7 @@ SLOW = {
 LONGEST_FIRST = (
     "tests/test_experiments.py",
     "tests/test_play.py",
+    "tests/test_play_puzzle.py",
     "tests/test_model.py",
     "tests/test_routing_replay.py",
     "tests/test_lora.py",

@@ -14,7 +14,8 @@ return is on the other environments' scale (a win 1, an invalid call -1): with g
 would be worth ten invalid calls and the invalid penalty would barely register against a group's spread.
 
 The rooms are a dataset held by the environment (arrays, pytree leaves): a train split (the sampler's) and a
-held-out split (the ``heldout`` evaluation suite's); a start record names a split and a room.
+held-out split (the ``heldout`` evaluation suite's); a start record names a split and a room, or gives a room of its
+own (`SokobanStart.given`: the play page's position, which a person may have moved in).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from reno_jax.envs.sokoban import rooms, rules, wording
 OUTCOME_ONGOING, OUTCOME_SOLVED, OUTCOME_OUT_OF_MOVES, OUTCOME_INVALID, OUTCOME_TRUNCATED = range(5)
 OUTCOME_NAMES = ("ongoing", "solved", "out_of_moves", "invalid", "truncated")
 TRAIN, HELDOUT = 0, 1  # `SokobanStart.split`
+GIVEN_ROOM = -1  # `SokobanStart.room` of a start that gives its room (`SokobanStart.given`): no table row
 
 STEP_REWARD = -0.01
 BOX_REWARD = 0.1  # per box pushed onto a target (minus per box pushed off one)
@@ -70,10 +72,20 @@ class SokobanStart:
 
     Attributes:
       split: ``int32`` `TRAIN` or `HELDOUT`; room: ``int32`` the room's index in that split.
+      given: optional `Rooms`, one per start: the episode plays this room instead (``optimal``: its moves to solve,
+        -1 if it cannot be solved), and ``split`` / ``room`` only label it (`GIVEN_ROOM` when it is no table room).
+        The solver teacher looks its table up by ``split`` / ``room``, so it does not apply to given rooms (the warm
+        start and the sampler never give one).
+      steps: optional ``int32``: moves of the budget already made (None: 0), e.g. by a person on the play page.
+
+    Without ``given`` and ``steps`` (None: no leaves) the record is the sampler's and the suites' two arrays: their
+    pytree, and so the compiled rollout, stay as they were.
     """
 
     split: jax.Array
     room: jax.Array
+    given: Rooms | None = None
+    steps: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -169,12 +181,16 @@ class SokobanEnv(TextEnv):
 
     def reset(self, start: SokobanStart) -> tuple[SokobanState, Message]:
         split = jnp.asarray(start.split, jnp.int32)
-        pick = lambda train, heldout: jnp.where(  # noqa: E731
-            split == HELDOUT,
-            heldout[jnp.clip(start.room, 0, heldout.shape[0] - 1)],
-            train[jnp.clip(start.room, 0, train.shape[0] - 1)],
-        )
-        room = jax.tree.map(pick, self.train, self.heldout)
+        if start.given is not None:  # a Python branch on the record's structure: table starts trace as before
+            room = jax.tree.map(lambda a, like: jnp.asarray(a, like.dtype), start.given, self.train)
+        else:
+            pick = lambda train, heldout: jnp.where(  # noqa: E731
+                split == HELDOUT,
+                heldout[jnp.clip(start.room, 0, heldout.shape[0] - 1)],
+                train[jnp.clip(start.room, 0, train.shape[0] - 1)],
+            )
+            room = jax.tree.map(pick, self.train, self.heldout)
+        steps = jnp.int32(0) if start.steps is None else jnp.asarray(start.steps, jnp.int32)
         state = SokobanState(
             walls=room.walls,
             targets=room.targets,
@@ -183,7 +199,7 @@ class SokobanEnv(TextEnv):
             split=split,
             room=jnp.asarray(start.room, jnp.int32),
             optimal=room.optimal,
-            steps=jnp.int32(0),
+            steps=steps,
             blocked=jnp.int32(0),
             outcome=jnp.int32(OUTCOME_ONGOING),
         )

@@ -18,8 +18,9 @@ walk into walls (docs/benchmarks.md), so `configs/sokoban_tiny.py` leaves RL its
 ``heldout`` (default; every held-out room once, greedy) and ``train`` (as many train rooms, not run by default:
 the gap between the two).
 
-No play-page `BoardView`: the page's boards are two-sided games (a side to move, a winner, one placement per
-action), which a one-player puzzle with moves does not fit; the page shows Sokoban episodes as transcripts.
+The play page's board is a puzzle view (`interface.PuzzleView`, `puzzle_view`): a person plays the held-out or train
+rooms with the arrow keys against the move budget, and the model is asked for one move or plays on to the end from
+the room as the person left it (a given room, `SokobanStart.given`; the solver teacher does not apply to those).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 
 from reno_jax.envs import interface, registry
 from reno_jax.envs.sokoban import env as sokoban_env
-from reno_jax.envs.sokoban import rooms, rules
+from reno_jax.envs.sokoban import puzzle_view, rooms, rules
 from reno_jax.errors import ConfigError
 
 TEACHERS = ("solver", "random")
@@ -136,7 +137,8 @@ def wrong_room(state: sokoban_env.SokobanState, share: float) -> jax.Array:
 
 
 def make_teacher(config, env: sokoban_env.SokobanEnv) -> interface.Teacher:
-    """`config.sft.teacher` (default "solver"); call row k is ``move(direction=rules.DIRECTIONS[k])``."""
+    """`config.sft.teacher` (default "solver"); call row k is ``move(direction=rules.DIRECTIONS[k])``. The solver
+    looks its table up by the state's split and room: table rooms only (not `SokobanStart.given` ones)."""
     policy = config.sft.teacher or "solver"
     if policy not in TEACHERS:
         raise ConfigError(f"--config.sft.teacher must be one of {list(TEACHERS)}, got {policy!r}")
@@ -189,4 +191,13 @@ def eval_suites(config) -> dict[str, interface.EvalSuite]:
     }
 
 
-ENTRY = registry.register("sokoban", make_env, make_sampler, make_teacher, eval_suites=eval_suites)
+def board_view(config) -> interface.PuzzleView:
+    """The play page's puzzle board over the config's rooms and move budget (`puzzle_view`)."""
+    s = settings(config.env)
+    train, heldout = splits(config.env)
+    return puzzle_view.puzzle_view(train, heldout, num_boxes=s["num_boxes"], max_steps=s["max_steps"])
+
+
+ENTRY = registry.register(
+    "sokoban", make_env, make_sampler, make_teacher, eval_suites=eval_suites, board_view=board_view
+)

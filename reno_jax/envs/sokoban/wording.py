@@ -93,8 +93,9 @@ def cell_values(walls: jax.Array, targets: jax.Array, boxes: jax.Array, player: 
     ).astype(jnp.int32)
 
 
-def room_text(walls, targets, boxes, player) -> str:
-    """Host: the room as the messages print it (one room's arrays, NumPy or JAX; `cell_values` in NumPy)."""
+def np_cell_values(walls, targets, boxes, player) -> np.ndarray:
+    """Host: ``int8 [H, W]`` each cell's character (`CELL_CHARS` index) of one room (NumPy or JAX arrays;
+    `cell_values` in NumPy, shaped as the room)."""
     shape = np.shape(walls)
     walls, targets, boxes = (np.asarray(a, bool).reshape(-1) for a in (walls, targets, boxes))
     is_player = np.arange(walls.size) == int(player)
@@ -103,17 +104,30 @@ def room_text(walls, targets, boxes, player) -> str:
         [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET],
         FLOOR,
     )
-    return "\n".join("".join(CELL_CHARS[v] for v in row) for row in values.reshape(shape))
+    return values.reshape(shape).astype(np.int8)
+
+
+def room_of_values(values: np.ndarray):
+    """Host: ``(walls, targets, boxes, players)`` of a room's cell values (`np_cell_values`' inverse): ``bool [H, W]``
+    arrays and ``players`` the flat cells holding a player (one in a well-formed room)."""
+    values = np.asarray(values)
+    walls = values == WALL
+    targets = np.isin(values, (TARGET, BOX_ON_TARGET, PLAYER_ON_TARGET))
+    boxes = np.isin(values, (BOX, BOX_ON_TARGET))
+    players = np.flatnonzero(np.isin(values, (PLAYER, PLAYER_ON_TARGET)).reshape(-1))
+    return walls, targets, boxes, players
+
+
+def room_text(walls, targets, boxes, player) -> str:
+    """Host: the room as the messages print it (one room's arrays, NumPy or JAX)."""
+    values = np_cell_values(walls, targets, boxes, player)
+    return "\n".join("".join(CELL_CHARS[v] for v in row) for row in values)
 
 
 def parse_room(text: str):
     """Host: ``(walls, targets, boxes, player)`` of a room's text (`room_text`'s inverse; NumPy)."""
     rows = text.strip("\n").split("\n")
-    codes = np.array([[CELL_CHARS.index(ch) for ch in row] for row in rows], np.int32)
-    walls = codes == WALL
-    targets = np.isin(codes, (TARGET, BOX_ON_TARGET, PLAYER_ON_TARGET))
-    boxes = np.isin(codes, (BOX, BOX_ON_TARGET))
-    players = np.flatnonzero(np.isin(codes, (PLAYER, PLAYER_ON_TARGET)).reshape(-1))
+    walls, targets, boxes, players = room_of_values([[CELL_CHARS.index(ch) for ch in row] for row in rows])
     if players.size != 1:
         raise ValueError(f"a room has one player (P or S), got {players.size}")
     return walls, targets, boxes, int(players[0])
