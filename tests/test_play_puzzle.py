@@ -366,8 +366,12 @@ def test_browser_plays_a_puzzle(puzzle_service, browser, live, tmp_path):  # noq
     assert driver.find_element(By.ID, "play-section").get_attribute("hidden")
     assert len(driver.find_elements(By.CSS_SELECTOR, "#puzzle-board .cell")) == 36
     assert len(driver.find_elements(By.CSS_SELECTOR, "#puzzle-moves button")) == 4
-    # Room 2 of the held-out suite.
+    # A room the suite does not have: the server's reason; then room 2 of the held-out suite.
     index = driver.find_element(By.ID, "puzzle-index")
+    index.clear()
+    index.send_keys("99")
+    driver.find_element(By.ID, "puzzle-load").click()
+    wait.until(lambda d: "index must be in 0..7" in d.find_element(By.ID, "puzzle-status").text)
     index.clear()
     index.send_keys("2")
     driver.find_element(By.ID, "puzzle-load").click()

@@ -299,7 +299,7 @@ function showPosition(out) {
   state.over = out.status !== "ongoing";
   drawPuzzle();
   $("puzzle-status").dataset.game = out.status;
-  $("puzzle-solver").textContent = !state.view.solver ? ""
+  $("puzzle-solver").textContent = !state.view.solver || out.status === "solved" ? ""
     : out.moves_to_solve === null ? "(the solver: no longer solvable)"
     : `(the solver: ${out.moves_to_solve} more move${out.moves_to_solve === 1 ? "" : "s"})`;
   const [text, kind] = positionText(out);
@@ -313,11 +313,14 @@ function setPuzzleBusy(busy) {
   for (const id of ["puzzle-model-move", "puzzle-model-solve"]) $(id).disabled = busy || !state.steps.length;
 }
 
+let puzzleToken = 0;
 async function loadPuzzle() {
   if (state.busy || !state.view) return;
   const params = new URLSearchParams({ suite: $("puzzle-suite").value, index: $("puzzle-index").value || "0" });
+  const token = ++puzzleToken;  // only the latest request's room is shown (a change event and a click may race)
   try {
     const out = await api(`/api/puzzle?${params}`);
+    if (token !== puzzleToken) return;
     $("puzzle-log").innerHTML = "";
     state.lastCells = [];
     showPosition(out);
@@ -327,7 +330,7 @@ async function loadPuzzle() {
       updateSharpening();
     }
   } catch (e) {
-    setPuzzleStatus(e.message, "error");
+    if (token === puzzleToken) setPuzzleStatus(e.message, "error");
   }
 }
 
