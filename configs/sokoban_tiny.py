@@ -53,6 +53,7 @@ def get_config():
     c.env.room_seed = 0
     c.env.min_pushes = 2
     c.env.max_solution_moves = 10
+    c.env.coordinates = False
 
     c.sft.num_steps = 250  # short on purpose: greedy ~0.40 solved, where 500+ steps reach ~0.75 (RL's margin)
     c.sft.batch_size = 8

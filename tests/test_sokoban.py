@@ -337,6 +337,55 @@ def test_reset_renders_the_room_and_step_under_jit_and_vmap(env):
         assert int(outs[-1].info["steps"][i]) == len(plan)
 
 
+def _positions(walls, targets, boxes, player):
+    """The positions line of a room, by hand from its arrays."""
+    width = np.shape(walls)[1]
+    cells = lambda mask: [divmod(int(i), width) for i in np.flatnonzero(np.asarray(mask).reshape(-1))]  # noqa: E731
+    row, col = divmod(int(player), width)
+    return (
+        f"\nYou {row},{col}"
+        + "".join(f" box {r},{c}" for r, c in cells(boxes))
+        + "".join(f" target {r},{c}" for r, c in cells(targets))
+    )
+
+
+def test_coordinates_spell_out_the_positions_after_every_room():
+    xy = sreg.make_env(_config(coordinates=True).env)
+    heldout = sreg.splits(_config().env)[1]
+    n = 4
+    starts = senv.SokobanStart(split=jnp.full((n,), senv.HELDOUT, jnp.int32), room=jnp.arange(n, dtype=jnp.int32))
+    state, message = jax.jit(jax.vmap(xy.reset))(starts)
+    chex.assert_shape(message.values, (n, 36 + 6))
+    spec = xy.chat()
+    assert spec.num_values == 42 and sreg.make_env(_config().env).chat().num_values == 36
+    for i in range(n):
+        room = (heldout.walls[i], heldout.targets[i], heldout.boxes[i], heldout.player[i])
+        assert resolve(spec.user[0], np.asarray(message.values[i])) == (
+            "Room:\n" + wording.room_text(*room) + _positions(*room)
+        )
+    # After a move the tool's room carries the new positions (the solver's first move, a blocked one too).
+    first = [
+        rooms.solve(*(a[i] for a in (heldout.walls, heldout.targets, heldout.boxes, heldout.player))).moves[0]
+        for i in range(n)
+    ]
+    out = jax.jit(jax.vmap(xy.step))(state, _calls(first))
+    for i in range(n):
+        s = jax.tree.map(lambda a: np.asarray(a[i]), out.state)
+        text = resolve(spec.tool[int(out.message.template[i])], np.asarray(out.message.values[i]))
+        assert text.endswith(
+            wording.room_text(s.walls, s.targets, s.boxes, s.player) + _positions(s.walls, s.targets, s.boxes, s.player)
+        )
+    # Two boxes: each box, then each target, in row-major order.
+    two = "######\n#_O__#\n#_XX_#\n#_P_O#\n#____#\n######"
+    walls, targets, boxes, player = _room(two)
+    values = wording.cell_values(walls, targets, boxes, player, 2)
+    assert resolve(wording.chat_spec(6, 6, 15, 2).user[0], np.asarray(values)) == (
+        "Room:\n" + two + "\nYou 3,2 box 2,2 box 2,3 target 1,2 target 3,4"
+    )
+    with pytest.raises(ValueError, match="env.coordinates is a switch"):
+        sreg.settings(_config(coordinates=2).env)
+
+
 def test_invalid_call_blocked_move_and_step_budget():
     env = sreg.make_env(_config(max_steps=3, max_solution_moves=3).env)
     starts = senv.SokobanStart(split=jnp.zeros((2,), jnp.int32), room=jnp.zeros((2,), jnp.int32))

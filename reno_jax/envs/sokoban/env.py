@@ -120,12 +120,16 @@ class SokobanEnv(TextEnv):
       train, heldout: the room splits (`Rooms`).
       max_steps: moves per episode (the step budget; the episode ends out of moves after it).
       num_boxes: boxes per room (static: the position keys' layout).
+      coordinates: every room message also spells out the player's, the boxes' and the targets' row and column
+        (`wording.coordinate_parts`): the tiny model learns the warm start's moves faster from them
+        (docs/benchmarks.md, "Sokoban against #57's targets").
     """
 
     train: Rooms
     heldout: Rooms
     max_steps: int = flax.struct.field(pytree_node=False, default=15)
     num_boxes: int = flax.struct.field(pytree_node=False, default=1)
+    coordinates: bool = flax.struct.field(pytree_node=False, default=False)
 
     truncation_reward = 0.0  # cut short by the conversation length: as running out of moves (the step costs paid)
 
@@ -139,8 +143,12 @@ class SokobanEnv(TextEnv):
     def shape(self) -> tuple[int, int]:
         return tuple(self.train.walls.shape[1:])
 
+    @property
+    def _coordinates(self) -> int:  # `wording`'s switch: the number of boxes on the positions line, 0 for none
+        return int(self.num_boxes) if self.coordinates else 0
+
     def chat(self):
-        return wording.chat_spec(*self.shape, int(self.max_steps))
+        return wording.chat_spec(*self.shape, int(self.max_steps), self._coordinates)
 
     def max_turns(self) -> int:
         return int(self.max_steps)
@@ -176,7 +184,7 @@ class SokobanEnv(TextEnv):
     def _message(self, template, state: SokobanState) -> Message:
         return Message(
             template=jnp.asarray(template, jnp.int32),
-            values=wording.cell_values(state.walls, state.targets, state.boxes, state.player),
+            values=wording.cell_values(state.walls, state.targets, state.boxes, state.player, self._coordinates),
         )
 
     def reset(self, start: SokobanStart) -> tuple[SokobanState, Message]:

@@ -4,7 +4,9 @@ start records (train rooms), the warm-start teacher and the evaluation suites.
 Settings (``env.*``): ``room_size`` (6: a 6 x 6 room, its wall ring included, as gym-sokoban's ``dim_room``),
 ``num_boxes`` (1), ``max_steps`` (15: the move budget), ``num_train_rooms`` (1000), ``num_heldout_rooms`` (200),
 ``room_seed`` (0), ``min_pushes`` (2: the optimal solution pushes at least this often), ``max_solution_moves``
-(10: rooms whose optimal solution is longer are not drawn, so the budget leaves room for detours).
+(10: rooms whose optimal solution is longer are not drawn, so the budget leaves room for detours),
+``coordinates`` (False: True prints a positions line under every room, the player's, the boxes' and the targets'
+row and column, `wording.coordinate_parts`).
 
 Teachers (``sft.teacher``): "solver" (default: the first optimal move in tool order, from the breadth-first
 solver's table of moves-to-solve per position, `rooms.Split.distance`; the support is every optimal move) or
@@ -44,6 +46,7 @@ DEFAULTS = dict(
     room_seed=0,
     min_pushes=2,
     max_solution_moves=10,
+    coordinates=0,
 )
 
 
@@ -62,10 +65,13 @@ def settings(env_config, **overrides) -> dict:
         room_seed=0,
         min_pushes=1,
         max_solution_moves=1,
+        coordinates=0,
     )
     for name, low in minimum.items():
         if out[name] < low:
             raise ValueError(f"env.{name} must be >= {low}, got {out[name]}")
+    if out["coordinates"] > 1:
+        raise ValueError(f"env.coordinates is a switch (0 or 1, False or True), got {out['coordinates']}")
     if out["max_solution_moves"] > out["max_steps"]:
         raise ValueError(
             f"env.max_solution_moves ({out['max_solution_moves']}) must be <= env.max_steps "
@@ -97,6 +103,7 @@ def make_env(env_config, **overrides) -> sokoban_env.SokobanEnv:
         heldout=sokoban_env.Rooms.of(heldout),
         max_steps=s["max_steps"],
         num_boxes=s["num_boxes"],
+        coordinates=bool(s["coordinates"]),
     )
 
 

@@ -58,8 +58,33 @@ def board_parts(height: int, width: int) -> tuple:
     return tuple(parts)
 
 
-def chat_spec(height: int, width: int, max_steps: int) -> ChatSpec:
+def coordinate_parts(height: int, width: int, num_boxes: int) -> tuple:
+    """The positions line after the room (`chat_spec`'s ``coordinates``): the player's, each box's and each
+    target's row and column, 0-based from the top left, boxes and targets in row-major order::
+
+        You 4,2 box 3,2 target 3,4
+
+    Values ``H * W`` on: player row, column, then each box's, then each target's (`cell_values`)."""
+    n, numbers = height * width, tuple(str(i) for i in range(max(height, width)))
+    parts = ["\nYou ", Slot(n, numbers), ",", Slot(n + 1, numbers)]
+    for name, first in (("box", n + 2), ("target", n + 2 + 2 * num_boxes)):
+        for k in range(num_boxes):
+            parts += [f" {name} ", Slot(first + 2 * k, numbers), ",", Slot(first + 2 * k + 1, numbers)]
+    return tuple(parts)
+
+
+def num_values(height: int, width: int, coordinates: int = 0) -> int:
+    """Values of a message: a cell's each, and with `coordinates` boxes two per position (player, boxes, targets)."""
+    return height * width + (2 + 4 * coordinates if coordinates else 0)
+
+
+def chat_spec(height: int, width: int, max_steps: int, coordinates: int = 0) -> ChatSpec:
+    """The chat; ``coordinates`` > 0 (the number of boxes): every room is followed by its positions line
+    (`coordinate_parts`), so where the player, the boxes and the targets stand is spelt out as numbers beside
+    the grid a model would otherwise have to count through."""
     board = board_parts(height, width)
+    if coordinates:
+        board = board + coordinate_parts(height, width, coordinates)
     system = (
         "Sokoban: push every box onto a target. # wall, _ floor, O target, X box, * box on a target, P you, "
         "S you on a target. Walking into a box pushes it if the cell beyond is free. Call move with up, down, "
@@ -77,13 +102,23 @@ def chat_spec(height: int, width: int, max_steps: int) -> ChatSpec:
             ("Invalid call.",),
         ),
         tool_continues=(True, True, False, False, False),
-        num_values=height * width,
+        num_values=num_values(height, width, coordinates),
     )
 
 
-def cell_values(walls: jax.Array, targets: jax.Array, boxes: jax.Array, player: jax.Array) -> jax.Array:
-    """``int32 [H * W]``: each cell's character (`CELL_CHARS` index), row-major; traced."""
+def cell_values(
+    walls: jax.Array, targets: jax.Array, boxes: jax.Array, player: jax.Array, coordinates: int = 0
+) -> jax.Array:
+    """``int32 [H * W]``: each cell's character (`CELL_CHARS` index), row-major; traced. With `coordinates` (the
+    number of boxes) the positions line's values follow (`coordinate_parts`; ``int32 [num_values]``)."""
     height, width = walls.shape
+    if coordinates:
+        cells = cell_values(walls, targets, boxes, player)
+        box_cells = jnp.nonzero(boxes.reshape(-1), size=coordinates, fill_value=0)[0]
+        target_cells = jnp.nonzero(targets.reshape(-1), size=coordinates, fill_value=0)[0]
+        flat = jnp.concatenate([jnp.reshape(player, (1,)), box_cells, target_cells]).astype(jnp.int32)
+        rc = jnp.stack([flat // width, flat % width], axis=1).reshape(-1)
+        return jnp.concatenate([cells, rc])
     is_player = jnp.arange(height * width) == player
     walls, targets, boxes = walls.reshape(-1), targets.reshape(-1), boxes.reshape(-1)
     return jnp.select(
