@@ -459,18 +459,19 @@ class PlayService:
                 params, start, dict(view.decision_overrides), greedy=not sampled, seed=seed, with_calls=True
             )
             actions = [decisions.action_of_call(*call) for call in out["calls"]]
-            boards = [first]  # the board each turn faced (an invalid call moves nothing)
-            for action in actions[:-1]:
-                boards.append(boards[-1] if action is None else view.apply(boards[-1], action))
-            return out, actions, boards, [decisions.heat_map(params, b) for b in boards]
+            afters = []  # the board after each turn (an invalid call moves nothing)
+            for action in actions:
+                before = afters[-1] if afters else first
+                afters.append(before if action is None else view.apply(before, action))
+            boards = [first, *afters[:-1]]  # the board each turn faced
+            return out, actions, boards, afters, [decisions.heat_map(params, b) for b in boards]
 
-        out, actions, boards, heats = self._model_call(run)
+        out, actions, boards, afters, heats = self._model_call(run)
         texts = [m for m in out["messages"] if m["role"] == "assistant"]
         answers = [m for m in out["messages"] if m["role"] == "tool"]
         turns, ended = [], "turn_limit"
         for t, (action, before, heat) in enumerate(zip(actions, boards, heats)):
-            if action is not None:
-                cells, moves = view.apply(before, action), moves + 1
+            cells, moves = afters[t], moves + int(action is not None)
             turns.append(
                 {
                     "turn": t,
