@@ -54,6 +54,8 @@ def get_config():
     c.env.min_pushes = 2
     c.env.max_solution_moves = 10
     c.env.coordinates = False
+    c.env.end_on_blocked = False  # True: a move that leaves the room unchanged ends the episode
+    c.env.end_when_dead = False  # True: a push that leaves the box where it cannot reach a target ends it
 
     c.sft.num_steps = 250  # short on purpose: greedy ~0.40 solved, where 500+ steps reach ~0.75 (RL's margin)
     c.sft.batch_size = 8
@@ -74,6 +76,7 @@ def get_config():
     c.rl.share_prompt_prefix = False  # turn samples share no group prompt ...
     c.rl.share_common_prefix = True  # ... but all start with the system prompt: encoded once per train step
     c.rl.num_microbatches = 2  # ~600 turn samples per step: the train step in two halves (memory)
+    c.rl.row_bucket = 0  # e.g. 64: train on the turns played only (rounded up to 64 rows), not all 15 per episode
     c.rl.forking_entropy_coef = 0.0  # tic-tac-toe's one-token exploration bonus does not apply here
     c.rl.entropy_top_k = 0
     c.rl.learning_rate = 3e-4

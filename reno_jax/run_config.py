@@ -343,6 +343,13 @@ class RlSettings:
         _at_least(0),
         "an integer >= 0 (0: train at the full length)",
     )
+    row_bucket: int = _field(
+        _LEARNER.row_bucket,
+        "> 0: train steps see only the rows with policy tokens (turn samples: the turns played), their count rounded "
+        "up to a multiple of this",
+        _at_least(0),
+        "an integer >= 0 (0: every row)",
+    )
     optimizer_state_dtype: str = _field(
         "float32",
         "Adam moments' dtype",
@@ -449,6 +456,7 @@ class RunConfig:
             turn_scope=r.turn_scope,
             turn_weight=r.turn_weight,
             length_bucket=r.length_bucket,
+            row_bucket=r.row_bucket,
         )
 
 
@@ -595,6 +603,12 @@ def check(config: RunConfig) -> None:
             f"the {rows} trained rows per step (groups {trained} x --config.rollout.group_size="
             f"{rollout.group_size}) are not divisible by --config.rl.num_minibatches x "
             f"--config.rl.num_microbatches = {splits}"
+        )
+    if r.row_bucket and (r.row_bucket % splits or r.share_prompt_prefix):
+        raise ConfigError(
+            f"--config.rl.row_bucket={r.row_bucket} must be a multiple of --config.rl.num_minibatches x "
+            f"--config.rl.num_microbatches = {splits}, without --config.rl.share_prompt_prefix (whose micro-batches "
+            "hold whole groups)"
         )
     if config.sft.length_pool > 1 and not r.length_bucket:
         raise ConfigError(

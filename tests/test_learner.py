@@ -226,7 +226,7 @@ def toy_trajectory(params, seed):
     )
 
 
-def toy_learner(share_prefix, anchored, train_groups, share_common=False, length_bucket=0):
+def toy_learner(share_prefix, anchored, train_groups, share_common=False, length_bucket=0, row_bucket=0):
     cfg = learner.LearnerConfig(
         group_size=G,
         train_groups=train_groups,
@@ -238,6 +238,7 @@ def toy_learner(share_prefix, anchored, train_groups, share_common=False, length
         share_common_prefix=share_common,
         num_microbatches=2,
         length_bucket=length_bucket,
+        row_bucket=row_bucket,
     )
     loss = functools.partial(losses.gspo_loss, eps_low=3e-4, eps_high=4e-4)
     if anchored:
@@ -416,6 +417,43 @@ def test_trimmed_batch_gives_the_same_update(share_prefix):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
     with pytest.raises(ValueError, match="length_bucket"):
         learner.LearnerConfig(group_size=G, length_bucket=-1)
+
+
+@pytest.mark.parametrize("share_common", [False, True])
+def test_rows_without_policy_tokens_left_out_give_the_same_update(share_common):
+    """row_bucket: the train step sees only the rows with policy tokens (turn samples' unplayed turns have none),
+    their count rounded up to the bucket, and makes the update of the whole batch."""
+    params = toy_params()
+    traj = toy_trajectory(params, seed=4)
+    empty = np.isin(np.arange(N * G), [1, 5, 6, 13])  # four rows with no policy token, e.g. turns not played
+    traj = dataclasses.replace(
+        traj,
+        loss_mask=traj.loss_mask & ~jnp.asarray(empty)[:, None],
+        behaviour_logp=jnp.where(jnp.asarray(empty)[:, None], 0.0, traj.behaviour_logp),
+    )
+    rows, out = [], []
+    for bucket in (0, 2, 6, 10):
+        _, opt, lrn = toy_learner(False, False, 0, share_common=share_common, row_bucket=bucket)
+        step = lrn.train_step
+        lrn.train_step = lambda st, b, *a, step=step: (rows.append(b.tokens.shape[0]), step(st, b, *a))[1]
+        state, metrics = lrn.learner_step(trainer.create_train_state(toy_params(), opt, 0), traj)
+        out.append((state.params, float(metrics["train/loss"])))
+    assert rows == [N * G, 12, 12, N * G]  # 12 rows hold policy tokens; 10 rounds 12 up past the batch's 16
+    for params_b, loss_b in out[1:]:
+        np.testing.assert_allclose(loss_b, out[0][1], rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(params_b)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+    kept = learner.compact_rows(
+        TrainBatch(
+            tokens=traj.tokens, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp, advantages=traj.reward
+        ),
+        12,
+    )
+    np.testing.assert_array_equal(np.asarray(kept.tokens), np.asarray(traj.tokens)[~empty])  # in order
+    with pytest.raises(ValueError, match="row_bucket"):
+        learner.LearnerConfig(group_size=G, num_microbatches=2, row_bucket=3)
+    with pytest.raises(ValueError, match="row_bucket"):
+        learner.LearnerConfig(group_size=G, row_bucket=2, share_prompt_prefix=True)
 
 
 def test_trim_length_and_bucketed_length():

@@ -95,6 +95,12 @@ def test_rollout_history_reaches_the_rollout_config_and_needs_rows_of_their_own(
         run_config.load(c)
     c.rl.share_prompt_prefix = False  # the common prefix alone applies to turn samples
     assert run_config.load(c).rollout_config().history == 2
+    c.rl.row_bucket = 3  # rows per step split in num_microbatches pieces
+    c.rl.num_microbatches = 2
+    with pytest.raises(ConfigError, match=r"--config\.rl\.row_bucket=3 must be a multiple"):
+        run_config.load(c)
+    c.rl.row_bucket = 64
+    assert run_config.load(c).learner_config().row_bucket == 64
 
 
 def _connect4(**sft):

@@ -412,6 +412,79 @@ def test_invalid_call_blocked_move_and_step_budget():
     assert figures["solved_rate"] == 0.0 and figures["invalid_rate"] == 0.5 and figures["out_of_moves_rate"] == 0.5
 
 
+def test_live_cells_hold_every_cell_a_box_can_still_be_solved_from():
+    """`rules.live_cells` against the solver's table of every position of the layout (`rooms.layout_distances`):
+    a cell from which some placement of the player solves the room is live (so `rules.dead` never ends a
+    solvable room), and the rooms have dead cells the rule finds."""
+    train = sreg.splits(_config().env)[0]
+    live_of = jax.jit(rules.live_cells)
+    dead_found = 0
+    for i in range(12):
+        walls, targets = train.walls[i], train.targets[i]
+        live = np.asarray(live_of(jnp.asarray(walls), jnp.asarray(targets))).reshape(-1)
+        solvable = {boxes[0] for boxes, _ in rooms.layout_distances(walls, targets, 1)}
+        floor = np.flatnonzero(~walls.reshape(-1))
+        assert all(live[c] for c in solvable), i
+        assert not live[walls.reshape(-1)].any()
+        dead_found += int(np.sum(~live[floor]))
+    assert dead_found > 0
+    # By hand: a push needs the cell behind the box open, so the box reaches the target at (2, 3) from (2, 2)
+    # (player on (2, 1)) or (3, 3) (player on (4, 3)), and those from (3, 2); no push off the ring's neighbours.
+    open_room = "######\n#P___#\n#__O_#\n#____#\n#____#\n######"
+    walls, targets, boxes, _ = _room(open_room)
+    live = np.asarray(rules.live_cells(walls, targets))
+    assert {tuple(map(int, rc)) for rc in np.argwhere(live)} == {(2, 3), (2, 2), (3, 3), (3, 2)}
+    at = lambda r, c: jnp.zeros((6, 6), bool).at[r, c].set(True)  # noqa: E731
+    assert bool(rules.dead(walls, targets, at(1, 3))) and not bool(rules.dead(walls, targets, at(3, 2)))
+
+
+def test_early_ends_stop_an_episode_at_the_move_that_failed_it():
+    """env.end_on_blocked: a blocked move ends the episode (stuck); env.end_when_dead: a push onto a dead cell ends
+    it (dead); rewards stay the step's, and without the switches the episode goes on."""
+    # P below a box that two pushes up would wedge against the wall; the target is off to the right.
+    text = "######\n#____#\n#_X_O#\n#_P__#\n#____#\n######"
+    walls, targets, boxes, player = wording.parse_room(text)
+    table = senv.Rooms(
+        walls=jnp.asarray(walls)[None],
+        targets=jnp.asarray(targets)[None],
+        boxes=jnp.asarray(boxes)[None],
+        player=jnp.asarray([player], jnp.int32),
+        optimal=jnp.asarray([4], jnp.int32),
+    )
+    starts = senv.SokobanStart(split=jnp.zeros((3,), jnp.int32), room=jnp.zeros((3,), jnp.int32))
+    up, left = rules.DIRECTIONS.index("up"), rules.DIRECTIONS.index("left")
+    # episode 0: up (box to row 1: dead, against the top wall with no target on it); 1: left, left (into the wall);
+    # 2: left then up (a plain walk)
+    moves = np.array([[up, up], [left, left], [left, up]])
+    outcomes = {}
+    for on in (False, True):
+        env = senv.SokobanEnv(train=table, heldout=table, max_steps=15, end_on_blocked=on, end_when_dead=on)
+        _, outs = _play(env, starts, moves)
+        outcomes[on] = ([bool(o.done[i]) for o in outs for i in range(3)], outs)
+    done_off, _ = outcomes[False]
+    assert not any(done_off)
+    _, outs = outcomes[True]
+    assert bool(outs[0].done[0]) and int(outs[0].info["outcome"][0]) == senv.OUTCOME_DEAD
+    assert int(outs[0].message.template[0]) == wording.TOOL_DEAD
+    assert not bool(outs[0].done[1]) and bool(outs[1].done[1])
+    assert (
+        int(outs[1].info["outcome"][1]) == senv.OUTCOME_STUCK and int(outs[1].message.template[1]) == wording.TOOL_STUCK
+    )
+    assert not bool(outs[1].done[2])
+    assert float(outs[0].reward[0]) == pytest.approx(senv.STEP_REWARD)
+    spec = senv.SokobanEnv(train=table, heldout=table, end_when_dead=True).chat()
+    assert len(spec.tool) == 7 and spec.tool_continues[-2:] == (False, False)
+    assert resolve(spec.tool[wording.TOOL_DEAD], np.asarray(outs[0].message.values[0])).endswith(
+        "The box can no longer reach a target."
+    )
+    figures = interface.summarize(env, jax.tree.map(np.asarray, outs[1].info))
+    assert figures["dead_rate"] == pytest.approx(1 / 3) and figures["stuck_rate"] == pytest.approx(1 / 3)
+    assert "dead_rate" not in interface.summarize(sreg.make_env(_config().env), jax.tree.map(np.asarray, outs[1].info))
+    assert sreg.make_env(_config(end_on_blocked=True, end_when_dead=True).env).end_when_dead
+    with pytest.raises(ValueError, match="env.end_when_dead is a switch"):
+        sreg.settings(_config(end_when_dead=2).env)
+
+
 def test_box_pushed_off_a_target_costs_its_reward():
     text = "######\n#_*__#\n#_P__#\n#_X__#\n#_O__#\n######"  # P between a box on a target and another box
     walls, targets, boxes, player = wording.parse_room(text)

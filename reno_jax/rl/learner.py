@@ -18,9 +18,10 @@ Host syncs inside a step (everything else stays on the device; ``tests/test_lear
 ``jax.transfer_guard("disallow")`` with every other host read of a device value trapped), each read through
 ``host_sync(name, x)``:
 
-* ``LENGTHS_SYNC`` (only with ``share_prompt_prefix``, ``share_common_prefix`` or ``length_bucket``): int32
-  scalars read in one transfer: the batch's shortest prompt (with a shared prefix), how many leading tokens every
-  row shares (with ``share_common_prefix``) and one past its last real column (with ``length_bucket``). The
+* ``LENGTHS_SYNC`` (only with ``share_prompt_prefix``, ``share_common_prefix``, ``length_bucket`` or
+  ``row_bucket``): int32 scalars read in one transfer: the batch's shortest prompt (with a shared prefix), how many
+  leading tokens every row shares (with ``share_common_prefix``), one past its last real column (with
+  ``length_bucket``) and how many rows hold policy tokens (with ``row_bucket``: the rows trained on are a shape). The
   shared-prefix cut and the trimmed width are array *shapes* (``prefix_tokens [B, S]``), so they must be Python
   ints. S is the running minimum over the run, so the train step recompiles only when a shorter prompt than any
   before shows up; the width is rounded up to ``length_bucket`` x (1, 2, 3, 4, 6, 8, ...)
@@ -110,6 +111,12 @@ class LearnerConfig:
       4, 6, 8, ... (`batch.bucketed_length`, `batch.trim_length`; exact), instead of the whole conversation
       length: for multi-turn episodes whose length varies (a game won in 6 moves or drawn in 21). Each width
       compiles the train step once. 0: off.
+    row_bucket: > 0: train on the rows that hold policy tokens only, their count rounded up to a multiple of
+      this (`compact_rows`; exact: a row without policy tokens adds nothing to the loss, its gradient or the
+      sequence-mean normaliser): for turn samples, whose ``[B * T]`` rows include every turn an episode did not
+      play (a room solved in 6 moves of a 15-move budget leaves 9 padding rows). A multiple of
+      ``num_minibatches * num_microbatches``; each row count compiles the train step once (at most ``B /
+      row_bucket`` programs). Not with ``share_prompt_prefix`` (its micro-batches must hold whole groups). 0: off.
     """
 
     group_size: int
@@ -131,6 +138,7 @@ class LearnerConfig:
     turn_scope: str = "group"
     turn_weight: str = "turn"
     length_bucket: int = 0
+    row_bucket: int = 0
 
     def __post_init__(self):
         if self.group_size < 1:
@@ -152,6 +160,14 @@ class LearnerConfig:
             raise ValueError(f"turn_weight must be one of {TURN_WEIGHTS}, got {self.turn_weight!r}")
         if self.length_bucket < 0:
             raise ValueError(f"length_bucket must be >= 0 (0: off), got {self.length_bucket}")
+        splits = self.num_minibatches * self.num_microbatches
+        if self.row_bucket < 0 or self.row_bucket % splits:
+            raise ValueError(
+                f"row_bucket must be >= 0 (0: off) and a multiple of num_minibatches * num_microbatches = {splits}, "
+                f"got {self.row_bucket}"
+            )
+        if self.row_bucket and self.share_prompt_prefix:
+            raise ValueError("row_bucket does not go with share_prompt_prefix (micro-batches of whole groups)")
         if self.shift_probe_groups < 1:  # max_logp_shift itself: `trainer.make_train_step`'s check
             raise ValueError(f"shift_probe_groups must be >= 1, got {self.shift_probe_groups}")
 
@@ -244,13 +260,14 @@ def select_groups(batch: TrainBatch, reward: Array, group_size: int, train_group
 @flax.struct.dataclass
 class BatchStats:
     """What `prepare_batch` reports beside the batch (device scalars): the share of groups whose rewards differ,
-    for the shared-prefix cut the shortest prompt and the length every row shares, and for `length_bucket` one
-    past the batch's last real column (None unless needed)."""
+    for the shared-prefix cut the shortest prompt and the length every row shares, for `length_bucket` one past
+    the batch's last real column, and for `row_bucket` how many rows hold policy tokens (None unless needed)."""
 
     informative_group_rate: Array
     shortest_prompt: Array | None = None
     common_prefix: Array | None = None
     used_length: Array | None = None
+    used_rows: Array | None = None
 
 
 def common_prefix_length(tokens: Array, valid: Array | None = None) -> Array:
@@ -260,6 +277,21 @@ def common_prefix_length(tokens: Array, valid: Array | None = None) -> Array:
     first = tokens[jnp.argmax(real)]
     same = jnp.all((tokens == first[None, :]) | ~real[:, None], axis=0).astype(jnp.int32)
     return jnp.sum(jnp.cumprod(same))
+
+
+def compact_rows(batch: TrainBatch, num_rows: int) -> TrainBatch:
+    """The first ``num_rows`` rows of `batch` after a stable sort that puts the rows holding policy tokens first
+    (a row-wise batch: every field has the leading dimension B). Exact when at most ``num_rows`` rows hold policy
+    tokens: the rows left out have none, so they add nothing to the loss or its gradient, and the sequence-mean
+    losses count only rows that have some."""
+    if batch.shared_prefix:
+        raise ValueError("compact_rows takes a row-wise batch: compact before the shared-prefix cut")
+    if not 0 < num_rows <= batch.num_rows:
+        raise ValueError(f"num_rows must be in 1..{batch.num_rows}, got {num_rows}")
+    if num_rows == batch.num_rows:
+        return batch
+    order = jnp.argsort(~jnp.any(batch.loss_mask, axis=1), stable=True)[:num_rows]
+    return jax.tree.map(lambda x: x[order], batch)
 
 
 def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[TrainBatch, BatchStats]]:
@@ -302,8 +334,13 @@ def make_prepare_batch(config: LearnerConfig) -> Callable[[Any, Array], tuple[Tr
         shortest = jnp.min(real_prompt) if shared else None
         common = common_prefix_length(traj.tokens, traj.valid) if config.share_common_prefix else None
         used = used_length(batch.valid) if config.length_bucket else None
+        rows = jnp.sum(jnp.any(batch.loss_mask, axis=1)).astype(jnp.int32) if config.row_bucket else None
         return batch, BatchStats(
-            informative_group_rate=informative, shortest_prompt=shortest, common_prefix=common, used_length=used
+            informative_group_rate=informative,
+            shortest_prompt=shortest,
+            common_prefix=common,
+            used_length=used,
+            used_rows=rows,
         )
 
     def prepare_batch(traj, step):
@@ -450,6 +487,8 @@ class Learner:
         self._trim = jax.jit(trim_length, static_argnums=1)
         self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far
         self.common_len: int | None = None  # batch-wide common part: the shortest seen so far
+        self.used_rows: int | None = None  # the last batch's rows with policy tokens (row_bucket)
+        self._compact = jax.jit(compact_rows, static_argnums=1)
 
     def policy_params(self, trained):
         """The model's params of the trained tree `trained` (`TrainState.params`): itself, or combined with the
@@ -461,10 +500,17 @@ class Learner:
         used)`: the running minima of the shortest prompt and of the prefix every row shares (`common_len <
         prefix_len`; 0 without ``share_common_prefix``; with it alone both are the common part, at most the
         shortest prompt; both 0 without either) and one past the batch's last real column (None without
-        ``length_bucket``)."""
-        wanted = {"shortest": stats.shortest_prompt, "common": stats.common_prefix, "used": stats.used_length}
+        ``length_bucket``). With ``row_bucket`` the rows holding policy tokens are read in the same transfer and
+        kept as ``self.used_rows``."""
+        wanted = {
+            "shortest": stats.shortest_prompt,
+            "common": stats.common_prefix,
+            "used": stats.used_length,
+            "rows": stats.used_rows,
+        }
         read = host_sync(LENGTHS_SYNC, {k: v for k, v in wanted.items() if v is not None})
         used = int(read["used"]) if "used" in read else None
+        self.used_rows = int(read["rows"]) if "rows" in read else None
         if not (self.config.share_prompt_prefix or self.config.share_common_prefix):
             return 0, 0, used
         shortest, common = int(read["shortest"]), int(read.get("common", 0))
@@ -478,12 +524,17 @@ class Learner:
         return self.prefix_len, self.common_len, used
 
     def train_batch(self, traj, step: Array) -> tuple[TrainBatch, BatchStats]:
-        """`prepare_batch`, then trimmed (``length_bucket``) and cut at the shared prefix as configured: the batch
-        the train step takes (LENGTHS_SYNC when either applies)."""
+        """`prepare_batch`, then its rows without policy tokens left out (``row_bucket``), trimmed
+        (``length_bucket``) and cut at the shared prefix as configured: the batch the train step takes
+        (LENGTHS_SYNC when any applies)."""
         batch, stats = self.prepare_batch(traj, step)
         config = self.config
-        if config.share_prompt_prefix or config.share_common_prefix or config.length_bucket:
+        if config.share_prompt_prefix or config.share_common_prefix or config.length_bucket or config.row_bucket:
             prefix_len, common_len, used = self.batch_lengths(stats)
+            if config.row_bucket:
+                bucket = config.row_bucket
+                rows = min(batch.num_rows, max(bucket, -(-self.used_rows // bucket) * bucket))
+                batch = self._compact(batch, rows)
             if used is not None:
                 width = bucketed_length(max(used, prefix_len + 1), batch.tokens.shape[1], config.length_bucket)
                 batch = self._trim(batch, width)

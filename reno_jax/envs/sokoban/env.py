@@ -8,6 +8,18 @@ a box when it walks into one, `rules.move`) and the tool answers with the room a
   the ``max_steps``-th move without solving it                     -> step + box rewards, done (out of moves)
   any other move (a blocked one too: the room stays, as in gym-sokoban) -> step + box rewards, the room goes on
 
+and, as options that end an episode once its outcome is settled (both off by default):
+
+  ``end_on_blocked``: a move that leaves the room unchanged          -> step + box rewards, done (stuck)
+  ``end_when_dead``: a push that leaves a box where it can never reach a target (`rules.dead`) -> step + box
+                                                                        rewards, done (dead)
+
+A dead room can never be solved, so ending it changes no solved rate. A blocked move with the bounded history of
+no past turns (``rollout.history=0``: the room is the whole prompt) leaves the prompt as it was, so greedy play
+repeats it until the budget ends, and ending it there changes no greedy solved rate either. What changes is
+training: a failed episode stops at the move that failed it, rather than spreading its credit over the turns it
+wandered after, and costs no more turns.
+
 Rewards are gym-sokoban's / verl-agent's divided by 10: -0.01 per move (blocked ones included), +0.1 for each box
 pushed onto a target, -0.1 for each pushed off one, +1 when every box is on a target. Divided so that an episode's
 return is on the other environments' scale (a win 1, an invalid call -1): with gym-sokoban's +10 a solved room
@@ -30,7 +42,8 @@ from reno_jax.envs.interface import Message, Step, TextEnv, ToolCall
 from reno_jax.envs.sokoban import rooms, rules, wording
 
 OUTCOME_ONGOING, OUTCOME_SOLVED, OUTCOME_OUT_OF_MOVES, OUTCOME_INVALID, OUTCOME_TRUNCATED = range(5)
-OUTCOME_NAMES = ("ongoing", "solved", "out_of_moves", "invalid", "truncated")
+OUTCOME_STUCK, OUTCOME_DEAD = 5, 6  # the early ends (`SokobanEnv.end_on_blocked`, ``end_when_dead``)
+OUTCOME_NAMES = ("ongoing", "solved", "out_of_moves", "invalid", "truncated", "stuck", "dead")
 TRAIN, HELDOUT = 0, 1  # `SokobanStart.split`
 GIVEN_ROOM = -1  # `SokobanStart.room` of a start that gives its room (`SokobanStart.given`): no table row
 
@@ -123,6 +136,7 @@ class SokobanEnv(TextEnv):
       coordinates: every room message also spells out the player's, the boxes' and the targets' row and column
         (`wording.coordinate_parts`): the tiny model learns the warm start's moves faster from them
         (docs/benchmarks.md, "Sokoban against #57's targets").
+      end_on_blocked, end_when_dead: the early ends of the module docstring.
     """
 
     train: Rooms
@@ -130,6 +144,8 @@ class SokobanEnv(TextEnv):
     max_steps: int = flax.struct.field(pytree_node=False, default=15)
     num_boxes: int = flax.struct.field(pytree_node=False, default=1)
     coordinates: bool = flax.struct.field(pytree_node=False, default=False)
+    end_on_blocked: bool = flax.struct.field(pytree_node=False, default=False)
+    end_when_dead: bool = flax.struct.field(pytree_node=False, default=False)
 
     truncation_reward = 0.0  # cut short by the conversation length: as running out of moves (the step costs paid)
 
@@ -148,7 +164,8 @@ class SokobanEnv(TextEnv):
         return int(self.num_boxes) if self.coordinates else 0
 
     def chat(self):
-        return wording.chat_spec(*self.shape, int(self.max_steps), self._coordinates)
+        early = bool(self.end_on_blocked or self.end_when_dead)
+        return wording.chat_spec(*self.shape, int(self.max_steps), self._coordinates, early_ends=early)
 
     def max_turns(self) -> int:
         return int(self.max_steps)
@@ -158,6 +175,8 @@ class SokobanEnv(TextEnv):
             f"{name}_rate": interface.rate("outcome", equals=code, plot=name == "solved")
             for code, name in enumerate(OUTCOME_NAMES)
             if code != OUTCOME_ONGOING
+            and (code != OUTCOME_STUCK or self.end_on_blocked)
+            and (code != OUTCOME_DEAD or self.end_when_dead)
         }
         out["steps_mean"] = interface.mean_of("steps", plot=True)
         out["boxes_on_target_mean"] = interface.mean_of("boxes_on_target")
@@ -229,8 +248,14 @@ class SokobanEnv(TextEnv):
         steps = state.steps + play.astype(jnp.int32)
         solved = play & rules.solved(boxes, state.targets)
         out = play & ~solved & (steps >= int(self.max_steps))
+        stuck = play & ~solved & ~moved if self.end_on_blocked else jnp.bool_(False)
+        dead = (
+            play & ~solved & rules.dead(state.walls, state.targets, boxes) if self.end_when_dead else jnp.bool_(False)
+        )
         outcome = jnp.select(
-            [invalid, solved, out], [OUTCOME_INVALID, OUTCOME_SOLVED, OUTCOME_OUT_OF_MOVES], state.outcome
+            [invalid, solved, dead, stuck, out],
+            [OUTCOME_INVALID, OUTCOME_SOLVED, OUTCOME_DEAD, OUTCOME_STUCK, OUTCOME_OUT_OF_MOVES],
+            state.outcome,
         ).astype(jnp.int32)
         gained = rules.boxes_on_target(boxes, state.targets) - rules.boxes_on_target(state.boxes, state.targets)
         reward = jnp.where(
@@ -246,8 +271,15 @@ class SokobanEnv(TextEnv):
             outcome=outcome,
         )
         template = jnp.select(
-            [invalid, solved, out, play & ~moved],
-            [wording.TOOL_INVALID, wording.TOOL_SOLVED, wording.TOOL_OUT_OF_MOVES, wording.TOOL_BLOCKED],
+            [invalid, solved, dead, stuck, out, play & ~moved],
+            [
+                wording.TOOL_INVALID,
+                wording.TOOL_SOLVED,
+                wording.TOOL_DEAD,
+                wording.TOOL_STUCK,
+                wording.TOOL_OUT_OF_MOVES,
+                wording.TOOL_BLOCKED,
+            ],
             wording.TOOL_MOVED,
         )
         return Step(

@@ -68,6 +68,39 @@ def solved(boxes: jax.Array, targets: jax.Array) -> jax.Array:
     return ~jnp.any(boxes & ~targets)
 
 
+def live_cells(walls: jax.Array, targets: jax.Array) -> jax.Array:
+    """``bool [H, W]`` the cells from which a box alone in the room could still be pushed onto a target, traced.
+
+    A target is live; a floor cell is live when a push in some direction moves the box onto a live cell, that is
+    the cell beyond it that way is live and the cell behind it (where the player stands to push) is not a wall.
+    Player reachability and the other boxes are ignored, so the set holds every cell a box can still be solved
+    from: a box on a cell outside it can never reach a target (Sokoban's "simple deadlock"), and a room with such a
+    box is dead. Computed as the fixed point of that rule, at most one new cell a round over ``H * W`` rounds.
+    """
+    height, width = walls.shape
+
+    def shifted(a, dr, dc, fill):  # shifted(a)[r, c] = a[r + dr, c + dc]
+        p = jnp.pad(a, 1, constant_values=fill)
+        return jax.lax.dynamic_slice(p, (1 + dr, 1 + dc), (height, width))
+
+    pushable = []  # per direction: the cell behind is open, so a box here can be pushed that way
+    for dr, dc in DELTAS.tolist():
+        pushable.append(~shifted(walls, -dr, -dc, True))
+
+    def round_(_, live):
+        grow = jnp.zeros_like(live)
+        for (dr, dc), behind_open in zip(DELTAS.tolist(), pushable):
+            grow = grow | (shifted(live, dr, dc, False) & behind_open)
+        return live | (grow & ~walls)
+
+    return jax.lax.fori_loop(0, height * width, round_, targets & ~walls)
+
+
+def dead(walls: jax.Array, targets: jax.Array, boxes: jax.Array) -> jax.Array:
+    """``bool []`` some box stands where it can never reach a target (`live_cells`): the room cannot be solved."""
+    return jnp.any(boxes & ~live_cells(walls, targets))
+
+
 # ---------------------------------------------------------------------------------------------- position keys
 # A position (the player and the boxes; walls and targets are the room's) is numbered within its room:
 # key = player * C(n, k) + rank(boxes), over the n interior cells (row-major, (r - 1) * (W - 2) + (c - 1)), with

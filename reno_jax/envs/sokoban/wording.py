@@ -30,6 +30,7 @@ CELL_CHARS = ("#", "_", "O", "X", "*", "P", "S")
 
 # Tool templates: what the answer to a move says.
 TOOL_MOVED, TOOL_BLOCKED, TOOL_SOLVED, TOOL_OUT_OF_MOVES, TOOL_INVALID = range(5)
+TOOL_STUCK, TOOL_DEAD = 5, 6  # the early ends (`chat_spec(early_ends=True)`)
 USER_ROOM = 0
 
 
@@ -78,10 +79,11 @@ def num_values(height: int, width: int, coordinates: int = 0) -> int:
     return height * width + (2 + 4 * coordinates if coordinates else 0)
 
 
-def chat_spec(height: int, width: int, max_steps: int, coordinates: int = 0) -> ChatSpec:
+def chat_spec(height: int, width: int, max_steps: int, coordinates: int = 0, early_ends: bool = False) -> ChatSpec:
     """The chat; ``coordinates`` > 0 (the number of boxes): every room is followed by its positions line
     (`coordinate_parts`), so where the player, the boxes and the targets stand is spelt out as numbers beside
-    the grid a model would otherwise have to count through."""
+    the grid a model would otherwise have to count through. ``early_ends``: the tool's two answers that end an
+    episode early (`SokobanEnv.end_on_blocked`, ``end_when_dead``) follow the others (`TOOL_STUCK`, `TOOL_DEAD`)."""
     board = board_parts(height, width)
     if coordinates:
         board = board + coordinate_parts(height, width, coordinates)
@@ -100,8 +102,13 @@ def chat_spec(height: int, width: int, max_steps: int, coordinates: int = 0) -> 
             (*board, "\nSolved!"),
             (*board, "\nOut of moves."),
             ("Invalid call.",),
+        )
+        + (
+            (("You did not move.\n", *board, "\nStuck."), (*board, "\nThe box can no longer reach a target."))
+            if early_ends
+            else ()
         ),
-        tool_continues=(True, True, False, False, False),
+        tool_continues=(True, True, False, False, False) + ((False, False) if early_ends else ()),
         num_values=num_values(height, width, coordinates),
     )
 
