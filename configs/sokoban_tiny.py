@@ -27,6 +27,13 @@ that share of the rooms it teaches only non-optimal moves) is off: its wrong roo
 times, so they are half the warm start's turn samples at 0.3 and the student learnt to walk into walls (0.08
 solved after 1500 steps; docs/benchmarks.md).
 
+Options measured against #57's target and left off here because the credit comparison above was measured without
+them (docs/benchmarks.md, "Sokoban against #57's targets"): `env.coordinates` (a positions line under every room:
+the warm start learns the solver's moves faster), `env.end_when_dead` / `env.end_on_blocked` (an episode ends at a
+push that leaves the box where it cannot reach a target, or at a move that leaves the room unchanged: no greedy
+solved rate changes with history 0, failed episodes end at their failing move and play ~4.5 turns, not ~11) and
+`rl.row_bucket` (train on the turns played only: with the early ends the step takes half the time; exact).
+
 The run's own tokenizer (`model.tokenizer="env"`): a token per cell character and per word of the prompts, so a
 turn sample is ~110 tokens (the shipped tokenizer's: ~330) and a step ~5x cheaper.
 """

@@ -444,9 +444,7 @@ def test_rows_without_policy_tokens_left_out_give_the_same_update(share_common):
         for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(params_b)):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
     kept = learner.compact_rows(
-        TrainBatch(
-            tokens=traj.tokens, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp, advantages=traj.reward
-        ),
+        TrainBatch(tokens=traj.tokens, loss_mask=traj.loss_mask, old_logp=traj.behaviour_logp, advantages=traj.reward),
         12,
     )
     np.testing.assert_array_equal(np.asarray(kept.tokens), np.asarray(traj.tokens)[~empty])  # in order
