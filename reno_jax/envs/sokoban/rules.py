@@ -75,7 +75,8 @@ def live_cells(walls: jax.Array, targets: jax.Array) -> jax.Array:
     the cell beyond it that way is live and the cell behind it (where the player stands to push) is not a wall.
     Player reachability and the other boxes are ignored, so the set holds every cell a box can still be solved
     from: a box on a cell outside it can never reach a target (Sokoban's "simple deadlock"), and a room with such a
-    box is dead. Computed as the fixed point of that rule, at most one new cell a round over ``H * W`` rounds.
+    box is dead. Computed as the fixed point of that rule: a round adds at least one cell until none is added, so
+    ``H * W`` rounds reach it.
     """
     height, width = walls.shape
 
