@@ -487,7 +487,6 @@ class Learner:
         self._trim = jax.jit(trim_length, static_argnums=1)
         self.prefix_len: int | None = None  # shared-prefix cut: the shortest prompt seen so far
         self.common_len: int | None = None  # batch-wide common part: the shortest seen so far
-        self.used_rows: int | None = None  # the last batch's rows with policy tokens (row_bucket)
         self._compact = jax.jit(compact_rows, static_argnums=1)
 
     def policy_params(self, trained):
@@ -495,13 +494,12 @@ class Learner:
         frozen base."""
         return trained if self.combine is None else self.combine(trained, self.frozen)
 
-    def batch_lengths(self, stats: BatchStats) -> tuple[int, int, int | None]:
+    def batch_lengths(self, stats: BatchStats) -> tuple[int, int, int | None, int | None]:
         """LENGTHS_SYNC: reads this batch's lengths to the host (one transfer); returns `(prefix_len, common_len,
-        used)`: the running minima of the shortest prompt and of the prefix every row shares (`common_len <
+        used, rows)`: the running minima of the shortest prompt and of the prefix every row shares (`common_len <
         prefix_len`; 0 without ``share_common_prefix``; with it alone both are the common part, at most the
         shortest prompt; both 0 without either) and one past the batch's last real column (None without
-        ``length_bucket``). With ``row_bucket`` the rows holding policy tokens are read in the same transfer and
-        kept as ``self.used_rows``."""
+        ``length_bucket``) and how many rows hold policy tokens (None without ``row_bucket``)."""
         wanted = {
             "shortest": stats.shortest_prompt,
             "common": stats.common_prefix,
@@ -510,18 +508,18 @@ class Learner:
         }
         read = host_sync(LENGTHS_SYNC, {k: v for k, v in wanted.items() if v is not None})
         used = int(read["used"]) if "used" in read else None
-        self.used_rows = int(read["rows"]) if "rows" in read else None
+        rows = int(read["rows"]) if "rows" in read else None
         if not (self.config.share_prompt_prefix or self.config.share_common_prefix):
-            return 0, 0, used
+            return 0, 0, used, rows
         shortest, common = int(read["shortest"]), int(read.get("common", 0))
         if not self.config.share_prompt_prefix:  # the common part alone: it may reach the first policy token
             common = min(common, shortest)
             self.common_len = common if self.common_len is None else min(self.common_len, common)
-            return self.common_len, self.common_len, used
+            return self.common_len, self.common_len, used, rows
         self.prefix_len = shortest if self.prefix_len is None else min(self.prefix_len, shortest)
         common = min(common, self.prefix_len - 1)
         self.common_len = common if self.common_len is None else min(self.common_len, common)
-        return self.prefix_len, self.common_len, used
+        return self.prefix_len, self.common_len, used, rows
 
     def train_batch(self, traj, step: Array) -> tuple[TrainBatch, BatchStats]:
         """`prepare_batch`, then its rows without policy tokens left out (``row_bucket``), trimmed
@@ -530,11 +528,10 @@ class Learner:
         batch, stats = self.prepare_batch(traj, step)
         config = self.config
         if config.share_prompt_prefix or config.share_common_prefix or config.length_bucket or config.row_bucket:
-            prefix_len, common_len, used = self.batch_lengths(stats)
-            if config.row_bucket:
+            prefix_len, common_len, used, rows = self.batch_lengths(stats)
+            if rows is not None:
                 bucket = config.row_bucket
-                rows = min(batch.num_rows, max(bucket, -(-self.used_rows // bucket) * bucket))
-                batch = self._compact(batch, rows)
+                batch = self._compact(batch, min(batch.num_rows, max(bucket, -(-rows // bucket) * bucket)))
             if used is not None:
                 width = bucketed_length(max(used, prefix_len + 1), batch.tokens.shape[1], config.length_bucket)
                 batch = self._trim(batch, width)
