@@ -33,6 +33,15 @@ def test_an_upper_bound_and_a_sum_of_figures():
     assert es.Target("a", "<=", 0.01).check(rows)["met"]
 
 
+def test_a_gain_target_reads_the_warm_start_beside_the_figure():
+    rows = _rows([0.82, 0.60], key="greedy/heldout/solved_rate")  # warm starts: half of each
+    gain = es.Target("greedy/heldout/solved_rate", ">=", 0.15, gain=True).check(rows)
+    assert gain["measured"] == pytest.approx([0.41, 0.30]) and gain["met"] and gain["gain"]
+    assert not es.Target("greedy/heldout/solved_rate", ">=", 0.35, gain=True).check(rows)["met"]
+    with pytest.raises(KeyError, match="warm_start/a"):
+        es.Target("a", ">=", 0.1, gain=True).check([{"a": 1.0}])
+
+
 def test_bad_targets_and_missing_figures_are_named():
     with pytest.raises(ValueError, match="op"):
         es.Target("a", ">", 1.0)

@@ -208,3 +208,42 @@ def test_turn_limit_comes_from_the_environment():
         loop_config.check_turns(9, 8, "frozen_lake")
     with pytest.raises(ConfigError, match=r"^--config.rollout.max_turns=0 takes the environment's own"):
         loop_config.check_turns(0, evaluation.UNBOUNDED_TURNS, "frozen_lake")
+
+
+SHIPPED_CONFIGS = sorted(
+    name[:-3]
+    for name in os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))
+    if name.endswith(".py") and name not in ("__init__.py", "base.py")  # base: no environment (its own test)
+)
+
+
+@pytest.mark.parametrize("name", SHIPPED_CONFIGS)
+def test_every_shipped_config_passes_the_checks(name):
+    """Each file in configs/ loads as typed sections and passes every check a run makes before it writes."""
+    import importlib
+
+    from reno_jax.loop import config as loop_config
+
+    c = importlib.import_module(f"configs.{name}").get_config()
+    loop_config.validate_config(c)
+    assert isinstance(run_config.load(c), run_config.RunConfig)
+
+
+def test_sokoban_solve_names_every_setting_it_changes():
+    """`sokoban_tiny_solve` is `sokoban_tiny` with a few settings changed; its docstring says why for each of them,
+    so a setting changed without a word fails here."""
+    from configs import sokoban_tiny, sokoban_tiny_solve
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else {prefix + k: v})
+        return out
+
+    base_values, solve_values = flat(sokoban_tiny.get_config()), flat(sokoban_tiny_solve.get_config())
+    assert base_values.keys() == solve_values.keys()
+    changed = {k for k in base_values if base_values[k] != solve_values[k]}
+    assert "env.coordinates" in changed and "rl.num_minibatches" in changed
+    doc = sokoban_tiny_solve.__doc__
+    unnamed = [k for k in changed if k not in ("num_steps", "eval_every") and k.split(".")[-1] not in doc]
+    assert not unnamed, f"changed without a word in the docstring: {unnamed}"
