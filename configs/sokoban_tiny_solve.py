@@ -26,8 +26,8 @@ What differs from `sokoban_tiny` (whose defaults the credit comparison was measu
   the bonus keeps more groups informative (at 0.1 it holds the policy back; at 0.03 its gain is within the noise
   of one seed).
 
-Measured (docs/benchmarks.md, "Two updates a rollout and a bonus on the decision token"): +0.08 to +0.24 over
-the warm start on three seeds, ending at 0.63-0.80: short of #57's 0.81 / +0.15.
+Measured (docs/benchmarks.md, "Two updates a rollout and a bonus on the decision token"): +0.17 / +0.12 / +0.13
+over the warm start on seeds 0 / 1 / 2, ending at 0.74 / 0.80 / 0.68: short of #57's 0.81 and +0.15 on each seed.
 """
 
 from configs import sokoban_tiny
