@@ -242,14 +242,9 @@ def test_sokoban_solve_names_every_setting_it_changes():
     """`sokoban_tiny_solve` is `sokoban_tiny` with a few settings changed; its docstring says why for each of them,
     so a setting changed without a word fails here."""
     from configs import sokoban_tiny, sokoban_tiny_solve
+    from reno_jax.loop.curriculum import _flatten  # the dotted names the curriculum's overrides use
 
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else {prefix + k: v})
-        return out
-
-    base_values, solve_values = flat(sokoban_tiny.get_config()), flat(sokoban_tiny_solve.get_config())
+    base_values, solve_values = _flatten(sokoban_tiny.get_config()), _flatten(sokoban_tiny_solve.get_config())
     assert base_values.keys() == solve_values.keys()
     changed = {k for k in base_values if base_values[k] != solve_values[k]}
     assert "env.coordinates" in changed and "rl.num_minibatches" in changed
