@@ -61,6 +61,7 @@ def get_config():
     c.env.min_pushes = 2
     c.env.max_solution_moves = 10
     c.env.coordinates = False
+    c.env.move_outcomes = False  # True: a line under every room says which moves walk, push or are blocked
     c.env.end_on_blocked = False  # True: a move that leaves the room unchanged ends the episode
     c.env.end_when_dead = False  # True: a push that leaves the box where it cannot reach a target ends it
 

@@ -136,6 +136,8 @@ class SokobanEnv(TextEnv):
       coordinates: every room message also spells out the player's, the boxes' and the targets' row and column
         (`wording.coordinate_parts`): the tiny model learns the warm start's moves faster from them
         (docs/benchmarks.md, "Sokoban against #57's targets").
+      move_outcomes: every room message also says what each move would do from there (open, push or
+        blocked; `wording.outcome_parts`): the walls next to the player, as a line to read instead of cells to find.
       end_on_blocked, end_when_dead: the early ends of the module docstring.
     """
 
@@ -144,6 +146,7 @@ class SokobanEnv(TextEnv):
     max_steps: int = flax.struct.field(pytree_node=False, default=15)
     num_boxes: int = flax.struct.field(pytree_node=False, default=1)
     coordinates: bool = flax.struct.field(pytree_node=False, default=False)
+    move_outcomes: bool = flax.struct.field(pytree_node=False, default=False)
     end_on_blocked: bool = flax.struct.field(pytree_node=False, default=False)
     end_when_dead: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -165,7 +168,13 @@ class SokobanEnv(TextEnv):
 
     def chat(self):
         early = bool(self.end_on_blocked or self.end_when_dead)
-        return wording.chat_spec(*self.shape, int(self.max_steps), self._coordinates, early_ends=early)
+        return wording.chat_spec(
+            *self.shape,
+            int(self.max_steps),
+            self._coordinates,
+            early_ends=early,
+            move_outcomes=bool(self.move_outcomes),
+        )
 
     def max_turns(self) -> int:
         return int(self.max_steps)
@@ -203,7 +212,14 @@ class SokobanEnv(TextEnv):
     def _message(self, template, state: SokobanState) -> Message:
         return Message(
             template=jnp.asarray(template, jnp.int32),
-            values=wording.cell_values(state.walls, state.targets, state.boxes, state.player, self._coordinates),
+            values=wording.cell_values(
+                state.walls,
+                state.targets,
+                state.boxes,
+                state.player,
+                self._coordinates,
+                move_outcomes=bool(self.move_outcomes),
+            ),
         )
 
     def reset(self, start: SokobanStart) -> tuple[SokobanState, Message]:

@@ -6,9 +6,11 @@ Settings (``env.*``): ``room_size`` (6: a 6 x 6 room, its wall ring included, as
 ``room_seed`` (0), ``min_pushes`` (2: the optimal solution pushes at least this often), ``max_solution_moves``
 (10: rooms whose optimal solution is longer are not drawn, so the budget leaves room for detours),
 ``coordinates`` (False: True prints a positions line under every room, the player's, the boxes' and the targets'
-row and column, `wording.coordinate_parts`), ``end_on_blocked`` and ``end_when_dead`` (False: True ends an episode at a
-move that leaves the room unchanged, or at a push that leaves a box where it can never reach a target; `env`'s
-docstring: no greedy solved rate changes with history 0, training stops each failed episode at its failing move).
+row and column, `wording.coordinate_parts`), ``move_outcomes`` (False: True adds a line saying what each move
+would do, open, push or blocked, `wording.outcome_parts`), ``end_on_blocked`` and ``end_when_dead`` (False: True
+ends an episode at a move that leaves the room unchanged, or at a push that leaves a box where it can never reach a
+target; `env`'s docstring: no greedy solved rate changes with history 0, training stops each failed episode at its
+failing move).
 
 Teachers (``sft.teacher``): "solver" (default: the first optimal move in tool order, from the breadth-first
 solver's table of moves-to-solve per position, `rooms.Split.distance`; the support is every optimal move) or
@@ -49,6 +51,7 @@ DEFAULTS = dict(
     min_pushes=2,
     max_solution_moves=10,
     coordinates=0,
+    move_outcomes=0,
     end_on_blocked=0,
     end_when_dead=0,
 )
@@ -70,13 +73,14 @@ def settings(env_config, **overrides) -> dict:
         min_pushes=1,
         max_solution_moves=1,
         coordinates=0,
+        move_outcomes=0,
         end_on_blocked=0,
         end_when_dead=0,
     )
     for name, low in minimum.items():
         if out[name] < low:
             raise ValueError(f"env.{name} must be >= {low}, got {out[name]}")
-    for switch in ("coordinates", "end_on_blocked", "end_when_dead"):
+    for switch in ("coordinates", "move_outcomes", "end_on_blocked", "end_when_dead"):
         if out[switch] > 1:
             raise ValueError(f"env.{switch} is a switch (0 or 1, False or True), got {out[switch]}")
     if out["max_solution_moves"] > out["max_steps"]:
@@ -111,6 +115,7 @@ def make_env(env_config, **overrides) -> sokoban_env.SokobanEnv:
         max_steps=s["max_steps"],
         num_boxes=s["num_boxes"],
         coordinates=bool(s["coordinates"]),
+        move_outcomes=bool(s["move_outcomes"]),
         end_on_blocked=bool(s["end_on_blocked"]),
         end_when_dead=bool(s["end_when_dead"]),
     )

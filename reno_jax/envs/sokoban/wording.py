@@ -32,6 +32,9 @@ CELL_CHARS = ("#", "_", "O", "X", "*", "P", "S")
 TOOL_MOVED, TOOL_BLOCKED, TOOL_SOLVED, TOOL_OUT_OF_MOVES, TOOL_INVALID = range(5)
 TOOL_STUCK, TOOL_DEAD = 5, 6  # the early ends (`chat_spec(early_ends=True)`)
 USER_ROOM = 0
+# What a move would do (the moves line, `outcome_parts`).
+MOVE_OUTCOMES = ("open", "push", "blocked")
+OUTCOME_OPEN, OUTCOME_PUSH, OUTCOME_BLOCKED = range(3)
 
 
 def tool_schema() -> dict:
@@ -74,19 +77,46 @@ def coordinate_parts(height: int, width: int, num_boxes: int) -> tuple:
     return tuple(parts)
 
 
-def num_values(height: int, width: int, coordinates: int = 0) -> int:
-    """Values of a message: a cell's each, and with `coordinates` boxes two per position (player, boxes, targets)."""
-    return height * width + (2 + 4 * coordinates if coordinates else 0)
+def outcome_parts(first: int) -> tuple:
+    """The moves line after the room and its positions line (`chat_spec`'s ``move_outcomes``): what each move
+    (tool order) would do from here, `MOVE_OUTCOMES`: ``open`` walks, ``push`` pushes a box, ``blocked`` leaves
+    the room as it is (a wall, or a box that cannot move)::
+
+        Moves: up open, down blocked, left push, right open
+
+    Values ``first`` on, one per direction (`cell_values`)."""
+    parts = ["\nMoves:"]
+    for k, direction in enumerate(rules.DIRECTIONS):
+        parts += [f"{',' if k else ''} {direction} ", Slot(first + k, MOVE_OUTCOMES)]
+    return tuple(parts)
 
 
-def chat_spec(height: int, width: int, max_steps: int, coordinates: int = 0, early_ends: bool = False) -> ChatSpec:
+def num_values(height: int, width: int, coordinates: int = 0, move_outcomes: bool = False) -> int:
+    """Values of a message: a cell's each, with `coordinates` boxes two per position (player, boxes, targets),
+    with `move_outcomes` one per direction."""
+    return (
+        height * width + (2 + 4 * coordinates if coordinates else 0) + (len(rules.DIRECTIONS) if move_outcomes else 0)
+    )
+
+
+def chat_spec(
+    height: int,
+    width: int,
+    max_steps: int,
+    coordinates: int = 0,
+    early_ends: bool = False,
+    move_outcomes: bool = False,
+) -> ChatSpec:
     """The chat; ``coordinates`` > 0 (the number of boxes): every room is followed by its positions line
     (`coordinate_parts`), so where the player, the boxes and the targets stand is spelt out as numbers beside
-    the grid a model would otherwise have to count through. ``early_ends``: the tool's two answers that end an
+    the grid a model would otherwise have to count through. ``move_outcomes``: then the moves line
+    (`outcome_parts`), which moves walk, push or are blocked. ``early_ends``: the tool's two answers that end an
     episode early (`SokobanEnv.end_on_blocked`, ``end_when_dead``) follow the others (`TOOL_STUCK`, `TOOL_DEAD`)."""
     board = board_parts(height, width)
     if coordinates:
         board = board + coordinate_parts(height, width, coordinates)
+    if move_outcomes:
+        board = board + outcome_parts(num_values(height, width, coordinates))
     system = (
         "Sokoban: push every box onto a target. # wall, _ floor, O target, X box, * box on a target, P you, "
         "S you on a target. Walking into a box pushes it if the cell beyond is free. Call move with up, down, "
@@ -109,23 +139,32 @@ def chat_spec(height: int, width: int, max_steps: int, coordinates: int = 0, ear
             else ()
         ),
         tool_continues=(True, True, False, False, False) + ((False, False) if early_ends else ()),
-        num_values=num_values(height, width, coordinates),
+        num_values=num_values(height, width, coordinates, move_outcomes),
     )
 
 
 def cell_values(
-    walls: jax.Array, targets: jax.Array, boxes: jax.Array, player: jax.Array, coordinates: int = 0
+    walls: jax.Array,
+    targets: jax.Array,
+    boxes: jax.Array,
+    player: jax.Array,
+    coordinates: int = 0,
+    move_outcomes: bool = False,
 ) -> jax.Array:
     """``int32 [H * W]``: each cell's character (`CELL_CHARS` index), row-major; traced. With `coordinates` (the
-    number of boxes) the positions line's values follow (`coordinate_parts`; ``int32 [num_values]``)."""
+    number of boxes) the positions line's values follow (`coordinate_parts`), with `move_outcomes` the moves
+    line's (`outcome_parts`): ``int32 [num_values]``."""
     height, width = walls.shape
-    if coordinates:
-        cells = cell_values(walls, targets, boxes, player)
-        box_cells = jnp.nonzero(boxes.reshape(-1), size=coordinates, fill_value=0)[0]
-        target_cells = jnp.nonzero(targets.reshape(-1), size=coordinates, fill_value=0)[0]
-        flat = jnp.concatenate([jnp.reshape(player, (1,)), box_cells, target_cells]).astype(jnp.int32)
-        rc = jnp.stack([flat // width, flat % width], axis=1).reshape(-1)
-        return jnp.concatenate([cells, rc])
+    if coordinates or move_outcomes:
+        parts = [cell_values(walls, targets, boxes, player)]
+        if coordinates:
+            box_cells = jnp.nonzero(boxes.reshape(-1), size=coordinates, fill_value=0)[0]
+            target_cells = jnp.nonzero(targets.reshape(-1), size=coordinates, fill_value=0)[0]
+            flat = jnp.concatenate([jnp.reshape(player, (1,)), box_cells, target_cells]).astype(jnp.int32)
+            parts.append(jnp.stack([flat // width, flat % width], axis=1).reshape(-1))
+        if move_outcomes:
+            parts.append(jax.vmap(lambda d: _outcome(walls, boxes, player, d))(jnp.arange(len(rules.DIRECTIONS))))
+        return jnp.concatenate([p.astype(jnp.int32) for p in parts])
     is_player = jnp.arange(height * width) == player
     walls, targets, boxes = walls.reshape(-1), targets.reshape(-1), boxes.reshape(-1)
     return jnp.select(
@@ -133,6 +172,12 @@ def cell_values(
         [WALL, PLAYER_ON_TARGET, PLAYER, BOX_ON_TARGET, BOX, TARGET],
         FLOOR,
     ).astype(jnp.int32)
+
+
+def _outcome(walls: jax.Array, boxes: jax.Array, player: jax.Array, direction: jax.Array) -> jax.Array:
+    """``int32 []``: what `direction` would do from here, a `MOVE_OUTCOMES` index (`rules.move`)."""
+    _, _, moved, pushed = rules.move(walls, boxes, player, direction)
+    return jnp.where(moved, jnp.where(pushed, OUTCOME_PUSH, OUTCOME_OPEN), OUTCOME_BLOCKED).astype(jnp.int32)
 
 
 def np_cell_values(walls, targets, boxes, player) -> np.ndarray:
