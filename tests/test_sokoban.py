@@ -386,6 +386,64 @@ def test_coordinates_spell_out_the_positions_after_every_room():
         sreg.settings(_config(coordinates=2).env)
 
 
+def _outcomes_by_hand(text):
+    """The moves line of a room's text, read off its characters: what each direction's first and second cell hold."""
+    rows = text.split("\n")
+    (r, c), words = next((i, j) for i, row in enumerate(rows) for j, ch in enumerate(row) if ch in "PS"), []
+
+    def cell(i, j):  # outside the room reads as a wall
+        return rows[i][j] if 0 <= i < len(rows) and 0 <= j < len(rows[i]) else "#"
+
+    for name, (dr, dc) in zip(("up", "down", "left", "right"), ((-1, 0), (1, 0), (0, -1), (0, 1))):
+        one, two = cell(r + dr, c + dc), cell(r + 2 * dr, c + 2 * dc)
+        if one == "#" or (one in "X*" and two in "#X*"):
+            words.append(f"{name} blocked")
+        else:
+            words.append(f"{name} {'push' if one in 'X*' else 'open'}")
+    return "\nMoves: " + ", ".join(words)
+
+
+def test_move_outcomes_say_what_each_move_would_do_after_every_room():
+    plain, both = sreg.make_env(_config().env), sreg.make_env(_config(move_outcomes=True, coordinates=True).env)
+    only = sreg.make_env(_config(move_outcomes=True).env)
+    assert (only.chat().num_values, both.chat().num_values, plain.chat().num_values) == (40, 46, 36)
+    # Rooms where a box is pushed, blocked by a wall and by another box, and walls on two sides.
+    texts = (
+        "######\n#_O__#\n#_XX_#\n#_P_O#\n#____#\n######",
+        "######\n#P___#\n#X___#\n#X_O_#\n#__O_#\n######",
+        "######\n#__O_#\n#__X_#\n#__PX#\n#____#\n######",
+        "######\n#____#\n#_O__#\n#_*__#\n#_S__#\n######",
+    )
+    for text in texts:
+        walls, targets, boxes, player = _room(text)
+        values = wording.cell_values(walls, targets, boxes, player, 2, move_outcomes=True)
+        num_boxes = int(np.asarray(boxes).sum())
+        line = resolve(wording.chat_spec(6, 6, 15, 2, move_outcomes=True).user[0], np.asarray(values))
+        assert line.startswith("Room:\n" + text + "\nYou ") and line.endswith(_outcomes_by_hand(text)), line
+        alone = wording.cell_values(walls, targets, boxes, player, num_boxes, move_outcomes=True)
+        assert resolve(wording.chat_spec(6, 6, 15, num_boxes, move_outcomes=True).user[0], np.asarray(alone)).endswith(
+            _outcomes_by_hand(text)
+        )
+    # Along random play (jit and vmap), every message's line matches the room it shows.
+    n, turns = 6, 8
+    starts = senv.SokobanStart(split=jnp.full((n,), senv.HELDOUT, jnp.int32), room=jnp.arange(n, dtype=jnp.int32))
+    moves = jax.random.randint(jax.random.PRNGKey(3), (n, turns), 0, 4, jnp.int32)
+    state, message = jax.jit(jax.vmap(only.reset))(starts)
+    chex.assert_shape(message.values, (n, 40))
+    spec = only.chat()
+    for t in range(turns):
+        out = jax.jit(jax.vmap(only.step))(state, _calls(moves[:, t]))
+        for i in range(n):
+            s = jax.tree.map(lambda a: np.asarray(a[i]), out.state)
+            room = wording.room_text(s.walls, s.targets, s.boxes, s.player)
+            text = resolve(spec.tool[int(out.message.template[i])], np.asarray(out.message.values[i]))
+            if int(out.message.template[i]) != wording.TOOL_INVALID:
+                assert room + _outcomes_by_hand(room) in text
+        state = out.state
+    with pytest.raises(ValueError, match="env.move_outcomes is a switch"):
+        sreg.settings(_config(move_outcomes=3).env)
+
+
 def test_invalid_call_blocked_move_and_step_budget():
     env = sreg.make_env(_config(max_steps=3, max_solution_moves=3).env)
     starts = senv.SokobanStart(split=jnp.zeros((2,), jnp.int32), room=jnp.zeros((2,), jnp.int32))
